@@ -1,0 +1,203 @@
+"""Trainium fine-tuning studio: the web app, and the same jobs headless.
+
+    python launch.py                          start the web app on http://127.0.0.1:7860
+    python launch.py train RECIPE.yaml        train, with a progress bar; Ctrl-C stops the run
+    python launch.py plan RECIPE.yaml         print the exact command and environment; runs nothing
+    python launch.py runs                     list the runs in the runs folder
+    python launch.py stop RUN_ID              stop a run and every process of it
+
+Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+import sys
+import time
+from pathlib import Path
+
+from studio_core.events import FINAL_STATES
+from studio_core.hardware import detect_hardware, instance_hardware, cpu_hardware, INSTANCES
+from studio_core.runs import RunManager, RunView
+from studio_core.spec import RunSpec, SpecError, validated
+
+COMMANDS = ("serve", "train", "plan", "runs", "stop")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as error:
+        print(f"Cannot launch: fix these and try again:\n{error}", file=sys.stderr)
+        return 2
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="launch.py", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = top.add_subparsers(dest="command", required=True)
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help)
+        sub.add_argument("--runs-dir", help="where run folders go (default $STUDIO_RUNS_DIR or ~/trn-studio/runs)")
+        sub.set_defaults(func=func)
+        return sub
+
+    serve = command("serve", cmd_serve, "start the web app (the default command)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--auth", help="user:password required to log in (needed for a non-loopback --host)")
+    serve.add_argument("--auth-file", help="file with one user:password per line")
+
+    for name, func, help in (("train", cmd_train, "train a recipe, following it in the terminal"),
+                             ("plan", cmd_plan, "print the launch a recipe would make; runs nothing")):
+        sub = command(name, func, help)
+        sub.add_argument("recipe", help="a recipe YAML file (see recipes/)")
+        sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a recipe key, e.g. --set max_steps=50 --set studio.nproc=2")
+        sub.add_argument("--instance", choices=sorted(INSTANCES),
+                         help="plan for this instance type instead of the detected hardware")
+        sub.add_argument("--backend", choices=("cpu",), help="plan for the CPU even if a device is present")
+        if name == "train":
+            sub.add_argument("--detach", action="store_true",
+                             help="start the run and return; it goes on in the background")
+    command("runs", cmd_runs, "list runs with their state")
+    stop = command("stop", cmd_stop, "stop a run")
+    stop.add_argument("run_id")
+    return top
+
+
+def hardware_for(args):
+    if getattr(args, "instance", None):
+        return instance_hardware(args.instance)
+    if getattr(args, "backend", None) == "cpu":
+        return cpu_hardware()
+    return detect_hardware()
+
+
+def load_spec(args) -> RunSpec:
+    return validated(RunSpec.load(args.recipe).with_overrides(args.set))
+
+
+def cmd_plan(args) -> int:
+    spec = load_spec(args)
+    hardware = hardware_for(args)
+    launch = RunManager(args.runs_dir).plan(spec, hardware)
+    print(f"Hardware: {hardware.describe()}\n")
+    print(launch.describe())
+    return 2 if launch.errors else 0
+
+
+def cmd_train(args) -> int:
+    spec = load_spec(args)
+    manager = RunManager(args.runs_dir)
+    view = manager.start(spec, hardware_for(args))
+    print(f"Run {view.id} started; its folder: {view.dir}")
+    if args.detach:
+        return 0
+
+    def stop(signum, frame):
+        print(f"\nStopping run {view.id} ...", file=sys.stderr)
+        manager.stop(view.id)
+        raise SystemExit(130 if signum == signal.SIGINT else 143)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    return follow(manager, view)
+
+
+def follow(manager: RunManager, view: RunView) -> int:
+    from tqdm import tqdm
+
+    bar, shown = None, 0
+    while True:
+        view = manager.view(view.id)
+        if bar is None and view.max_steps:
+            bar = tqdm(total=view.max_steps, unit="step", dynamic_ncols=True)
+        for event in view.metrics[shown:]:
+            line = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in event.items()
+                             if k not in ("type", "time"))
+            (bar.write if bar else print)(line)
+        shown = len(view.metrics)
+        if bar is not None:
+            bar.update(view.step - bar.n)
+        state = view.live_state
+        if state in FINAL_STATES or state == "failed":
+            break
+        time.sleep(0.5)
+    if bar is not None:
+        bar.close()
+    print(f"Run {view.id}: {state} (exit code {view.exit_code})")
+    if state == "failed":
+        for event in view.errors[-1:]:
+            print(event.get("traceback") or "", file=sys.stderr)
+        print(f"Error: {view.error_text}", file=sys.stderr)
+        print(f"Full log: {view.dir / 'train.log'}", file=sys.stderr)
+        return 1
+    if state == "finished":
+        print(f"Model saved in {view.dir / 'output'}")
+        return 0
+    return 1
+
+
+def cmd_runs(args) -> int:
+    runs = RunManager(args.runs_dir).list()
+    print(f"{'run':48} {'state':9} {'step':>11}  model / dataset")
+    for view in runs:
+        steps = f"{view.step}/{view.max_steps or '?'}"
+        spec = view.spec
+        print(f"{view.id:48} {view.live_state:9} {steps:>11}  "
+              f"{spec.get('model_name_or_path')} / {spec.get('dataset_name')}")
+    return 0
+
+
+def cmd_stop(args) -> int:
+    view = RunManager(args.runs_dir).stop(args.run_id)
+    print(f"Run {view.id}: {view.live_state}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    auth = read_auth(args)
+    if not is_loopback(args.host) and not auth:
+        print(f"Refusing to listen on {args.host}: anyone who can reach it could train and read your "
+              "runs. Add --auth user:password (or --auth-file FILE), or keep the default 127.0.0.1.",
+              file=sys.stderr)
+        return 2
+    from app.main import build_app
+
+    demo = build_app(args.runs_dir)
+    print(f"Studio on http://{args.host}:{args.port}", flush=True)
+    demo.queue().launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True,
+                        quiet=True)
+    return 0
+
+
+def read_auth(args) -> list[tuple[str, str]] | None:
+    lines = []
+    if args.auth:
+        lines.append(args.auth)
+    if args.auth_file:
+        lines += [line.strip() for line in Path(args.auth_file).read_text().splitlines() if line.strip()]
+    pairs = [tuple(line.split(":", 1)) for line in lines]
+    if any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise SystemExit("--auth / --auth-file: write each login as user:password")
+    return pairs or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,240 @@
+"""The run manager: creates run folders, starts their supervisors, stops and lists runs.
+
+The run folder is the source of truth; nothing about a run lives only in this process:
+    spec.yaml        the resolved spec (recipe + applied defaults)
+    launch.json      the exact argv and the environment the studio added (no secrets)
+    supervisor.json  pid and start time of the run's supervisor process
+    events.jsonl     the event stream (see events.py)
+    train.log        the raw output of torchrun and every rank
+    output/          the saved model
+So a web app that restarts, a second browser, or the CLI all see the same runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from studio_core.events import FINAL_STATES, EventReader, append_event
+from studio_core.hardware import Hardware
+from studio_core.plan import Plan, plan
+from studio_core.procs import kill_run_processes
+from studio_core.spec import RunSpec, SpecError, validated
+from studio_core.builtin import cache_dir
+
+DEFAULT_RUNS_DIR = "~/trn-studio/runs"
+STARTING_GRACE_S = 30  # how long a folder may exist before its supervisor.json does
+
+
+def default_runs_dir() -> Path:
+    return Path(os.environ.get("STUDIO_RUNS_DIR", DEFAULT_RUNS_DIR)).expanduser()
+
+
+@dataclass
+class RunView:
+    """A run's state, rebuilt from its folder and kept current by reading new events."""
+
+    dir: Path
+    state: str = "starting"
+    exit_code: int | None = None
+    created: float = 0.0
+    started: float | None = None  # first step began
+    ended: float | None = None
+    world_size: int | None = None
+    step: int = 0
+    max_steps: int | None = None
+    epoch: float | None = None
+    metrics: list[dict] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+    progress_times: list[tuple[float, int]] = field(default_factory=list)  # (time, step)
+    spec: dict = field(default_factory=dict)
+    _reader: EventReader | None = None
+
+    @property
+    def id(self) -> str:
+        return self.dir.name
+
+    def refresh(self) -> RunView:
+        if self._reader is None:
+            self._reader = EventReader(self.dir / "events.jsonl")
+            self.spec = _read_yaml(self.dir / "spec.yaml")
+            self.created = (self.dir / "spec.yaml").stat().st_mtime if (self.dir / "spec.yaml").exists() else 0
+        for event in self._reader.read_new():
+            self._apply(event)
+        return self
+
+    def _apply(self, event: dict) -> None:
+        kind = event["type"]
+        if kind == "status":
+            self.state = event.get("state", self.state)
+            self.exit_code = event.get("exit_code", self.exit_code)
+            self.world_size = event.get("world_size", self.world_size)
+            self.max_steps = event.get("max_steps", self.max_steps)
+            if self.state == "running" and self.started is None:
+                self.started = event["time"]
+            if self.state in FINAL_STATES:
+                self.ended = event["time"]
+        elif kind == "progress":
+            self.step = event.get("step", self.step)
+            self.max_steps = event.get("max_steps", self.max_steps)
+            self.epoch = event.get("epoch", self.epoch)
+            self.progress_times.append((event["time"], self.step))
+        elif kind == "metrics":
+            self.metrics.append(event)
+        elif kind == "error":
+            self.errors.append(event)
+
+    @property
+    def live_state(self) -> str:
+        """The state, corrected for a supervisor that died without saying so."""
+        if self.state in FINAL_STATES or supervisor_alive(self.dir):
+            return self.state
+        if not (self.dir / "supervisor.json").exists() and time.time() - self.created < STARTING_GRACE_S:
+            return "starting"
+        return "failed"
+
+    @property
+    def error_text(self) -> str | None:
+        if self.errors:
+            return self.errors[-1].get("message")
+        if self.live_state == "failed" and self.state not in FINAL_STATES:
+            return "the run's supervisor ended without writing a final status (killed, or the machine restarted)"
+        return None
+
+    def eta_seconds(self) -> float | None:
+        """Remaining time from the average step time so far (None until two steps are seen)."""
+        if not self.max_steps or len(self.progress_times) < 2 or self.live_state not in ("running",):
+            return None
+        (t0, s0), (t1, s1) = self.progress_times[0], self.progress_times[-1]
+        if s1 <= s0:
+            return None
+        return (t1 - t0) / (s1 - s0) * (self.max_steps - s1)
+
+    def duration(self) -> float | None:
+        begin = self.created
+        end = self.ended or (time.time() if self.live_state in ("starting", "running") else None)
+        return None if end is None else end - begin
+
+
+class RunManager:
+    def __init__(self, runs_dir: str | Path | None = None):
+        self.runs_dir = Path(runs_dir).expanduser() if runs_dir else default_runs_dir()
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self._views: dict[str, RunView] = {}
+
+    # --- starting ----------------------------------------------------------------------
+    def plan(self, spec: RunSpec, hardware: Hardware, run_id: str = "<run id>") -> Plan:
+        validated(spec)
+        run_dir = self.runs_dir / run_id
+        return plan(spec, hardware, run_dir=run_dir, run_id=run_id, cache_root=cache_dir())
+
+    def start(self, spec: RunSpec, hardware: Hardware) -> RunView:
+        """Validate, plan, write the run folder, start its supervisor. Raises SpecError."""
+        run_id = self._new_run_id(spec.display_name)
+        launch = self.plan(spec, hardware, run_id)
+        if launch.errors:
+            raise SpecError(launch.errors)
+        tmp = self.runs_dir / f".creating-{run_id}"
+        tmp.mkdir()
+        launch.spec.save(tmp / "spec.yaml")
+        (tmp / "launch.json").write_text(json.dumps({
+            "argv": launch.argv, "env": launch.env, "hardware": hardware.to_dict(),
+            "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
+        }, indent=2, default=str))
+        append_event(tmp / "events.jsonl", "status", state="starting")
+        for warning in launch.warnings:
+            append_event(tmp / "events.jsonl", "log", message=f"warning: {warning}")
+        run_dir = self.runs_dir / run_id
+        tmp.rename(run_dir)
+        log = open(run_dir / "train.log", "ab")
+        try:
+            supervisor = subprocess.Popen(
+                [sys.executable, "-m", "studio_core.supervisor", str(run_dir)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, **launch.env}, cwd=run_dir,
+            )
+        finally:
+            log.close()
+        _write_json(run_dir / "supervisor.json",
+                    {"pid": supervisor.pid, "create_time": psutil.Process(supervisor.pid).create_time()})
+        return self.view(run_id)
+
+    def _new_run_id(self, name: str) -> str:
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")[:48] or "run"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_id, n = f"{stamp}-{slug}", 1
+        while (self.runs_dir / run_id).exists() or (self.runs_dir / f".creating-{run_id}").exists():
+            n += 1
+            run_id = f"{stamp}-{slug}-{n}"
+        return run_id
+
+    # --- reading -----------------------------------------------------------------------
+    def view(self, run_id: str) -> RunView:
+        run_dir = self.runs_dir / run_id
+        if not (run_dir / "spec.yaml").exists():
+            raise KeyError(f"no run {run_id!r} in {self.runs_dir}")
+        if run_id not in self._views:
+            self._views[run_id] = RunView(run_dir)
+        return self._views[run_id].refresh()
+
+    def list(self) -> list[RunView]:
+        """Every run in the runs folder, newest first."""
+        ids = [p.name for p in self.runs_dir.iterdir() if (p / "spec.yaml").exists()]
+        return sorted((self.view(i) for i in ids), key=lambda v: v.created, reverse=True)
+
+    # --- stopping ----------------------------------------------------------------------
+    def stop(self, run_id: str, grace_s: float = 20) -> RunView:
+        """Stop a run: SIGTERM its supervisor, wait, kill what is left, confirm none is."""
+        run_dir = self.runs_dir / run_id
+        supervisor = supervisor_process(run_dir)
+        if supervisor is not None:
+            supervisor.send_signal(signal.SIGTERM)
+            _, alive = psutil.wait_procs([supervisor], timeout=grace_s)
+            if alive:  # the supervisor is stuck: take the whole process group down ourselves
+                os.killpg(supervisor.pid, signal.SIGKILL)
+                psutil.wait_procs(alive, timeout=5)
+                append_event(run_dir / "events.jsonl", "status", state="stopped", exit_code=-signal.SIGKILL)
+        left = kill_run_processes(run_id)
+        if left:
+            raise RuntimeError(f"processes of run {run_id} survived SIGKILL: {[p.pid for p in left]}")
+        return self.view(run_id)
+
+
+def supervisor_process(run_dir: Path) -> psutil.Process | None:
+    """The run's supervisor if it still runs (pid and start time both match)."""
+    try:
+        info = json.loads((run_dir / "supervisor.json").read_text())
+        proc = psutil.Process(info["pid"])
+        if abs(proc.create_time() - info["create_time"]) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except (FileNotFoundError, json.JSONDecodeError, psutil.NoSuchProcess):
+        return None
+    return None
+
+
+def supervisor_alive(run_dir: Path) -> bool:
+    return supervisor_process(run_dir) is not None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        return {}

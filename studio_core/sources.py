@@ -1,0 +1,136 @@
+"""Where a run's model and dataset come from, and the checks made before launch.
+
+A model is the built-in tiny one, a local folder, or a Hub id; a dataset is a built-in
+sample, a local file (JSONL, JSON, CSV, Parquet) or folder, or a Hub id. The checks here
+read at most a file's first record, so they are cheap enough for the web app; the
+worker does the real loading with `datasets` and `transformers`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+from huggingface_hub import constants, try_to_load_from_cache
+
+from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
+
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# The columns each trainer can train on, as TRL reads them.
+SFT_COLUMN_SETS = (("messages",), ("prompt", "completion"))
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
+
+
+def check_model(name: str) -> list[str]:
+    if not name:
+        return ["model_name_or_path: empty; give a Hub id, a local folder, or builtin:tiny-qwen3"]
+    if name == BUILTIN_MODEL:
+        return []
+    if name.startswith("builtin:"):
+        return [f"model_name_or_path: {name!r} is not a built-in model; the built-in one is {BUILTIN_MODEL}"]
+    if _looks_local(name):
+        folder = Path(name).expanduser()
+        if not folder.is_dir():
+            return [f"model_name_or_path: folder {folder} not found; give an existing model folder or a Hub id"]
+        if not (folder / "config.json").is_file():
+            return [f"model_name_or_path: {folder} has no config.json, so it is not a saved "
+                    "Transformers model; give the folder that save_pretrained wrote"]
+        return []
+    if not HUB_ID.match(name):
+        return [f"model_name_or_path: {name!r} is neither an existing folder nor a Hub id like Qwen/Qwen3-0.6B"]
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return [f"model_name_or_path: {name} is not in the local Hugging Face cache and the Hub is off "
+                "(HF_HUB_OFFLINE=1): download it first, or give a local folder"]
+    return []
+
+
+def dataset_file(name: str) -> Path | None:
+    """The local file behind a built-in or file dataset name; None for folders and Hub ids."""
+    if name in BUILTIN_DATASETS:
+        return BUILTIN_DATASETS[name]
+    path = Path(name).expanduser()
+    return path if path.suffix.lower() in FILE_FORMATS and _looks_local(name) else None
+
+
+def check_dataset(name: str, trainer: str, args: dict) -> list[str]:
+    if not name:
+        return ["dataset_name: empty; give a built-in sample, a local file or a Hub id"]
+    if name.startswith("builtin:") and name not in BUILTIN_DATASETS:
+        return [f"dataset_name: {name!r} is not a built-in sample; choose {', '.join(BUILTIN_DATASETS)}"]
+    path = dataset_file(name)
+    if path is None:
+        if _looks_local(name):
+            folder = Path(name).expanduser()
+            if not folder.exists():
+                return [f"dataset_name: {folder} not found; give an existing JSONL, JSON, CSV or Parquet file"]
+            if folder.is_file():
+                return [f"dataset_name: {folder.suffix or 'this'} files are not read; use "
+                        f"{', '.join(FILE_FORMATS)}"]
+            return []  # a dataset folder: the worker loads it with datasets.load_dataset
+        if not HUB_ID.match(name):
+            return [f"dataset_name: {name!r} is neither an existing file nor a Hub id like trl-lib/Capybara"]
+        cached = Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}"
+        if constants.HF_HUB_OFFLINE and not cached.exists():
+            return [f"dataset_name: {name} is not in the local Hugging Face cache and the Hub is off "
+                    "(HF_HUB_OFFLINE=1): download it first, or give a local file"]
+        return []
+    if not path.is_file():
+        return [f"dataset_name: file {path} not found"]
+    try:
+        columns = read_columns(path)
+    except ValueError as error:
+        return [f"dataset_name: {error}"]
+    return check_columns(columns, trainer, args)
+
+
+def check_columns(columns: list[str], trainer: str, args: dict) -> list[str]:
+    if trainer != "sft":
+        return []
+    text_field = args.get("dataset_text_field", "text")
+    sets = ((text_field,), *SFT_COLUMN_SETS)
+    if any(all(c in columns for c in wanted) for wanted in sets):
+        return []
+    options = " or ".join("+".join(wanted) for wanted in sets)
+    return [f"dataset_name: SFT needs a column {options}; this dataset has {', '.join(columns) or 'none'}. "
+            "Rename the column, or set dataset_text_field to the column that holds the text"]
+
+
+def read_columns(path: Path) -> list[str]:
+    """The column names of a data file, read from its first record (ValueError if unreadable)."""
+    suffix = path.suffix.lower()
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # only needed here; pulled in by datasets and gradio
+
+        return list(pq.read_schema(path).names)
+    with path.open(newline="", encoding="utf-8") as handle:
+        if suffix == ".csv":
+            header = next(csv.reader(handle), [])
+            if not header:
+                raise ValueError(f"{path} has no header row")
+            return header
+        if suffix == ".jsonl":
+            first = next((line for line in handle if line.strip()), "")
+            record = _json(first, path, "line 1")
+        else:
+            data = _json(handle.read(), path, "the file")
+            record = data[0] if isinstance(data, list) and data else data
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: each record must be a JSON object with named columns")
+    return list(record)
+
+
+def _json(text: str, path: Path, where: str):
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: {where} is not valid JSON ({error.msg} at column {error.colno})") from error

@@ -1,0 +1,196 @@
+"""The run spec: one typed description of a training run, loaded from and saved to a recipe.
+
+A recipe is a YAML file in TRL's own CLI format (`model_name_or_path`, `dataset_name`,
+then any field of the trainer's TRL config), plus one `studio:` block for what only the
+studio knows: the trainer and the process layout. Without that block the same file
+works with `trl sft --config recipe.yaml`.
+
+`validate` checks everything that can be checked before launch and returns the
+problems as messages that say what to change; `SpecError` carries them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import yaml
+
+from studio_core import sources
+from studio_core.builtin import BUILTIN_MODEL
+from studio_core.trl_schema import TRAINER_CONFIGS, check_value, trainer_fields
+
+AVAILABLE_TRAINERS = ("sft",)  # DPO and GRPO are listed in TRAINER_CONFIGS, not wired yet
+# Set by the studio for every run; a recipe that sets them would be silently overridden.
+STUDIO_OWNED = {
+    "output_dir": "the model is saved in the run folder's output/ (choose where runs go with --runs-dir)",
+}
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be launched; `problems` lists what to change, one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(f"- {p}" for p in problems))
+
+
+@dataclass
+class Layout:
+    nproc: int = 1  # torchrun processes: one per NeuronCore, GPU or CPU worker
+    cores: str | None = None  # e.g. "0-3"; None takes the first free ones
+    tp_size: int = 1
+    fsdp_size: int = 1
+
+
+@dataclass
+class RunSpec:
+    trainer: str = "sft"
+    model_name_or_path: str = BUILTIN_MODEL
+    dataset_name: str = "builtin:qa"
+    dataset_config: str | None = None
+    dataset_train_split: str = "train"
+    run_name: str | None = None
+    args: dict = field(default_factory=dict)  # the trainer's TRL config fields, TRL's names
+    layout: Layout = field(default_factory=Layout)
+
+    # --- recipe YAML -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> RunSpec:
+        if not isinstance(data, dict):
+            raise SpecError(["a recipe must be a YAML mapping of keys to values"])
+        data = dict(data)
+        studio = data.pop("studio", None) or {}
+        if not isinstance(studio, dict):
+            raise SpecError(["studio: must be a mapping (trainer, nproc, cores, tp_size, fsdp_size)"])
+        layout_keys = {f.name for f in fields(Layout)}
+        unknown = set(studio) - layout_keys - {"trainer"}
+        if unknown:
+            raise SpecError([f"studio.{k}: unknown key; the studio block takes trainer, "
+                             f"{', '.join(sorted(layout_keys))}" for k in sorted(unknown)])
+        spec = cls(trainer=studio.get("trainer", "sft"),
+                   layout=Layout(**{k: v for k, v in studio.items() if k in layout_keys}))
+        for name in ("model_name_or_path", "dataset_name", "dataset_config",
+                     "dataset_train_split", "run_name"):
+            if name in data:
+                setattr(spec, name, data.pop(name))
+        spec.args = data
+        return spec
+
+    def to_dict(self) -> dict:
+        out = {"studio": {"trainer": self.trainer, **asdict(self.layout)},
+               "model_name_or_path": self.model_name_or_path,
+               "dataset_name": self.dataset_name}
+        if self.dataset_config:
+            out["dataset_config"] = self.dataset_config
+        out["dataset_train_split"] = self.dataset_train_split
+        if self.run_name:
+            out["run_name"] = self.run_name
+        out.update(self.args)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunSpec:
+        path = Path(path)
+        if not path.is_file():
+            raise SpecError([f"recipe {path} not found: give the path of a .yaml file"])
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            raise SpecError([f"recipe {path} is not valid YAML: {error}"]) from error
+        return cls.from_dict(data or {})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    def with_overrides(self, assignments: list[str]) -> RunSpec:
+        """Apply `key=value` strings (values read as YAML), as `--set` does."""
+        data = self.to_dict()
+        for item in assignments:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise SpecError([f"--set {item!r}: write it as key=value, e.g. max_steps=100"])
+            value = yaml.safe_load(raw) if raw else None
+            key = key.removeprefix("studio.")
+            if key == "trainer" or key in {f.name for f in fields(Layout)}:
+                data["studio"][key] = value
+            else:
+                data[key] = value
+        return RunSpec.from_dict(data)
+
+    @property
+    def display_name(self) -> str:
+        return self.run_name or f"{self.trainer}-{Path(self.model_name_or_path).name}"
+
+
+def validate(spec: RunSpec) -> list[str]:
+    """Every problem that stops this spec from launching, each saying what to change."""
+    problems: list[str] = []
+    if spec.trainer not in AVAILABLE_TRAINERS:
+        known = ", ".join(AVAILABLE_TRAINERS)
+        problems.append(f"studio.trainer: {spec.trainer!r} is not available; choose {known}")
+        return problems
+    allowed = trainer_fields(spec.trainer)
+    for key, value in spec.args.items():
+        if key in STUDIO_OWNED:
+            problems.append(f"{key}: set by the studio ({STUDIO_OWNED[key]}); remove it")
+        elif key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; see {TRAINER_CONFIGS[spec.trainer]}'s fields"
+            problems.append(f"{key}: not a setting of TRL's {TRAINER_CONFIGS[spec.trainer]}{hint}")
+        else:
+            message = check_value(key, value, allowed[key])
+            if message:
+                problems.append(message)
+    problems += _check_numbers(spec)
+    problems += _check_layout(spec.layout)
+    if spec.run_name is not None and not RUN_NAME.match(str(spec.run_name)):
+        problems.append(f"run_name: {spec.run_name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+    problems += sources.check_model(spec.model_name_or_path)
+    problems += sources.check_dataset(spec.dataset_name, spec.trainer, spec.args)
+    return problems
+
+
+def validated(spec: RunSpec) -> RunSpec:
+    problems = validate(spec)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def _check_numbers(spec: RunSpec) -> list[str]:
+    args, problems = spec.args, []
+    positive = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps")
+    for key in positive:
+        value = args.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            problems.append(f"{key}: must be above 0, got {value}")
+    steps, epochs = args.get("max_steps", -1), args.get("num_train_epochs", 3.0)
+    if isinstance(steps, int) and isinstance(epochs, (int, float)) and steps <= 0 and epochs <= 0:
+        problems.append("max_steps / num_train_epochs: set max_steps above 0 or num_train_epochs above 0")
+    max_length = args.get("max_length")
+    if isinstance(max_length, int) and max_length < 1:
+        problems.append(f"max_length: must be at least 1 (or null for no truncation), got {max_length}")
+    return problems
+
+
+def _check_layout(layout: Layout) -> list[str]:
+    problems = []
+    for name in ("nproc", "tp_size", "fsdp_size"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"studio.{name}: must be a whole number of at least 1, got {value!r}")
+    if problems:
+        return problems
+    if (layout.tp_size > 1 or layout.fsdp_size > 1) and layout.tp_size * layout.fsdp_size != layout.nproc:
+        problems.append(f"studio.tp_size x studio.fsdp_size = {layout.tp_size * layout.fsdp_size} must equal "
+                        f"studio.nproc = {layout.nproc}: change one of them")
+    return problems
+
+
+def resolved(spec: RunSpec, args: dict) -> RunSpec:
+    """A copy of the spec with the planner's final TRL arguments."""
+    return replace(spec, args=dict(args), layout=replace(spec.layout))

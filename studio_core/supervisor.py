@@ -1,0 +1,77 @@
+"""The per-run supervisor: starts torchrun, waits for it, writes the run's final status.
+
+Started detached (its own session) by the run manager, with output to train.log:
+    python -m studio_core.supervisor RUN_DIR
+It outlives the web app, so closing or restarting the app changes nothing for a run.
+The final `status` event is written here, not by the workers, so it is there even when
+a rank is killed or dies in native code. SIGTERM (the manager's stop) is passed on to
+torchrun; whatever of the run is still alive after a grace period is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from studio_core.events import append_event, read_events
+from studio_core.procs import kill_run_processes
+
+GRACE_S = 10
+LOG_TAIL_LINES = 30
+
+
+def main(run_dir: Path) -> int:
+    launch = json.loads((run_dir / "launch.json").read_text())
+    events = run_dir / "events.jsonl"
+    stop_requested_at: float | None = None
+
+    torchrun = subprocess.Popen(launch["argv"], stdin=subprocess.DEVNULL, cwd=run_dir,
+                                env={**os.environ, **launch["env"]})
+    append_event(events, "log", message=f"torchrun started (pid {torchrun.pid})")
+
+    def on_stop(signum, frame):
+        nonlocal stop_requested_at
+        stop_requested_at = stop_requested_at or time.monotonic()
+        torchrun.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    while True:
+        try:
+            code = torchrun.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            if stop_requested_at and time.monotonic() - stop_requested_at > GRACE_S:
+                torchrun.kill()
+    stop_requested = stop_requested_at is not None
+    left = kill_run_processes(os.environ["STUDIO_RUN_ID"])  # ranks torchrun did not reap
+    if left:
+        append_event(events, "log", message=f"processes that survived SIGKILL: {[p.pid for p in left]}")
+
+    if stop_requested:
+        append_event(events, "status", state="stopped", exit_code=code)
+    elif code == 0:
+        append_event(events, "status", state="finished", exit_code=0)
+    else:
+        if not any(e["type"] == "error" for e in read_events(events)):
+            append_event(events, "error", message=f"torchrun exited with code {code}",
+                         traceback=_log_tail(run_dir / "train.log"))
+        append_event(events, "status", state="failed", exit_code=code)
+    return 0
+
+
+def _log_tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

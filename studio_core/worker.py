@@ -1,0 +1,103 @@
+"""The training worker: what torchrun starts on every rank.
+
+    torchrun --standalone --nproc-per-node=N -m studio_core.worker RUN_DIR
+
+It reads the resolved spec from RUN_DIR/spec.yaml (the planner has already applied
+every default, so nothing is decided here), builds the TRL trainer, streams events
+from rank 0 through a TrainerCallback, and saves the final model to RUN_DIR/output.
+An exception becomes an `error` event before the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from studio_core import sources
+from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+from studio_core.events import append_event
+from studio_core.spec import RunSpec
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def main(run_dir: Path) -> None:
+    spec = RunSpec.load(run_dir / "spec.yaml")
+    events = run_dir / "events.jsonl"
+    try:
+        train(spec, run_dir, events)
+    except BaseException as error:
+        if not isinstance(error, KeyboardInterrupt):
+            append_event(events, "error", rank=RANK, message=f"{type(error).__name__}: {error}",
+                         traceback=traceback.format_exc()[-4000:])
+        raise
+
+
+def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
+    import torch
+    import trl
+    from transformers import TrainerCallback
+
+    args = dict(spec.args)
+    if args.get("torch_compile"):
+        torch._dynamo.config.automatic_dynamic_shapes = False  # see plan.DYNAMIC_SHAPES_OFF
+
+    model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)}
+    script_fields = {f.name for f in dataclasses.fields(trl.ScriptArguments)}
+    model_path = spec.model_name_or_path
+    if model_path == BUILTIN_MODEL:
+        model_path = str(ensure_tiny_model())
+    model_args = trl.ModelConfig(model_name_or_path=model_path,
+                                 **{k: v for k, v in args.items() if k in model_fields})
+    config_args = {k: v for k, v in args.items() if k not in model_fields | script_fields}
+    init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
+                   "dtype": model_args.dtype, **(config_args.get("model_init_kwargs") or {})}
+    if spec.layout.tp_size > 1 or spec.layout.fsdp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        init_kwargs["distributed_config"] = DistributedConfig(tp_size=spec.layout.tp_size,
+                                                              fsdp_size=spec.layout.fsdp_size)
+    config_args["model_init_kwargs"] = init_kwargs
+
+    config = trl.SFTConfig(output_dir=str(run_dir / "output"), **config_args)
+    dataset = load_train_dataset(spec)
+
+    class EventCallback(TrainerCallback):
+        """Rank 0 reports the run's progress and metrics as events."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            append_event(events, "status", state="running", world_size=args.world_size,
+                         max_steps=state.max_steps, num_train_epochs=state.num_train_epochs)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            append_event(events, "progress", step=state.global_step, max_steps=state.max_steps,
+                         epoch=state.epoch)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            append_event(events, "metrics", **{"step": state.global_step, "epoch": state.epoch, **(logs or {})})
+
+    trainer = trl.SFTTrainer(
+        model=model_path, args=config, train_dataset=dataset,
+        peft_config=trl.get_peft_config(model_args),
+        callbacks=[EventCallback()] if RANK == 0 else [],
+    )
+    trainer.train()
+    trainer.save_model(config.output_dir)
+    if RANK == 0:
+        append_event(events, "log", message=f"model saved to {config.output_dir}")
+
+
+def load_train_dataset(spec: RunSpec):
+    from datasets import load_dataset
+
+    path = sources.dataset_file(spec.dataset_name)
+    if path is not None:
+        return load_dataset(sources.FILE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+    return load_dataset(spec.dataset_name, name=spec.dataset_config, split=spec.dataset_train_split)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
