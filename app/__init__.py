@@ -1,0 +1,1 @@
+"""The studio's Gradio UI: turns widget values into studio_core calls, and shows runs."""

@@ -1,0 +1,39 @@
+"""The web app: a Train tab and a Runs tab over one run manager.
+
+    python launch.py [--port 7860]
+
+The app holds no run state of its own: every value shown is read from the runs folder,
+so closing the page, opening a second browser or restarting the app loses nothing.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app import runs_tab, train_tab
+from studio_core.hardware import Hardware, detect_hardware
+from studio_core.runs import RunManager
+
+CSS = ".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace; font-size: 0.8em}"
+
+
+def latest_active_run(manager: RunManager) -> str | None:
+    """The run a fresh page should follow: the newest one still going, if any."""
+    for view in manager.list():
+        if view.live_state in ("starting", "running"):
+            return view.id
+    return None
+
+
+def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
+    manager = RunManager(runs_dir)
+    hardware = hardware or detect_hardware()
+    with gr.Blocks(title="Trainium fine-tuning studio") as demo:
+        gr.Markdown("# Trainium fine-tuning studio")
+        selected = gr.State(None)  # the run this page's Train tab follows
+        with gr.Tab("Train", elem_id="tab-train"):
+            train_tab.build(manager, hardware, selected)
+        with gr.Tab("Runs", elem_id="tab-runs"):
+            runs_tab.build(manager)
+        demo.load(lambda: latest_active_run(manager), None, selected)
+    return demo

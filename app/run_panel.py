@@ -1,0 +1,130 @@
+"""The live view of one run: state, progress and ETA, loss and learning-rate plots, log tail.
+
+Both tabs show runs the same way, so the widgets and the function that fills them live
+here. Everything shown is read from the run's folder through the run manager, so a
+reload, a second browser or a restarted app show the same thing.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+
+import gradio as gr
+import pandas as pd
+
+from studio_core.runs import RunManager, RunView
+
+LOG_TAIL_BYTES = 12_000
+STATE_COLOURS = {"starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
+                 "failed": "#dc322f", "stopped": "#6c71c4"}
+
+
+def make_panel() -> list[gr.Component]:
+    """Create the panel's widgets in the current Blocks context, in the order `render` fills them."""
+    status = gr.Markdown("No run selected.", elem_classes="run-status")
+    progress = gr.HTML("")
+    error = gr.Code(label="Error", visible=False, language=None, lines=8)
+    with gr.Row():
+        loss = gr.LinePlot(x="step", y="loss", title="Loss", height=260)
+        lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
+    log = gr.Textbox(label="Log (tail of train.log)", lines=12, max_lines=12, autoscroll=True,
+                     interactive=False, elem_classes="run-log")
+    with gr.Accordion("Settings the studio applied, and why", open=False):
+        applied = gr.Markdown("")
+    return [status, progress, error, loss, lr, log, applied]
+
+
+def render(manager: RunManager, run_id: str | None) -> list:
+    """The values for `make_panel()`'s widgets for this run."""
+    if not run_id:
+        return ["No run selected.", "", gr.update(visible=False), _frame("loss"), _frame("learning_rate"),
+                "", ""]
+    try:
+        view = manager.view(run_id)
+    except KeyError:
+        return [f"Run `{run_id}` not found in {manager.runs_dir}.", "", gr.update(visible=False),
+                _frame("loss"), _frame("learning_rate"), "", ""]
+    error = _error_text(view)
+    return [status_markdown(view), progress_html(view),
+            gr.update(value=error, visible=bool(error)),
+            _frame("loss", view), _frame("learning_rate", view), log_tail(view), applied_markdown(view)]
+
+
+def status_markdown(view: RunView) -> str:
+    state = view.live_state
+    colour = STATE_COLOURS.get(state, "#586e75")
+    parts = [f"<span style='color:{colour};font-weight:700'>{state.upper()}</span>", f"run `{view.id}`"]
+    if view.world_size:
+        parts.append(f"{view.world_size} process{'es' if view.world_size > 1 else ''}")
+    if view.exit_code is not None and state in ("failed", "stopped", "finished"):
+        parts.append(f"exit code {view.exit_code}")
+    duration = view.duration()
+    if duration is not None:
+        parts.append(f"elapsed {format_seconds(duration)}")
+    last_loss = next((m["loss"] for m in reversed(view.metrics) if "loss" in m), None)
+    if last_loss is not None:
+        parts.append(f"loss {last_loss:.4f}")
+    return " · ".join(parts)
+
+
+def progress_html(view: RunView) -> str:
+    total = view.max_steps or 0
+    fraction = min(1.0, view.step / total) if total else 0.0
+    eta = view.eta_seconds()
+    label = f"step {view.step} / {total or '?'}"
+    if eta is not None:
+        label += f" · ETA {format_seconds(eta)}"
+    elif view.live_state == "starting":
+        label = "starting: loading the model and data, building the trainer ..."
+    return (f"<div class='run-progress' data-step='{view.step}' data-total='{total}'>"
+            f"<div style='background:#eee8d5;border-radius:4px;height:14px'>"
+            f"<div style='background:#268bd2;width:{fraction * 100:.1f}%;height:14px;border-radius:4px'></div>"
+            f"</div><div style='font-size:0.9em;margin-top:4px'>{html.escape(label)}</div></div>")
+
+
+def log_tail(view: RunView) -> str:
+    path = view.dir / "train.log"
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+            text = handle.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    lines = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    return "\n".join(lines[-60:])
+
+
+def applied_markdown(view: RunView) -> str:
+    import json
+
+    try:
+        launch = json.loads((view.dir / "launch.json").read_text())
+    except FileNotFoundError:
+        return ""
+    rows = [f"| `{key}` | `{value!r}` | {reason} |" for key, value, reason in launch.get("applied", [])]
+    warnings = [f"- {w}" for w in launch.get("warnings", [])]
+    table = "| setting | value | why |\n|---|---|---|\n" + "\n".join(rows) if rows else "None."
+    return table + ("\n\n**Warnings**\n" + "\n".join(warnings) if warnings else "")
+
+
+def _error_text(view: RunView) -> str:
+    if view.live_state != "failed":
+        return ""
+    last = view.errors[-1] if view.errors else {}
+    return "\n".join(filter(None, [view.error_text, last.get("traceback", "")]))
+
+
+def _frame(metric: str, view: RunView | None = None) -> pd.DataFrame:
+    rows = [(m["step"], m[metric]) for m in (view.metrics if view else []) if metric in m and "step" in m]
+    return pd.DataFrame(rows, columns=["step", metric], dtype=float)
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def format_time(timestamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else ""

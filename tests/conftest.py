@@ -1,0 +1,13 @@
+"""Shared test setup: offline, and one studio cache for the whole session.
+
+The cache holds the built-in tiny model and TRL's field schema, both made on first use;
+sharing it keeps each test from rebuilding them, while keeping the user's own cache
+(~/.cache/trn-studio) out of the tests.
+"""
+
+import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ.setdefault("STUDIO_CACHE_DIR", tempfile.mkdtemp(prefix="studio-test-cache-"))
