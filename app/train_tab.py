@@ -76,7 +76,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
             with gr.Row():
                 batch_size = gr.Number(4, label="per_device_train_batch_size", precision=0)
                 max_length = gr.Number(128, label="max_length", precision=0, info="tokens; 0: no truncation")
-                logging_steps = gr.Number(10, label="logging_steps", precision=0)
+                logging_steps = gr.Number(10, label="logging_steps", precision=0, elem_id="logging_steps")
             with gr.Row():
                 nproc = gr.Number(1, label="Processes (torchrun nproc)", precision=0, minimum=1,
                                   info=f"up to {hardware.devices if hardware.backend != 'cpu' else hardware.cpu_count}",

@@ -1,0 +1,177 @@
+"""The web app in a real browser: Debian's Chromium driven by Playwright.
+
+The app runs as its own process (`python launch.py`), exactly as a user starts it, and
+trains the built-in tiny model through the page. Needs /usr/bin/chromium (apt install
+chromium); the tests are skipped, saying so, where it is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from studio_core.runs import RunManager
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed")
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class App:
+    """`python launch.py` on a free port over a given runs folder."""
+
+    def __init__(self, runs_dir: Path):
+        self.runs_dir = runs_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(runs_dir.parent / f"app-{self.port}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "launch.py", "--port", str(self.port), "--runs-dir", str(runs_dir)],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            assert self.proc.poll() is None, (runs_dir.parent / f"app-{self.port}.log").read_text()
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError("the app did not answer within 90 s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    yield runs
+    for view in RunManager(runs).list():  # never leave a run behind, whatever failed
+        if view.live_state in ("starting", "running"):
+            RunManager(runs).stop(view.id)
+
+
+@pytest.fixture
+def app(runs_dir):
+    server = App(runs_dir)
+    yield server
+    server.kill()
+
+
+def open_page(browser, url):
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(url, wait_until="domcontentloaded")
+    page.locator("#start").wait_for()
+    return page
+
+
+def set_number(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input").first
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def test_click_through_sft_on_the_builtin_default(browser, app, tmp_path):
+    page = open_page(browser, app.url)
+    assert page.locator("#model input").first.input_value() == "builtin:tiny-qwen3"
+    assert page.locator("#dataset input").first.input_value() == "builtin:qa"
+    page.locator("#run_name textarea, #run_name input").first.fill("browser-sft")
+    set_number(page, "max_steps", 40)
+
+    page.locator("#preview").click()
+    plan = page.locator("#plan")
+    plan.get_by_text("torch.distributed.run").first.wait_for()
+    assert "use_cpu = True" in plan.inner_text()
+    assert list(app.runs_dir.iterdir()) == []  # a preview launches nothing
+
+    page.locator("#start").click()
+    page.get_by_text("FINISHED").first.wait_for(timeout=120_000)
+    status = page.locator(".run-status").first.inner_text()
+    assert "browser-sft" in status and "loss" in status
+    assert page.locator(".run-progress[data-step='40'][data-total='40']").first.is_visible()
+    page.screenshot(path=str(tmp_path / "train-finished.png"), full_page=True)
+
+    [view] = RunManager(app.runs_dir).list()
+    assert view.live_state == "finished" and view.metrics and "loss" in view.metrics[-2]
+    shown_loss = float(status.split("loss")[-1].strip())
+    assert shown_loss == pytest.approx(next(m["loss"] for m in reversed(view.metrics) if "loss" in m), abs=1e-4)
+
+    page.get_by_role("tab", name="Runs").click()
+    table = page.locator("#runs-table")
+    playwright_api.expect(table).to_contain_text(view.id)
+    playwright_api.expect(table).to_contain_text("finished")
+
+
+def test_bad_input_is_refused_in_the_page_and_launches_nothing(browser, app):
+    page = open_page(browser, app.url)
+    dataset = page.locator("#dataset input").first
+    dataset.fill("/no/such/data.jsonl")
+    dataset.press("Enter")
+    page.locator("#extra .cm-content").first.fill("max_step: 5")
+    page.locator("#start").click()
+    message = page.locator("#train-message")
+    message.get_by_text("Nothing was launched").wait_for()
+    text = message.inner_text()
+    assert "/no/such/data.jsonl" in text and "did you mean max_steps" in text
+    assert list(app.runs_dir.iterdir()) == []
+    # the form keeps what the user typed, so they can correct it
+    assert page.locator("#dataset input").first.input_value() == "/no/such/data.jsonl"
+
+
+def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser(browser, runs_dir):
+    first_app = App(runs_dir)
+    page = open_page(browser, first_app.url)
+    set_number(page, "max_steps", 100_000)
+    set_number(page, "logging_steps", 50)
+    page.locator("#start").click()
+    page.get_by_text("RUNNING").first.wait_for(timeout=120_000)
+    page.close()  # closing the browser changes nothing for the run
+    first_app.kill()  # and neither does the app dying
+
+    [view] = RunManager(runs_dir).list()
+    step = view.step
+    deadline = time.time() + 60
+    while RunManager(runs_dir).view(view.id).step <= step and time.time() < deadline:
+        time.sleep(0.5)
+    assert RunManager(runs_dir).view(view.id).step > step, "the run stopped progressing with the app gone"
+
+    second_app = App(runs_dir)
+    try:
+        other = open_page(browser, second_app.url)  # a fresh page follows the run still going
+        other.get_by_text("RUNNING").first.wait_for(timeout=30_000)
+        assert view.id in other.locator(".run-status").first.inner_text()
+        other.locator("#stop").click()
+        other.get_by_text("STOPPED").first.wait_for(timeout=60_000)
+        playwright_api.expect(other.locator("#train-message")).to_contain_text("none of its processes is left")
+    finally:
+        second_app.kill()
+    assert RunManager(runs_dir).view(view.id).live_state == "stopped"
