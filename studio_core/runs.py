@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +131,7 @@ class RunManager:
         self.runs_dir = Path(runs_dir).expanduser() if runs_dir else default_runs_dir()
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self._views: dict[str, RunView] = {}
+        self._lock = threading.Lock()  # the web app reads runs from several threads
 
     # --- starting ----------------------------------------------------------------------
     def plan(self, spec: RunSpec, hardware: Hardware, run_id: str = "<run id>") -> Plan:
@@ -166,6 +168,8 @@ class RunManager:
             log.close()
         _write_json(run_dir / "supervisor.json",
                     {"pid": supervisor.pid, "create_time": psutil.Process(supervisor.pid).create_time()})
+        # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
+        threading.Thread(target=supervisor.wait, name=f"reap-{run_id}", daemon=True).start()
         return self.view(run_id)
 
     def _new_run_id(self, name: str) -> str:
@@ -182,13 +186,15 @@ class RunManager:
         run_dir = self.runs_dir / run_id
         if not (run_dir / "spec.yaml").exists():
             raise KeyError(f"no run {run_id!r} in {self.runs_dir}")
-        if run_id not in self._views:
-            self._views[run_id] = RunView(run_dir)
-        return self._views[run_id].refresh()
+        with self._lock:
+            if run_id not in self._views:
+                self._views[run_id] = RunView(run_dir)
+            return self._views[run_id].refresh()
 
     def list(self) -> list[RunView]:
         """Every run in the runs folder, newest first."""
-        ids = [p.name for p in self.runs_dir.iterdir() if (p / "spec.yaml").exists()]
+        ids = [p.name for p in self.runs_dir.iterdir()
+               if not p.name.startswith(".") and (p / "spec.yaml").exists()]  # .creating-*: half-made
         return sorted((self.view(i) for i in ids), key=lambda v: v.created, reverse=True)
 
     # --- stopping ----------------------------------------------------------------------

@@ -55,7 +55,7 @@ def dataset_file(name: str) -> Path | None:
     if name in BUILTIN_DATASETS:
         return BUILTIN_DATASETS[name]
     path = Path(name).expanduser()
-    return path if path.suffix.lower() in FILE_FORMATS and _looks_local(name) else None
+    return path if path.suffix.lower() in FILE_FORMATS else None  # a Hub id has no file suffix
 
 
 def check_dataset(name: str, trainer: str, args: dict) -> list[str]:
@@ -81,7 +81,7 @@ def check_dataset(name: str, trainer: str, args: dict) -> list[str]:
                     "(HF_HUB_OFFLINE=1): download it first, or give a local file"]
         return []
     if not path.is_file():
-        return [f"dataset_name: file {path} not found"]
+        return [f"dataset_name: file {path} not found (relative paths start from {Path.cwd()})"]
     try:
         columns = read_columns(path)
     except ValueError as error:

@@ -30,6 +30,34 @@ STUDIO_OWNED = {
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
+# YAML 1.1 (PyYAML's default) reads `save_strategy: no` as False and `learning_rate: 1e-5`
+# as a string; recipes and --set values are read as YAML 1.2 (and TRL's CLI) read them.
+# Saved specs quote any string either reading would retype, so safe_load reads them too.
+_BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+_YAML12 = {
+    _BOOL: re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    _FLOAT: re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*|[0-9][0-9_]*(?=[eE]))"
+                       r"(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+}
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    yaml_implicit_resolvers = {
+        first: [(tag, _YAML12.get(tag, regexp)) for tag, regexp in resolvers]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    yaml_implicit_resolvers = {
+        first: resolvers + [(tag, regexp) for tag, regexp in _RecipeLoader.yaml_implicit_resolvers[first]
+                            if tag in _YAML12]
+        for first, resolvers in yaml.SafeDumper.yaml_implicit_resolvers.items()}
+
+
+def read_yaml(text: str):
+    return yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader: plain data only
+
+
 class SpecError(ValueError):
     """A spec that cannot be launched; `problems` lists what to change, one line each."""
 
@@ -98,13 +126,13 @@ class RunSpec:
         if not path.is_file():
             raise SpecError([f"recipe {path} not found: give the path of a .yaml file"])
         try:
-            data = yaml.safe_load(path.read_text())
+            data = read_yaml(path.read_text())
         except yaml.YAMLError as error:
             raise SpecError([f"recipe {path} is not valid YAML: {error}"]) from error
         return cls.from_dict(data or {})
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        Path(path).write_text(yaml.dump(self.to_dict(), Dumper=_RecipeDumper, sort_keys=False))
 
     def with_overrides(self, assignments: list[str]) -> RunSpec:
         """Apply `key=value` strings (values read as YAML), as `--set` does."""
@@ -113,9 +141,10 @@ class RunSpec:
             key, sep, raw = item.partition("=")
             if not sep or not key:
                 raise SpecError([f"--set {item!r}: write it as key=value, e.g. max_steps=100"])
-            value = yaml.safe_load(raw) if raw else None
+            value = read_yaml(raw) if raw else None
+            in_studio = key.startswith("studio.")  # an unknown one is then told as studio.KEY
             key = key.removeprefix("studio.")
-            if key == "trainer" or key in {f.name for f in fields(Layout)}:
+            if in_studio or key == "trainer" or key in {f.name for f in fields(Layout)}:
                 data["studio"][key] = value
             else:
                 data[key] = value
@@ -147,10 +176,18 @@ def validate(spec: RunSpec) -> list[str]:
                 problems.append(message)
     problems += _check_numbers(spec)
     problems += _check_layout(spec.layout)
-    if spec.run_name is not None and not RUN_NAME.match(str(spec.run_name)):
+    # YAML reads `run_name: 2024-06-01` as a date and `dataset_name: 7` as a number.
+    names = {"model_name_or_path": spec.model_name_or_path, "dataset_name": spec.dataset_name,
+             "dataset_train_split": spec.dataset_train_split}
+    names |= {k: v for k, v in (("dataset_config", spec.dataset_config), ("run_name", spec.run_name)) if v is not None}
+    not_text = [name for name, value in names.items() if not isinstance(value, str)]
+    problems += [f"{name}: {names[name]!r} is not text; write it in quotes" for name in not_text]
+    if isinstance(spec.run_name, str) and not RUN_NAME.match(spec.run_name):
         problems.append(f"run_name: {spec.run_name!r} must be 1-64 letters, digits, '.', '_' or '-'")
-    problems += sources.check_model(spec.model_name_or_path)
-    problems += sources.check_dataset(spec.dataset_name, spec.trainer, spec.args)
+    if "model_name_or_path" not in not_text:
+        problems += sources.check_model(spec.model_name_or_path)
+    if "dataset_name" not in not_text:
+        problems += sources.check_dataset(spec.dataset_name, spec.trainer, spec.args)
     return problems
 
 

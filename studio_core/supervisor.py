@@ -11,6 +11,7 @@ torchrun; whatever of the run is still alive after a grace period is killed.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from studio_core.events import append_event, read_events
 from studio_core.procs import kill_run_processes
 
 GRACE_S = 10
-LOG_TAIL_LINES = 30
+LOG_TAIL_LINES = 60
 
 
 def main(run_dir: Path) -> int:
@@ -58,11 +59,33 @@ def main(run_dir: Path) -> int:
     elif code == 0:
         append_event(events, "status", state="finished", exit_code=0)
     else:
-        if not any(e["type"] == "error" for e in read_events(events)):
-            append_event(events, "error", message=f"torchrun exited with code {code}",
-                         traceback=_log_tail(run_dir / "train.log"))
+        tail = _log_tail(run_dir / "train.log")
+        cause = root_cause(tail)
+        worker_error = any(e["type"] == "error" for e in read_events(events))
+        if cause and "killed" in cause:
+            # A killed rank leaves only the others' knock-on errors ("connection reset"):
+            # say what really happened, as the last error, which is the one shown.
+            append_event(events, "error", message=cause, traceback=tail)
+        elif not worker_error:
+            append_event(events, "error", message=cause or f"torchrun exited with code {code}", traceback=tail)
         append_event(events, "status", state="failed", exit_code=code)
     return 0
+
+
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?"
+                        r"exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def root_cause(log_text: str) -> str | None:
+    """torchrun's "Root Cause" block, in a sentence: which rank ended first, and how."""
+    match = ROOT_CAUSE.search(log_text)
+    if not match:
+        return None
+    rank, code = match.group(1), int(match.group(2))
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        return f"rank {rank} was killed by {name}; torchrun then ended the other ranks"
+    return f"rank {rank} failed first, with exit code {code}"
 
 
 def _log_tail(path: Path) -> str:

@@ -62,7 +62,7 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
                                                               fsdp_size=spec.layout.fsdp_size)
     config_args["model_init_kwargs"] = init_kwargs
 
-    config = trl.SFTConfig(output_dir=str(run_dir / "output"), **config_args)
+    config = trl.SFTConfig(output_dir=str(run_dir / "output"), run_name=spec.run_name, **config_args)
     dataset = load_train_dataset(spec)
 
     class EventCallback(TrainerCallback):

@@ -1,0 +1,357 @@
+"""Real runs end to end: the tiny model, real torchrun on the CPU, real processes.
+
+Each test starts runs in its own runs folder and follows them through RunView, as the
+web app and the CLI do. Waits poll the run's state against a deadline; the deadline
+only guards against a hang, it is not what is tested.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from studio_core.events import FINAL_STATES, read_events
+from studio_core.hardware import cpu_hardware
+from studio_core.procs import kill_run_processes
+from studio_core.runs import RunManager, RunView
+from studio_core.spec import RunSpec, SpecError
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "recipes" / "tiny-sft.yaml"
+RUN_TIMEOUT_S = 180  # a hang guard: a 20-step run takes ~10 s on 2 cores
+LONG = ["max_steps=3000", "logging_steps=50"]  # still going when a test acts on it
+
+
+def tiny(*overrides: str) -> RunSpec:
+    return RunSpec.load(TINY).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
+
+
+@pytest.fixture
+def manager(tmp_path):
+    runs = RunManager(tmp_path / "runs")
+    yield runs
+    for path in runs.runs_dir.iterdir():  # never leave a trainer running after a test
+        kill_run_processes(path.name)
+
+
+def wait_for(manager: RunManager, run_id: str, what: str, condition, timeout: float = RUN_TIMEOUT_S) -> RunView:
+    deadline = time.monotonic() + timeout
+    while True:
+        view = manager.view(run_id)
+        if condition(view):
+            return view
+        if time.monotonic() > deadline:
+            log = (view.dir / "train.log").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"run {run_id} never reached {what}: state {view.live_state}, "
+                                 f"step {view.step}\n{log}")
+        time.sleep(0.2)
+
+
+def wait_until_final(manager: RunManager, run_id: str) -> RunView:
+    return wait_for(manager, run_id, "a final state", lambda v: v.live_state in FINAL_STATES)
+
+
+def wait_until_training(manager: RunManager, run_id: str, steps: int = 5) -> RunView:
+    view = wait_for(manager, run_id, f"step {steps}",
+                    lambda v: v.step >= steps or v.live_state in FINAL_STATES)
+    assert view.live_state == "running", view.error_text
+    return view
+
+
+def marked_processes(run_id: str) -> dict[int, psutil.Process]:
+    """Every live process whose environment carries STUDIO_RUN_ID=run_id, read here with psutil."""
+    found = {}
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("STUDIO_RUN_ID") == run_id and proc.status() != psutil.STATUS_ZOMBIE:
+                proc.create_time()  # cached on the object, for still_there() to compare later
+                found[proc.pid] = proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def still_there(proc: psutil.Process) -> bool:
+    """True while this very process (same pid and start time) exists, zombie or not."""
+    if not psutil.pid_exists(proc.pid):
+        return False
+    try:
+        return psutil.Process(proc.pid).create_time() == proc.create_time()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until_gone(procs, timeout: float = 30) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while any(still_there(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in procs if still_there(p)]
+
+
+def ranks(procs: dict[int, psutil.Process]) -> dict[str, psutil.Process]:
+    out = {}
+    for proc in procs.values():
+        rank = proc.environ().get("RANK")
+        if rank is not None and proc.environ().get("LOCAL_RANK") is not None:
+            out[rank] = proc
+    return out
+
+
+def launch_py(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def broken_dataset(folder: Path) -> Path:
+    """A JSONL whose first record is fine (validation passes) but whose third is not JSON."""
+    good = json.dumps({"messages": [{"role": "user", "content": "Hi?"},
+                                    {"role": "assistant", "content": "Hello."}]})
+    path = folder / "broken.jsonl"
+    path.write_text(f"{good}\n{good}\n{{\"messages\": [oops\n{good}\n")
+    return path
+
+
+# --- a whole run ------------------------------------------------------------------------
+def test_one_process_sft_run_finishes_with_a_model(manager, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_do_not_leak_1234")  # must not be written to the run folder
+    view = manager.start(tiny(), cpu_hardware())
+    view = wait_until_final(manager, view.id)
+
+    assert view.state == "finished", view.error_text
+    assert view.exit_code == 0 and view.error_text is None
+    assert view.world_size == 1
+    assert view.step == view.max_steps == 20
+    losses = [m for m in view.metrics if "loss" in m]
+    assert [m["step"] for m in losses] == [1, 5, 10, 15, 20]
+    assert all(m["loss"] > 0 and m["learning_rate"] > 0 for m in losses)
+    assert view.duration() > 0 and view.started is not None and view.ended >= view.started
+
+    model = AutoModelForCausalLM.from_pretrained(view.dir / "output")
+    assert model.config.model_type == "qwen3"
+    trained_with = torch.load(view.dir / "output" / "training_args.bin", weights_only=False)
+    assert type(trained_with).__name__ == "SFTConfig"  # what the trainer really ran with:
+    assert (trained_with.use_cpu, trained_with.bf16, trained_with.ddp_backend) == (True, False, "gloo")
+    assert (trained_with.max_steps, trained_with.run_name) == (20, "tiny-sft")
+    assert trained_with.output_dir == str(view.dir / "output")
+
+    saved = RunSpec.load(view.dir / "spec.yaml")
+    assert saved.args["use_cpu"] is True and saved.args["bf16"] is False  # the resolved spec
+    assert saved.args["max_steps"] == 20 and saved.run_name == "tiny-sft"
+    assert view.spec == saved.to_dict()  # a plain yaml.safe_load of spec.yaml reads the same
+    launch = json.loads((view.dir / "launch.json").read_text())
+    assert "--nproc-per-node=1" in launch["argv"] and "studio_core.worker" in launch["argv"]
+    assert launch["env"]["STUDIO_RUN_ID"] == view.id
+    assert launch["hardware"]["backend"] == "cpu"
+    assert "do_not_leak" not in (view.dir / "launch.json").read_text()
+    assert "do_not_leak" not in (view.dir / "spec.yaml").read_text()
+    assert (view.dir / "train.log").stat().st_size > 0
+    assert [v.id for v in manager.list()] == [view.id]
+
+
+def test_two_processes_run_data_parallel(manager):
+    view = manager.start(tiny("studio.nproc=2"), cpu_hardware())
+    view = wait_until_final(manager, view.id)
+    assert view.state == "finished", view.error_text
+    running = [e for e in read_events(view.dir / "events.jsonl")
+               if e["type"] == "status" and e["state"] == "running"]
+    assert [e["world_size"] for e in running] == [2]  # one rank 0, and DDP really on
+    assert view.world_size == 2 and view.step == 20
+
+
+# --- stopping and crashing --------------------------------------------------------------
+def test_stop_ends_the_run_and_every_process_of_it(manager):
+    view = manager.start(tiny(*LONG), cpu_hardware())
+    wait_until_training(manager, view.id)
+    procs = marked_processes(view.id)
+    supervisor_pid = json.loads((view.dir / "supervisor.json").read_text())["pid"]
+    assert supervisor_pid in procs
+    assert len(procs) >= 3 and "0" in ranks(procs)  # supervisor, torchrun, the rank
+
+    view = manager.stop(view.id)
+    assert view.state == "stopped" and view.live_state == "stopped"
+    assert view.exit_code is not None and view.error_text is None  # a stop is not a crash
+    assert view.step < 3000
+    assert wait_until_gone(procs.values()) == []
+    assert marked_processes(view.id) == {}
+
+
+def test_stop_after_the_supervisor_died_still_ends_every_process(manager):
+    view = manager.start(tiny(*LONG), cpu_hardware())
+    wait_until_training(manager, view.id)
+    procs = marked_processes(view.id)
+    supervisor = procs[json.loads((view.dir / "supervisor.json").read_text())["pid"]]
+    supervisor.send_signal(signal.SIGKILL)  # torchrun and the rank are orphans now
+
+    view = wait_for(manager, view.id, "the lost supervisor noticed", lambda v: v.live_state == "failed")
+    assert "supervisor ended without writing a final status" in view.error_text
+    manager.stop(view.id)  # finds the orphans by their STUDIO_RUN_ID marker
+    assert wait_until_gone(procs.values()) == []
+    assert marked_processes(view.id) == {}
+
+
+def test_worker_exception_is_surfaced(manager, tmp_path):
+    spec = tiny(f"dataset_name={broken_dataset(tmp_path)}")
+    view = manager.start(spec, cpu_hardware())
+    view = wait_until_final(manager, view.id)
+    assert view.state == "failed"
+    assert view.exit_code not in (0, None)
+    (error,) = view.errors
+    assert error["message"] and error["rank"] == 0
+    assert "Traceback" in error["traceback"]
+    assert view.error_text == error["message"]
+    assert not (view.dir / "output" / "config.json").exists()
+
+
+def test_a_killed_rank_fails_the_run_and_takes_the_rest_down(manager):
+    view = manager.start(tiny("studio.nproc=2", *LONG), cpu_hardware())
+    wait_until_training(manager, view.id)
+    procs = marked_processes(view.id)
+    rank1 = ranks(procs)["1"]
+    rank1.send_signal(signal.SIGKILL)
+
+    view = wait_until_final(manager, view.id)
+    assert view.state == "failed"
+    assert view.exit_code not in (0, None)
+    assert view.error_text == "rank 1 was killed by SIGKILL; torchrun then ended the other ranks"
+    assert wait_until_gone(procs.values()) == []
+
+
+# --- the app goes away, the run does not -------------------------------------------------
+START_ELSEWHERE = """
+import sys
+from studio_core.hardware import cpu_hardware
+from studio_core.runs import RunManager
+from studio_core.spec import RunSpec
+spec = RunSpec.load(sys.argv[2]).with_overrides(sys.argv[3:])
+print(RunManager(sys.argv[1]).start(spec, cpu_hardware()).id)
+"""
+
+
+def test_a_restarted_app_finds_the_running_run(tmp_path):
+    runs_dir = tmp_path / "runs"
+    started = subprocess.run(
+        [sys.executable, "-c", START_ELSEWHERE, str(runs_dir), str(TINY), "max_steps=200", "logging_steps=50"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=120, check=True)
+    run_id = started.stdout.strip()
+    try:
+        manager = RunManager(runs_dir)  # the "new app": nothing in memory about the run
+        (view,) = manager.list()
+        assert view.id == run_id
+        assert view.live_state in ("starting", "running")
+        supervisor = psutil.Process(json.loads((view.dir / "supervisor.json").read_text())["pid"])
+        assert supervisor.is_running() and supervisor.ppid() != os.getpid()  # not ours: the starter is gone
+
+        first = wait_until_training(manager, run_id, steps=1).step
+        grown = wait_for(manager, run_id, "more steps", lambda v: v.step > first or v.live_state != "running")
+        assert grown.step > first
+
+        view = wait_until_final(manager, run_id)
+        assert view.state == "finished", view.error_text
+        assert view.step == 200 and (view.dir / "output" / "config.json").is_file()
+    finally:
+        kill_run_processes(run_id)
+
+    listed = launch_py("runs", "--runs-dir", str(runs_dir), timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    (line,) = [line for line in listed.stdout.splitlines() if run_id in line]
+    assert line.split()[1:3] == ["finished", "200/200"]
+
+
+def test_a_run_folder_still_being_made_is_not_listed(manager):
+    half_made = manager.runs_dir / ".creating-20260101-000000-tiny-sft"
+    half_made.mkdir()
+    RunSpec.load(TINY).save(half_made / "spec.yaml")
+    assert manager.list() == []
+
+
+# --- what is refused before anything starts ---------------------------------------------
+@pytest.mark.parametrize("overrides", [["max_step=5"], ["studio.nproc=64"], ["studio.tp_size=2", "studio.nproc=2"]])
+def test_bad_input_to_start_makes_nothing(manager, overrides):
+    with pytest.raises(SpecError):
+        manager.start(tiny(*overrides), cpu_hardware())
+    assert list(manager.runs_dir.iterdir()) == []
+
+
+# --- the CLI ------------------------------------------------------------------------------
+def test_cli_train_follows_the_run_to_its_model(tmp_path):
+    runs_dir = tmp_path / "runs"
+    done = launch_py("train", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu", "--set", "max_steps=20")
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = runs_dir.iterdir()
+    assert f"Model saved in {run_dir / 'output'}" in done.stdout
+    assert (run_dir / "output" / "config.json").is_file()
+    assert "finished (exit code 0)" in done.stdout
+    assert "loss" in done.stdout  # the metrics are shown as they come
+
+
+def test_cli_bad_set_says_what_to_change_and_starts_nothing(tmp_path):
+    runs_dir = tmp_path / "runs"
+    done = launch_py("train", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu", "--set", "max_step=5")
+    assert done.returncode == 2
+    assert "max_step:" in done.stderr and "did you mean max_steps?" in done.stderr
+    assert not runs_dir.exists() or list(runs_dir.iterdir()) == []
+
+
+def test_cli_train_reports_a_failed_run(tmp_path):
+    runs_dir = tmp_path / "runs"
+    done = launch_py("train", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu",
+                     "--set", f"dataset_name={broken_dataset(tmp_path)}")
+    assert done.returncode == 1
+    (run_dir,) = runs_dir.iterdir()
+    error = RunManager(runs_dir).view(run_dir.name).error_text
+    assert "failed" in done.stdout
+    assert f"Error: {error}" in done.stderr
+    assert str(run_dir / "train.log") in done.stderr
+
+
+def test_cli_plan_prints_the_command_and_runs_nothing(tmp_path):
+    runs_dir = tmp_path / "runs"
+    done = launch_py("plan", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu",
+                     "--set", "studio.nproc=2", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "torch.distributed.run --standalone --nnodes=1 --nproc-per-node=2" in done.stdout
+    assert "use_cpu = True" in done.stdout
+    assert not runs_dir.exists() or list(runs_dir.iterdir()) == []
+
+
+def test_cli_plan_for_trainium_without_trainium(tmp_path):
+    runs_dir = tmp_path / "runs"
+    done = launch_py("plan", str(TINY), "--runs-dir", str(runs_dir), "--instance", "trn2.3xlarge",
+                     "--set", "studio.nproc=4", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "NEURON_RT_VISIBLE_CORES=0-3" in done.stdout and "--nproc-per-node=4" in done.stdout
+    too_many = launch_py("plan", str(TINY), "--runs-dir", str(runs_dir), "--instance", "trn2.3xlarge",
+                         "--set", "studio.nproc=8", timeout=60)
+    assert too_many.returncode != 0
+    assert "studio.nproc: 8 processes" in too_many.stdout + too_many.stderr
+    assert "use at most 4" in too_many.stdout + too_many.stderr
+    assert not runs_dir.exists() or list(runs_dir.iterdir()) == []
+
+
+# --- layering -----------------------------------------------------------------------------
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+import studio_core
+names = [m.name for m in pkgutil.iter_modules(studio_core.__path__, "studio_core.")]
+for name in names:
+    importlib.import_module(name)
+print(len(names), sorted(m for m in ("gradio", "torch", "trl") if m in sys.modules))
+"""
+
+
+def test_studio_core_never_imports_gradio_or_the_training_stack():
+    done = subprocess.run([sys.executable, "-c", IMPORT_ALL], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    count, loaded = done.stdout.split(" ", 1)
+    assert int(count) >= 11  # every module, the worker included
+    assert loaded.strip() == "[]"  # the web app's process stays light (see trl_schema.py)
