@@ -127,7 +127,7 @@ def follow(manager: RunManager, view: RunView) -> int:
         if bar is not None:
             bar.update(view.step - bar.n)
         state = view.live_state
-        if state in FINAL_STATES or state == "failed":
+        if state in FINAL_STATES:
             break
         time.sleep(0.5)
     if bar is not None:

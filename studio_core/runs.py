@@ -59,18 +59,21 @@ class RunView:
     progress_times: list[tuple[float, int]] = field(default_factory=list)  # (time, step)
     spec: dict = field(default_factory=dict)
     _reader: EventReader | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # app threads share views
 
     @property
     def id(self) -> str:
         return self.dir.name
 
     def refresh(self) -> RunView:
-        if self._reader is None:
-            self._reader = EventReader(self.dir / "events.jsonl")
-            self.spec = _read_yaml(self.dir / "spec.yaml")
-            self.created = (self.dir / "spec.yaml").stat().st_mtime if (self.dir / "spec.yaml").exists() else 0
-        for event in self._reader.read_new():
-            self._apply(event)
+        with self._lock:
+            if self._reader is None:
+                self._reader = EventReader(self.dir / "events.jsonl")
+                self.spec = _read_yaml(self.dir / "spec.yaml")
+                spec_file = self.dir / "spec.yaml"
+                self.created = spec_file.stat().st_mtime if spec_file.exists() else 0
+            for event in self._reader.read_new():
+                self._apply(event)
         return self
 
     def _apply(self, event: dict) -> None:
@@ -98,6 +101,9 @@ class RunView:
     def live_state(self) -> str:
         """The state, corrected for a supervisor that died without saying so."""
         if self.state in FINAL_STATES or supervisor_alive(self.dir):
+            return self.state
+        self.refresh()  # the supervisor may have written its final status just before it ended
+        if self.state in FINAL_STATES:
             return self.state
         if not (self.dir / "supervisor.json").exists() and time.time() - self.created < STARTING_GRACE_S:
             return "starting"
@@ -187,9 +193,8 @@ class RunManager:
         if not (run_dir / "spec.yaml").exists():
             raise KeyError(f"no run {run_id!r} in {self.runs_dir}")
         with self._lock:
-            if run_id not in self._views:
-                self._views[run_id] = RunView(run_dir)
-            return self._views[run_id].refresh()
+            view = self._views.setdefault(run_id, RunView(run_dir))
+        return view.refresh()
 
     def list(self) -> list[RunView]:
         """Every run in the runs folder, newest first."""
