@@ -1,0 +1,62 @@
+"""`launch.py` (serve): local-only by default; a login is required to listen elsewhere."""
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch(*args, timeout=60):
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20", "::"])
+def test_a_non_loopback_host_without_a_login_is_refused(host, tmp_path):
+    done = launch("--host", host, "--runs-dir", str(tmp_path))
+    assert done.returncode == 2
+    assert f"Refusing to listen on {host}" in done.stderr and "--auth" in done.stderr
+
+
+def test_a_malformed_login_is_refused(tmp_path):
+    auth_file = tmp_path / "logins"
+    auth_file.write_text("alice:secret\nbob-without-password\n")
+    done = launch("--host", "0.0.0.0", "--auth-file", str(auth_file), "--runs-dir", str(tmp_path))
+    assert done.returncode != 0 and "user:password" in done.stderr
+
+
+def test_with_a_login_the_app_asks_for_it(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--auth", "alice:secret",
+                             "--runs-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline().strip() == f"Studio on http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/config", timeout=2)
+                raise AssertionError("the app answered /config without a login")
+            except urllib.error.HTTPError as error:
+                assert error.code == 401
+                break
+            except urllib.error.URLError:
+                assert time.time() < deadline, "the app did not start"
+                time.sleep(0.3)
+        login = urllib.request.Request(f"http://127.0.0.1:{port}/login", method="POST",
+                                       data=b"username=alice&password=wrong")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(login, timeout=5)
+        assert refused.value.code in (400, 401)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
