@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -179,13 +180,13 @@ class RunManager:
         return self.view(run_id)
 
     def _new_run_id(self, name: str) -> str:
+        """`<time>-<name>-<4 hex>`: the suffix keeps ids unique across runs folders too, which
+        matters because a run's processes are found by their STUDIO_RUN_ID marker machine-wide."""
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")[:48] or "run"
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_id, n = f"{stamp}-{slug}", 1
-        while (self.runs_dir / run_id).exists() or (self.runs_dir / f".creating-{run_id}").exists():
-            n += 1
-            run_id = f"{stamp}-{slug}-{n}"
-        return run_id
+        while True:
+            run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(2)}"
+            if not (self.runs_dir / run_id).exists() and not (self.runs_dir / f".creating-{run_id}").exists():
+                return run_id
 
     # --- reading -----------------------------------------------------------------------
     def view(self, run_id: str) -> RunView:

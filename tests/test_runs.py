@@ -355,3 +355,10 @@ def test_studio_core_never_imports_gradio_or_the_training_stack():
     count, loaded = done.stdout.split(" ", 1)
     assert int(count) >= 11  # every module, the worker included
     assert loaded.strip() == "[]"  # the web app's process stays light (see trl_schema.py)
+
+
+def test_run_ids_are_unique_across_runs_folders(tmp_path):
+    # A run's processes are found machine-wide by their STUDIO_RUN_ID, so two runs of the same
+    # name started in the same second in two runs folders must still get different ids.
+    ids = {RunManager(tmp_path / f"runs{i}")._new_run_id("tiny-sft") for i in range(20)}
+    assert len(ids) == 20
