@@ -180,11 +180,11 @@ class RunManager:
         return self.view(run_id)
 
     def _new_run_id(self, name: str) -> str:
-        """`<time>-<name>-<4 hex>`: the suffix keeps ids unique across runs folders too, which
+        """`<time>-<name>-<6 hex>`: the suffix keeps ids unique across runs folders too, which
         matters because a run's processes are found by their STUDIO_RUN_ID marker machine-wide."""
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")[:48] or "run"
         while True:
-            run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(2)}"
+            run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(3)}"
             if not (self.runs_dir / run_id).exists() and not (self.runs_dir / f".creating-{run_id}").exists():
                 return run_id
 
