@@ -1,7 +1,8 @@
-"""The Train tab: pick model, dataset, trainer and settings; preview; start; watch; stop.
+"""The Train tab: the form, the dataset check, preview, start, the live run, stop.
 
-`spec_from_form` is the one place where widget values become a RunSpec; everything
-after that is the engine's (validation, planning, the run folder, the processes).
+Widget values become a RunSpec in app.train_form.spec_from_form; everything after that
+(validation, the dataset fit check, planning, the run folder, the processes) is the
+engine's.
 """
 
 from __future__ import annotations
@@ -10,39 +11,15 @@ import shutil
 from pathlib import Path
 
 import gradio as gr
+import pandas as pd
 import yaml
 
 from app import run_panel
-from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
+from app.train_form import SAMPLE_FOR_TRAINER, TrainForm, spec_from_form
+from studio_core import data_check, sources
 from studio_core.hardware import Hardware
 from studio_core.runs import RunManager
-from studio_core.spec import Layout, RunSpec, SpecError
-
-DATA_FILE_TYPES = [".jsonl", ".json", ".csv", ".parquet"]
-
-
-def spec_from_form(model, dataset, dataset_config, dataset_split, trainer, max_steps, epochs, learning_rate,
-                   batch_size, max_length, logging_steps, nproc, run_name, extra_yaml) -> RunSpec:
-    """Widget values -> RunSpec. Raises SpecError for values that are not even well-formed."""
-    try:
-        extra = yaml.safe_load(extra_yaml or "") or {}
-    except yaml.YAMLError as error:
-        raise SpecError([f"Other TRL settings: not valid YAML ({error})"]) from error
-    if not isinstance(extra, dict):
-        raise SpecError(["Other TRL settings: write one `key: value` per line"])
-    args = {
-        "max_steps": int(max_steps) if max_steps else -1,
-        "num_train_epochs": float(epochs or 0),
-        "learning_rate": float(learning_rate or 0),
-        "per_device_train_batch_size": int(batch_size or 0),
-        "max_length": int(max_length) if max_length else None,
-        "logging_steps": int(logging_steps or 1),
-        **extra,
-    }
-    return RunSpec(trainer=trainer, model_name_or_path=(model or "").strip(),
-                   dataset_name=(dataset or "").strip(), dataset_config=(dataset_config or "").strip() or None,
-                   dataset_train_split=(dataset_split or "").strip() or "train",
-                   run_name=(run_name or "").strip() or None, args=args, layout=Layout(nproc=int(nproc or 1)))
+from studio_core.spec import SpecError
 
 
 def problems_markdown(error: SpecError) -> str:
@@ -50,52 +27,51 @@ def problems_markdown(error: SpecError) -> str:
     return f"**Nothing was launched. Change these and try again:**\n{lines}"
 
 
-def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[gr.Timer, list]:
+def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
+    """What the pre-launch check sees in a local dataset: rows, type, fit, suggested fix."""
+    path = sources.dataset_file(spec.dataset_name)
+    if path is None:
+        return ("Hub datasets and dataset folders are checked when the run loads them "
+                "(their first rows are not read before launch)."), None, {}
+    try:
+        rows = data_check.read_rows(path, 5)
+    except (OSError, ValueError) as error:
+        return f"**Cannot read the dataset:** {error}", None, {}
+    mapped = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
+    kind = data_check.detect(mapped)
+    problems = data_check.fit_problems(kind, spec.trainer)
+    lines = [f"**Detected:** {kind.description} ({kind.type}, {kind.format}); columns: "
+             f"{', '.join(kind.columns)}"]
+    fix = {}
+    if problems:
+        lines += ["**Does not fit this trainer:**", *[f"- {p}" for p in problems]]
+        suggestion = data_check.suggest_column_map(list(rows[0]), spec.trainer) if rows else {}
+        if suggestion:
+            fix = suggestion
+            lines.append(f"Suggested fix: rename {', '.join(f'`{a}` to `{b}`' for a, b in suggestion.items())}.")
+    else:
+        lines.append(f"**Fits {spec.trainer.upper()}.**")
+    preview = pd.DataFrame([{k: str(v)[:200] for k, v in row.items()} for row in mapped])
+    return "\n".join(lines), preview, fix
+
+
+def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
     gr.Markdown(f"**Hardware:** {hardware.describe()}")
+    suggested_fix = gr.State({})
     with gr.Row():
         with gr.Column(scale=3):
-            with gr.Row():
-                model = gr.Dropdown([BUILTIN_MODEL], value=BUILTIN_MODEL, allow_custom_value=True,
-                                    label="Model", info="built-in tiny model, a Hub id (Qwen/Qwen3-0.6B) "
-                                    "or a local folder", elem_id="model")
-                dataset = gr.Dropdown(list(BUILTIN_DATASETS), value="builtin:qa", allow_custom_value=True,
-                                      label="Dataset", info="built-in sample, a local JSONL/JSON/CSV/Parquet "
-                                      "file, or a Hub id", elem_id="dataset")
-            with gr.Accordion("Upload a dataset file, or Hub dataset options", open=False):
-                upload = gr.File(label="Dataset file", file_types=DATA_FILE_TYPES, elem_id="upload")
-                with gr.Row():
-                    dataset_config = gr.Textbox(label="Config (Hub datasets)", placeholder="default")
-                    dataset_split = gr.Textbox(label="Split", value="train")
-            trainer = gr.Radio(["sft"], value="sft", label="Trainer",
-                               info="SFT (TRL SFTTrainer). DPO and GRPO are not available yet.")
-            with gr.Row():
-                max_steps = gr.Number(300, label="max_steps", precision=0, info="0: train by epochs",
-                                      elem_id="max_steps")
-                epochs = gr.Number(3, label="num_train_epochs", info="used when max_steps is 0")
-                learning_rate = gr.Number(2e-3, label="learning_rate", elem_id="learning_rate")
-            with gr.Row():
-                batch_size = gr.Number(4, label="per_device_train_batch_size", precision=0)
-                max_length = gr.Number(128, label="max_length", precision=0, info="tokens; 0: no truncation")
-                logging_steps = gr.Number(10, label="logging_steps", precision=0, elem_id="logging_steps")
-            with gr.Row():
-                nproc = gr.Number(1, label="Processes (torchrun nproc)", precision=0, minimum=1,
-                                  info=f"up to {hardware.devices if hardware.backend != 'cpu' else hardware.cpu_count}",
-                                  elem_id="nproc")
-                run_name = gr.Textbox(label="Run name", placeholder="e.g. tiny-sft", elem_id="run_name")
-            extra = gr.Code(label="Other TRL settings (YAML, TRL's names), e.g. `warmup_steps: 10`",
-                            language="yaml", lines=3, value="", elem_id="extra")
+            form = TrainForm(hardware)
         with gr.Column(scale=2):
             with gr.Row():
                 preview_btn = gr.Button("Preview command", elem_id="preview")
                 start_btn = gr.Button("Start", variant="primary", elem_id="start")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
             message = gr.Markdown("", elem_id="train-message")
-            preview = gr.Code(label="Plan: command, environment, applied defaults", language="shell",
-                              visible=False, lines=14, elem_id="plan")
+            plan_box = gr.Code(label="Plan: command, environment, applied defaults", language="shell",
+                               visible=False, lines=14, elem_id="plan")
             panel = run_panel.make_panel()
-
-    form = [model, dataset, dataset_config, dataset_split, trainer, max_steps, epochs, learning_rate,
-            batch_size, max_length, logging_steps, nproc, run_name, extra]
+    inputs = form.components()
+    w = form.widgets
 
     def on_upload(file):
         if not file:
@@ -106,18 +82,35 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         shutil.copyfile(source, target)  # Gradio's temporary copy may be cleaned up; keep our own
         return gr.update(value=str(target))
 
-    def on_preview(*values):
+    def on_trainer(trainer, dataset):
+        sample = dataset if not str(dataset).startswith("builtin:") else SAMPLE_FOR_TRAINER[trainer]
+        return (gr.update(visible=trainer == "dpo"), gr.update(visible=trainer == "grpo"),
+                gr.update(value=sample), gr.update(interactive=trainer != "grpo"))
+
+    def on_check(values):
         try:
-            launch = manager.plan(spec_from_form(*values), hardware)
+            spec = spec_from_form(form.named(values))
+        except SpecError as error:
+            return problems_markdown(error), gr.update(visible=False), {}, gr.update(visible=False)
+        text, preview, fix = dataset_report(spec)
+        return (text, gr.update(value=preview, visible=preview is not None), fix,
+                gr.update(visible=bool(fix)))
+
+    def on_fix(fix):
+        return yaml.safe_dump(fix, sort_keys=False)
+
+    def on_preview(values):
+        try:
+            launch = manager.plan(spec_from_form(form.named(values)), hardware)
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
         return "", gr.update(value=launch.describe(), visible=True)
 
-    def on_start(*values):
+    def on_start(values):
         try:
-            view = manager.start(spec_from_form(*values), hardware)
+            view = manager.start(spec_from_form(form.named(values)), hardware)
         except SpecError as error:
-            return problems_markdown(error), gr.update(), None
+            return problems_markdown(error), gr.update(), gr.update()
         return f"Started run `{view.id}`. It keeps going if you close this page.", gr.update(visible=False), view.id
 
     def on_stop(run_id):
@@ -126,10 +119,14 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         view = manager.stop(run_id)
         return f"Run `{run_id}` is {view.live_state}; none of its processes is left."
 
-    upload.upload(on_upload, upload, dataset)
-    preview_btn.click(on_preview, form, [message, preview])
-    start_btn.click(on_start, form, [message, preview, selected])
+    form.upload.upload(on_upload, form.upload, w["dataset"])
+    w["trainer"].change(on_trainer, [w["trainer"], w["dataset"]],
+                        [form.dpo_group, form.grpo_group, w["dataset"], w["max_length"]])
+    form.check_button.click(on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
+    form.fix_button.click(on_fix, suggested_fix, w["column_map"]).then(
+        on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
+    preview_btn.click(on_preview, inputs, [message, plan_box])
+    start_btn.click(on_start, inputs, [message, plan_box, selected])
     stop_btn.click(on_stop, selected, message)
     timer = gr.Timer(1.0)
     timer.tick(lambda run_id: run_panel.render(manager, run_id), selected, panel, show_progress="hidden")
-    return timer, panel

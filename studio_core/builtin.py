@@ -9,9 +9,11 @@ This module provides:
   chat template that ships with ``trl``, and deterministically initialised
   weights. It is small enough to fine-tune on a CPU in seconds, and it
   memorises ``builtin:qa`` in a few hundred SFT steps.
-* ``BUILTIN_DATASETS`` - two small conversational JSONL datasets in TRL's
-  ``{"messages": [...]}`` format: ``builtin:qa`` (made-up facts no base model
-  knows, for checking that fine-tuning works) and ``builtin:chat`` (small talk).
+* ``BUILTIN_DATASETS`` - small conversational JSONL datasets in TRL's formats, one per
+  trainer: ``builtin:qa`` (made-up facts no base model knows, for checking that
+  fine-tuning works) and ``builtin:chat`` (small talk) as ``{"messages": [...]}`` for
+  SFT; ``builtin:preference`` (the same facts, prompt / chosen / rejected) for DPO;
+  ``builtin:prompts`` (the same questions as prompts, with a ``reference`` answer) for GRPO.
 
 Generation after SFT: the Qwen3 template renders the last assistant turn with an
 empty ``<think>\\n\\n</think>\\n\\n`` block, so prompt with
@@ -36,8 +38,12 @@ _DATA_DIR = Path(__file__).parent / "data"
 BUILTIN_DATASETS: dict[str, Path] = {
     "builtin:qa": _DATA_DIR / "qa.jsonl",
     "builtin:chat": _DATA_DIR / "chat.jsonl",
+    "builtin:preference": _DATA_DIR / "preference.jsonl",  # DPO: prompt / chosen / rejected
+    "builtin:prompts": _DATA_DIR / "prompts.jsonl",  # GRPO: prompt and a reference answer
 }
 
+# The tokenizer is trained on these (conversational "messages") samples.
+CORPUS_DATASETS = ("builtin:chat", "builtin:qa")
 _SEED = 0
 # Serialises builds within one process: seeding torch's global RNG is not thread-safe.
 _BUILD_LOCK = threading.Lock()
@@ -106,7 +112,7 @@ def _corpus(chat_template: str) -> list[str]:
     template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
     split = re.compile("|".join(re.escape(t) for t in _SPECIAL_TOKENS + _THINK_TOKENS))
     pieces = []
-    for name in sorted(BUILTIN_DATASETS):
+    for name in CORPUS_DATASETS:  # the other samples reuse these facts
         for line in BUILTIN_DATASETS[name].read_text(encoding="utf-8").splitlines():
             messages = json.loads(line)["messages"]
             for rendered in (

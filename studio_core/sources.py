@@ -2,14 +2,12 @@
 
 A model is the built-in tiny one, a local folder, or a Hub id; a dataset is a built-in
 sample, a local file (JSONL, JSON, CSV, Parquet) or folder, or a Hub id. The checks here
-read at most a file's first record, so they are cheap enough for the web app; the
-worker does the real loading with `datasets` and `transformers`.
+only look whether they are there, so they are cheap enough for the web app; data_check
+reads a file's first rows, and the worker does the real loading.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import re
 from pathlib import Path
 
@@ -19,8 +17,6 @@ from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-# The columns each trainer can train on, as TRL reads them.
-SFT_COLUMN_SETS = (("messages",), ("prompt", "completion"))
 
 
 def _looks_local(name: str) -> bool:
@@ -58,7 +54,8 @@ def dataset_file(name: str) -> Path | None:
     return path if path.suffix.lower() in FILE_FORMATS else None  # a Hub id has no file suffix
 
 
-def check_dataset(name: str, trainer: str, args: dict) -> list[str]:
+def check_dataset(name: str) -> list[str]:
+    """Is the dataset there? (Its rows are checked against the trainer by data_check.)"""
     if not name:
         return ["dataset_name: empty; give a built-in sample, a local file or a Hub id"]
     if name.startswith("builtin:") and name not in BUILTIN_DATASETS:
@@ -82,55 +79,4 @@ def check_dataset(name: str, trainer: str, args: dict) -> list[str]:
         return []
     if not path.is_file():
         return [f"dataset_name: file {path} not found (relative paths start from {Path.cwd()})"]
-    try:
-        columns = read_columns(path)
-    except ValueError as error:
-        return [f"dataset_name: {error}"]
-    return check_columns(columns, trainer, args)
-
-
-def check_columns(columns: list[str], trainer: str, args: dict) -> list[str]:
-    if trainer != "sft":
-        return []
-    text_field = args.get("dataset_text_field", "text")
-    sets = ((text_field,), *SFT_COLUMN_SETS)
-    if any(all(c in columns for c in wanted) for wanted in sets):
-        return []
-    options = " or ".join("+".join(wanted) for wanted in sets)
-    return [f"dataset_name: SFT needs a column {options}; this dataset has {', '.join(columns) or 'none'}. "
-            "Rename the column, or set dataset_text_field to the column that holds the text"]
-
-
-def read_columns(path: Path) -> list[str]:
-    """The column names of a data file, read from its first record (ValueError if unreadable)."""
-    suffix = path.suffix.lower()
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path} is empty")
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq  # only needed here; pulled in by datasets and gradio
-
-        return list(pq.read_schema(path).names)
-    with path.open(newline="", encoding="utf-8") as handle:
-        if suffix == ".csv":
-            header = next(csv.reader(handle), [])
-            if not header:
-                raise ValueError(f"{path} has no header row")
-            return header
-        if suffix == ".jsonl":
-            first = next((line for line in handle if line.strip()), "")
-            record = _json(first, path, "line 1")
-        else:
-            data = _json(handle.read(), path, "the file")
-            record = data[0] if isinstance(data, list) and data else data
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}: each record must be a JSON object with named columns")
-    return list(record)
-
-
-def _json(text: str, path: Path, where: str):
-    if not text.strip():
-        raise ValueError(f"{path} is empty")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: {where} is not valid JSON ({error.msg} at column {error.colno})") from error
+    return []

@@ -18,15 +18,17 @@ from pathlib import Path
 
 import yaml
 
-from studio_core import sources
+from studio_core import data_check, rewards, sources
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.trl_schema import TRAINER_CONFIGS, check_value, trainer_fields
 
-AVAILABLE_TRAINERS = ("sft",)  # DPO and GRPO are listed in TRAINER_CONFIGS, not wired yet
+AVAILABLE_TRAINERS = tuple(TRAINER_CONFIGS)  # sft, dpo, grpo
 # Set by the studio for every run; a recipe that sets them would be silently overridden.
 STUDIO_OWNED = {
     "output_dir": "the model is saved in the run folder's output/ (choose where runs go with --runs-dir)",
 }
+# The studio block's keys besides the layout's.
+STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards"}
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -84,6 +86,9 @@ class RunSpec:
     run_name: str | None = None
     args: dict = field(default_factory=dict)  # the trainer's TRL config fields, TRL's names
     layout: Layout = field(default_factory=Layout)
+    column_map: dict = field(default_factory=dict)  # dataset column renames, {old: new}
+    keep_columns: list | None = None  # keep only these columns (after renaming)
+    rewards: list = field(default_factory=list)  # GRPO reward functions (see rewards.py)
 
     # --- recipe YAML -------------------------------------------------------------------
     @classmethod
@@ -95,12 +100,14 @@ class RunSpec:
         if not isinstance(studio, dict):
             raise SpecError(["studio: must be a mapping (trainer, nproc, cores, tp_size, fsdp_size)"])
         layout_keys = {f.name for f in fields(Layout)}
-        unknown = set(studio) - layout_keys - {"trainer"}
+        unknown = set(studio) - layout_keys - STUDIO_KEYS
         if unknown:
-            raise SpecError([f"studio.{k}: unknown key; the studio block takes trainer, "
-                             f"{', '.join(sorted(layout_keys))}" for k in sorted(unknown)])
+            raise SpecError([f"studio.{k}: unknown key; the studio block takes "
+                             f"{', '.join(sorted(layout_keys | STUDIO_KEYS))}" for k in sorted(unknown)])
         spec = cls(trainer=studio.get("trainer", "sft"),
-                   layout=Layout(**{k: v for k, v in studio.items() if k in layout_keys}))
+                   layout=Layout(**{k: v for k, v in studio.items() if k in layout_keys}),
+                   column_map=studio.get("column_map") or {}, keep_columns=studio.get("keep_columns"),
+                   rewards=studio.get("rewards") or [])
         for name in ("model_name_or_path", "dataset_name", "dataset_config",
                      "dataset_train_split", "run_name"):
             if name in data:
@@ -109,7 +116,9 @@ class RunSpec:
         return spec
 
     def to_dict(self) -> dict:
-        out = {"studio": {"trainer": self.trainer, **asdict(self.layout)},
+        studio = {"trainer": self.trainer, **asdict(self.layout)}
+        studio |= {k: getattr(self, k) for k in ("column_map", "keep_columns", "rewards") if getattr(self, k)}
+        out = {"studio": studio,
                "model_name_or_path": self.model_name_or_path,
                "dataset_name": self.dataset_name}
         if self.dataset_config:
@@ -144,7 +153,7 @@ class RunSpec:
             value = read_yaml(raw) if raw else None
             in_studio = key.startswith("studio.")  # an unknown one is then told as studio.KEY
             key = key.removeprefix("studio.")
-            if in_studio or key == "trainer" or key in {f.name for f in fields(Layout)}:
+            if in_studio or key in STUDIO_KEYS or key in {f.name for f in fields(Layout)}:
                 data["studio"][key] = value
             else:
                 data[key] = value
@@ -187,7 +196,37 @@ def validate(spec: RunSpec) -> list[str]:
     if "model_name_or_path" not in not_text:
         problems += sources.check_model(spec.model_name_or_path)
     if "dataset_name" not in not_text:
-        problems += sources.check_dataset(spec.dataset_name, spec.trainer, spec.args)
+        problems += _check_data(spec)
+    return problems
+
+
+def _check_data(spec: RunSpec) -> list[str]:
+    """The dataset's source, then (for a local file) its first rows against the trainer, then
+    the GRPO reward functions, called once on those rows."""
+    problems = sources.check_dataset(spec.dataset_name)
+    if problems:
+        return problems
+    path = sources.dataset_file(spec.dataset_name)
+    if path is None:  # a Hub id or a folder: its rows are only read by the worker
+        rows = [{"prompt": "Say hello.", **{r["column"]: "Hello." for r in spec.rewards
+                                            if isinstance(r, dict) and isinstance(r.get("column"), str)}}]
+        problems += data_check.check_mapping(None, spec.column_map, spec.keep_columns)
+    else:
+        try:
+            rows = data_check.read_rows(path, 5)
+        except ValueError as error:
+            return [f"dataset_name: {error}"]
+        mapping = data_check.check_mapping(list(rows[0]), spec.column_map, spec.keep_columns)
+        if mapping:
+            return mapping
+        rows = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
+        kind = data_check.detect(rows, text_field=spec.args.get("dataset_text_field", "text"))
+        problems += data_check.fit_problems(kind, spec.trainer)
+    if spec.trainer == "grpo" and not problems:
+        # In a child process: it imports the user's reward file and transformers
+        problems += rewards.check_rewards_in_subprocess(spec.rewards, rows)
+    elif spec.trainer != "grpo" and spec.rewards:
+        problems.append("studio.rewards: only GRPO uses reward functions; remove them or choose grpo")
     return problems
 
 
@@ -230,4 +269,6 @@ def _check_layout(layout: Layout) -> list[str]:
 
 def resolved(spec: RunSpec, args: dict) -> RunSpec:
     """A copy of the spec with the planner's final TRL arguments."""
-    return replace(spec, args=dict(args), layout=replace(spec.layout))
+    return replace(spec, args=dict(args), layout=replace(spec.layout), column_map=dict(spec.column_map),
+                   keep_columns=list(spec.keep_columns) if spec.keep_columns else None,
+                   rewards=[dict(r) for r in spec.rewards])

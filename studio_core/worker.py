@@ -3,14 +3,16 @@
     torchrun --standalone --nproc-per-node=N -m studio_core.worker RUN_DIR
 
 It reads the resolved spec from RUN_DIR/spec.yaml (the planner has already applied
-every default, so nothing is decided here), builds the TRL trainer, streams events
-from rank 0 through a TrainerCallback, and saves the final model to RUN_DIR/output.
+every default, so nothing is decided here), builds the TRL trainer (SFT, DPO or GRPO,
+full or LoRA), streams events from rank 0 through a TrainerCallback, and saves the
+final model or adapter to RUN_DIR/output, with OUTPUT_INFO saying which.
 An exception becomes an `error` event before the process exits non-zero.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import traceback
@@ -18,10 +20,17 @@ from pathlib import Path
 
 from studio_core import sources
 from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+from studio_core.data_check import prepare_dataset
 from studio_core.events import append_event
+from studio_core.rewards import reward_functions
 from studio_core.spec import RunSpec
 
 RANK = int(os.environ.get("RANK", "0"))
+TRAINERS = {"sft": ("SFTConfig", "SFTTrainer"), "dpo": ("DPOConfig", "DPOTrainer"),
+            "grpo": ("GRPOConfig", "GRPOTrainer")}
+# Written next to the saved model: whether output/ is a LoRA adapter or a full model, and
+# its base, so chat and export load it the right way.
+OUTPUT_INFO = "studio_output.json"
 
 
 def main(run_dir: Path) -> None:
@@ -62,8 +71,13 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
                                                               fsdp_size=spec.layout.fsdp_size)
     config_args["model_init_kwargs"] = init_kwargs
 
-    config = trl.SFTConfig(output_dir=str(run_dir / "output"), run_name=spec.run_name, **config_args)
-    dataset = load_train_dataset(spec)
+    config_name, trainer_name = TRAINERS[spec.trainer]
+    trainer_kwargs = {}
+    if spec.trainer == "grpo":
+        trainer_kwargs["reward_funcs"], weights = reward_functions(spec.rewards)
+        config_args.setdefault("reward_weights", weights)
+    config = getattr(trl, config_name)(output_dir=str(run_dir / "output"), run_name=spec.run_name, **config_args)
+    dataset = prepare_dataset(load_train_dataset(spec), spec.column_map, spec.keep_columns)
 
     class EventCallback(TrainerCallback):
         """Rank 0 reports the run's progress and metrics as events."""
@@ -79,15 +93,20 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             append_event(events, "metrics", **{"step": state.global_step, "epoch": state.epoch, **(logs or {})})
 
-    trainer = trl.SFTTrainer(
+    trainer = getattr(trl, trainer_name)(
         model=model_path, args=config, train_dataset=dataset,
         peft_config=trl.get_peft_config(model_args),
-        callbacks=[EventCallback()] if RANK == 0 else [],
+        callbacks=[EventCallback()] if RANK == 0 else [], **trainer_kwargs,
     )
     trainer.train()
     trainer.save_model(config.output_dir)
     if RANK == 0:
-        append_event(events, "log", message=f"model saved to {config.output_dir}")
+        kind = "adapter" if model_args.use_peft else "full"
+        (Path(config.output_dir) / OUTPUT_INFO).write_text(json.dumps({
+            "kind": kind, "trainer": spec.trainer, "base_model": spec.model_name_or_path,
+            "base_model_path": model_path}, indent=2))
+        append_event(events, "log", message=f"{'LoRA adapter' if kind == 'adapter' else 'model'} saved to "
+                     f"{config.output_dir}")
 
 
 def load_train_dataset(spec: RunSpec):

@@ -136,6 +136,7 @@ def test_bad_input_is_refused_in_the_page_and_launches_nothing(browser, app):
     dataset = page.locator("#dataset input").first
     dataset.fill("/no/such/data.jsonl")
     dataset.press("Enter")
+    page.get_by_text("Advanced").click()
     page.locator("#extra .cm-content").first.fill("max_step: 5")
     page.locator("#start").click()
     message = page.locator("#train-message")

@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory):
 
 def test_public_names():
     assert BUILTIN_MODEL == "builtin:tiny-qwen3"
-    assert set(BUILTIN_DATASETS) == {"builtin:qa", "builtin:chat"}
+    assert set(BUILTIN_DATASETS) == {"builtin:qa", "builtin:chat", "builtin:preference", "builtin:prompts"}
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
@@ -123,7 +123,7 @@ def test_concurrent_builds_leave_one_complete_folder(tmp_path):
     AutoModelForCausalLM.from_pretrained(root)
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN_DATASETS))
+@pytest.mark.parametrize("name", builtin.CORPUS_DATASETS)  # the others: tests/test_data_check.py
 def test_datasets_load(name):
     ds = load_dataset("json", data_files=str(BUILTIN_DATASETS[name]), split="train")
     assert "messages" in ds.column_names

@@ -1,0 +1,168 @@
+"""The Train tab's form: its widgets, and the one place where their values become a RunSpec.
+
+Every widget is named after the setting it holds (TRL's name where TRL has one). The
+trainer's own settings show only for that trainer; LoRA and the advanced settings are
+folded away. Labels and choices come from TRL's config classes (studio_core.trl_schema).
+"""
+
+from __future__ import annotations
+
+import re
+
+import gradio as gr
+import yaml
+
+from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
+from studio_core.hardware import Hardware
+from studio_core.spec import Layout, RunSpec, SpecError
+from studio_core.trl_schema import trainer_fields
+
+TRAINERS = {"sft": "SFT (supervised fine-tuning)", "dpo": "DPO (preference pairs)",
+            "grpo": "GRPO (online RL with reward functions)"}
+SAMPLE_FOR_TRAINER = {"sft": "builtin:qa", "dpo": "builtin:preference", "grpo": "builtin:prompts"}
+DEFAULT_REWARDS = "- {name: length, target: 40, weight: 1.0}\n- {name: exact_match, column: reference, weight: 1.0}\n"
+
+
+def help_choices(trainer: str, field: str) -> list[str]:
+    """The values TRL's help text lists for a field (TRL keeps some choices only there)."""
+    text = trainer_fields(trainer)[field]["help"]
+    sentence = re.split(r"(?:Possible|Supported) values are:?", text)[-1].split(".")[0]
+    return re.findall(r"'([a-z_]+)'", sentence)
+
+
+class TrainForm:
+    """Creates the widgets in the current Blocks context; `values()` maps names to widgets."""
+
+    def __init__(self, hardware: Hardware):
+        most = hardware.devices if hardware.backend != "cpu" else hardware.cpu_count
+        w = self.widgets = {}
+        with gr.Row():
+            w["model"] = gr.Dropdown([BUILTIN_MODEL], value=BUILTIN_MODEL, allow_custom_value=True, label="Model",
+                                     info="built-in tiny model, a Hub id (Qwen/Qwen3-0.6B) or a local folder",
+                                     elem_id="model")
+            w["dataset"] = gr.Dropdown(list(BUILTIN_DATASETS), value="builtin:qa", allow_custom_value=True,
+                                       label="Dataset", info="built-in sample, a local JSONL/JSON/CSV/Parquet "
+                                       "file, or a Hub id", elem_id="dataset")
+        with gr.Accordion("Dataset: upload, Hub options, preview, column mapping", open=False,
+                          elem_id="dataset-box") as self.dataset_box:
+            self.upload = gr.File(label="Upload a dataset file", file_types=[".jsonl", ".json", ".csv", ".parquet"],
+                                  elem_id="upload")
+            with gr.Row():
+                w["dataset_config"] = gr.Textbox(label="Config (Hub datasets)", placeholder="default")
+                w["dataset_split"] = gr.Textbox("train", label="Split")
+            self.check_button = gr.Button("Check dataset against the trainer", elem_id="check-dataset")
+            self.data_report = gr.Markdown("", elem_id="data-report")
+            self.preview = gr.Dataframe(label="First rows", interactive=False, visible=False, wrap=True,
+                                        elem_id="data-preview")
+            with gr.Row():
+                w["column_map"] = gr.Code("", language="yaml", lines=2, elem_id="column_map",
+                                          label="Column map (YAML, old: new), e.g. `question: prompt`")
+                w["keep_columns"] = gr.Textbox(label="Keep only these columns (comma-separated; empty: all)",
+                                               elem_id="keep_columns")
+            self.fix_button = gr.Button("Apply the suggested fix", visible=False, elem_id="apply-fix")
+        w["trainer"] = gr.Radio([(label, key) for key, label in TRAINERS.items()], value="sft",
+                                label="Trainer", elem_id="trainer")
+        with gr.Row():
+            w["max_steps"] = gr.Number(300, label="max_steps", precision=0, info="0: train by epochs",
+                                       elem_id="max_steps")
+            w["num_train_epochs"] = gr.Number(3, label="num_train_epochs", info="used when max_steps is 0")
+            w["learning_rate"] = gr.Number(2e-3, label="learning_rate", elem_id="learning_rate")
+        with gr.Row():
+            w["per_device_train_batch_size"] = gr.Number(4, label="per_device_train_batch_size", precision=0,
+                                                         elem_id="batch_size")
+            w["max_length"] = gr.Number(128, label="max_length", precision=0, elem_id="max_length",
+                                        info="tokens (SFT, DPO); 0: no truncation")
+            w["logging_steps"] = gr.Number(10, label="logging_steps", precision=0, elem_id="logging_steps")
+        with gr.Group(visible=False) as self.dpo_group:
+            with gr.Row():
+                w["beta"] = gr.Number(0.1, label="beta", info="DPO: how far from the reference model")
+                w["loss_type"] = gr.Dropdown(help_choices("dpo", "loss_type"), value="sigmoid",
+                                             label="loss_type", info="DPO loss")
+        with gr.Group(visible=False) as self.grpo_group:
+            with gr.Row():
+                w["num_generations"] = gr.Number(4, label="num_generations", precision=0,
+                                                 info="completions per prompt", elem_id="num_generations")
+                w["max_completion_length"] = gr.Number(16, label="max_completion_length", precision=0)
+                w["temperature"] = gr.Number(1.0, label="temperature")
+            w["rewards"] = gr.Code(DEFAULT_REWARDS, language="yaml", lines=4, elem_id="rewards",
+                                   label="Reward functions (YAML list): built-ins length {target}, regex "
+                                   "{pattern}, exact_match {column}; or {file: my_rewards.py, function: name}; "
+                                   "each with a weight")
+        with gr.Row():
+            w["nproc"] = gr.Number(1, label="Processes (torchrun nproc)", precision=0, minimum=1,
+                                   info=f"up to {most}", elem_id="nproc")
+            w["run_name"] = gr.Textbox(label="Run name", placeholder="e.g. tiny-sft", elem_id="run_name")
+        with gr.Accordion("LoRA", open=False):
+            w["use_peft"] = gr.Checkbox(False, label="Train a LoRA adapter instead of the full model",
+                                        elem_id="use_peft")
+            with gr.Row():
+                w["lora_r"] = gr.Number(16, label="lora_r", precision=0)
+                w["lora_alpha"] = gr.Number(32, label="lora_alpha", precision=0)
+                w["lora_dropout"] = gr.Number(0.05, label="lora_dropout")
+                w["lora_target_modules"] = gr.Textbox("all-linear", label="lora_target_modules",
+                                                      info="all-linear, or names: q_proj, v_proj")
+        with gr.Accordion("Advanced", open=False):
+            with gr.Row():
+                w["gradient_accumulation_steps"] = gr.Number(1, label="gradient_accumulation_steps", precision=0)
+                w["warmup_steps"] = gr.Number(0, label="warmup_steps", precision=0)
+                w["lr_scheduler_type"] = gr.Dropdown(trainer_fields("sft")["lr_scheduler_type"]["choices"],
+                                                     value="linear", label="lr_scheduler_type")
+                w["seed"] = gr.Number(42, label="seed", precision=0)
+            w["extra"] = gr.Code(label="Other TRL settings (YAML, TRL's names), e.g. `save_steps: 100`",
+                                 language="yaml", lines=3, value="", elem_id="extra")
+
+    def components(self) -> set:
+        return set(self.widgets.values())
+
+    def named(self, values: dict) -> dict:
+        """Gradio's {component: value} -> {name: value}."""
+        return {name: values[widget] for name, widget in self.widgets.items() if widget in values}
+
+
+def _yaml(text: str, what: str, kind: type):
+    try:
+        value = yaml.safe_load(text or "")
+    except yaml.YAMLError as error:
+        raise SpecError([f"{what}: not valid YAML ({error})"]) from error
+    value = kind() if value is None else value
+    if not isinstance(value, kind):
+        raise SpecError([f"{what}: write a YAML {'mapping' if kind is dict else 'list'}"])
+    return value
+
+
+def spec_from_form(v: dict) -> RunSpec:
+    """Widget values (by name) -> RunSpec. Raises SpecError for values that are not even well-formed."""
+    trainer = v["trainer"]
+    args = {
+        "max_steps": int(v["max_steps"]) if v["max_steps"] else -1,
+        "num_train_epochs": float(v["num_train_epochs"] or 0),
+        "learning_rate": float(v["learning_rate"] or 0),
+        "per_device_train_batch_size": int(v["per_device_train_batch_size"] or 0),
+        "logging_steps": int(v["logging_steps"] or 1),
+        "gradient_accumulation_steps": int(v["gradient_accumulation_steps"] or 1),
+        "warmup_steps": int(v["warmup_steps"] or 0),
+        "lr_scheduler_type": v["lr_scheduler_type"],
+        "seed": int(v["seed"] or 0),
+    }
+    if trainer in ("sft", "dpo"):
+        args["max_length"] = int(v["max_length"]) if v["max_length"] else None
+    if trainer == "dpo":
+        args |= {"beta": float(v["beta"] or 0), "loss_type": [v["loss_type"]]}
+    if trainer == "grpo":
+        args |= {"num_generations": int(v["num_generations"] or 0),
+                 "max_completion_length": int(v["max_completion_length"] or 0),
+                 "temperature": float(v["temperature"] or 0)}
+    if v["use_peft"]:
+        targets = [t.strip() for t in (v["lora_target_modules"] or "").split(",") if t.strip()]
+        args |= {"use_peft": True, "lora_r": int(v["lora_r"] or 0), "lora_alpha": int(v["lora_alpha"] or 0),
+                 "lora_dropout": float(v["lora_dropout"] or 0), "lora_target_modules": targets or None}
+    args |= _yaml(v["extra"], "Other TRL settings", dict)
+    rewards = _yaml(v["rewards"], "Reward functions", list) if trainer == "grpo" else []
+    keep = [c.strip() for c in (v["keep_columns"] or "").split(",") if c.strip()]
+    return RunSpec(trainer=trainer, model_name_or_path=(v["model"] or "").strip(),
+                   dataset_name=(v["dataset"] or "").strip(),
+                   dataset_config=(v["dataset_config"] or "").strip() or None,
+                   dataset_train_split=(v["dataset_split"] or "").strip() or "train",
+                   run_name=(v["run_name"] or "").strip() or None, args=args,
+                   layout=Layout(nproc=int(v["nproc"] or 1)),
+                   column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards)

@@ -1,0 +1,342 @@
+"""What a dataset holds, as TRL reads it, and whether the chosen trainer can train on it.
+
+TRL names a dataset's *type* by its columns (language modeling, prompt-only, preference, ...),
+first match wins (a stray `prompt` next to `messages` makes SFT read prompt-completion pairs),
+and its *format* by its values: strings ("standard") or lists of {role, content} messages
+("conversational"). `read_rows` reads a file's first records, `detect` names their type and
+format as TRL does, and `fit_problems` says what to change for a trainer, in the studio's terms:
+`studio.column_map` (rename) and `studio.keep_columns` (keep only these, after renaming), which
+`prepare_dataset` applies in the worker as `apply_column_map` does here. This runs in the web
+app's process: stdlib and pyarrow only, never `datasets`, torch or trl.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The columns each TRL dataset type is read from, in TRL's order of precedence.
+TYPE_COLUMNS = {
+    "preference": ("prompt", "chosen", "rejected"),
+    "preference_implicit": ("chosen", "rejected"),
+    "unpaired_preference": ("prompt", "completion", "label"),
+    "prompt_completion": ("prompt", "completion"),
+    "prompt_only": ("prompt",),
+    "language_modeling": ("messages",),  # or the text column (SFT's dataset_text_field)
+}
+TRAINER_NEEDS = {
+    "sft": ("language_modeling", "prompt_completion"),
+    "dpo": ("preference", "preference_implicit"),
+    # Any other column, a `completion` too, is passed to the reward functions (TRL's Trainium
+    # guide trains GRPO on trl-lib/tldr, which has prompt and completion).
+    "grpo": ("prompt_only", "prompt_completion"),
+}
+_NEEDS_TEXT = {
+    "sft": "`messages`, `text` (or the column dataset_text_field names), or `prompt`+`completion`",
+    "dpo": "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)",
+    "grpo": "`prompt` (other columns go to the reward functions)",
+}
+# Columns TRL's trainers read besides the type's own; never reported as surplus.
+TRL_EXTRAS = frozenset({"images", "image", "tools", "chat_template_kwargs"})
+_GUESSES = {  # usual names for a column, in order of preference (compared case-insensitively)
+    "prompt": ("question", "instruction", "query", "input", "problem"),
+    "completion": ("answer", "response", "output", "solution", "target", "reply"),
+    "chosen": ("accepted", "better", "preferred", "chosen_response", "good", "winner", "positive"),
+    "rejected": ("rejected_response", "worse", "dispreferred", "bad", "loser", "negative"),
+}
+
+
+@dataclass(frozen=True)
+class DatasetKind:
+    type: str  # a TYPE_COLUMNS key, or "unknown"
+    format: str  # "conversational", "standard", "mixed" (some of each), "invalid", or "" if unknown
+    columns: tuple[str, ...]  # every column of the records, in order of first appearance
+    description: str  # for people, e.g. "preference data (conversational) in `prompt`, `chosen`, `rejected`"
+    used: tuple[str, ...] = ()  # the columns TRL reads this type from
+    formats: dict[str, str] = field(default_factory=dict)  # format of each used column
+
+
+def read_rows(path: Path, n: int = 5) -> list[dict]:
+    """The first `n` records of a .jsonl/.json/.csv/.parquet file (ValueError saying what is wrong)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty")
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+        except (OSError, pa.ArrowException) as error:
+            raise ValueError(f"{path} is not a readable Parquet file ({error})") from error
+        rows = batch.to_pylist() if batch is not None else []
+    elif suffix == ".csv":
+        rows = _read_csv(path, n)
+    elif suffix in (".jsonl", ".json"):
+        rows = _read_json(path, n)
+    else:
+        raise ValueError(f"{path}: {suffix or 'this'} files are not read; use .jsonl, .json, .csv or .parquet")
+    if not rows:
+        raise ValueError(f"{path} has no records")
+    return rows
+
+
+def _read_csv(path: Path, n: int) -> list[dict]:
+    with path.open(newline="", encoding="utf-8-sig") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, [])
+        if not any(name.strip() for name in header):
+            raise ValueError(f"{path}: line 1 names no columns; a CSV file needs a header row naming them, "
+                             "e.g. prompt,completion")
+        odd = [name for name in header if _not_a_name(name) or header.count(name) > 1]
+        if odd:
+            raise ValueError(f"{path}: line 1 does not look like a header row ({odd[0]!r} is not a column "
+                             "name); a CSV file needs a first line naming the columns, e.g. prompt,completion")
+        rows = []
+        for values in reader:
+            if len(values) > len(header):
+                raise ValueError(f"{path}: line {reader.line_num} has {len(values)} fields but the header "
+                                 f"names {len(header)} columns")
+            if values:  # an empty field is a missing value, as `datasets` (pandas) reads CSV
+                rows.append({name: value or None for name, value in zip(header, values + [""] * len(header))})
+            if len(rows) == n:
+                break
+    return rows
+
+
+def _not_a_name(name: str) -> bool:
+    """True for a header cell that reads like data: empty, a number, or a sentence."""
+    text = name.strip()
+    return (not text or text.replace(".", "", 1).lstrip("-").isdigit()
+            or text.endswith((".", "?", "!")) or len(text.split()) > 4)
+
+
+def _read_json(path: Path, n: int) -> list[dict]:
+    # As `datasets` reads .json and .jsonl alike: a file starting with "[" is one list of
+    # records (of strings: a `text` column), anything else is JSON objects one after another.
+    with path.open(encoding="utf-8-sig") as handle:
+        records: list[tuple[int, object]] = []
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            if not records and line.lstrip().startswith("["):
+                handle.seek(0)
+                ((_, data),) = _objects(handle.read(), path, 1)
+                as_text = bool(data) and isinstance(data[0], str)
+                return [_record({"text": r} if as_text else r, path, f"record {i + 1} of the list")
+                        for i, r in enumerate(data[:n])]
+            try:
+                records.append((number, json.loads(line)))
+            except json.JSONDecodeError as error:
+                if records:
+                    raise _bad_json(path, number, error) from error
+                handle.seek(0)  # not one object per line: maybe pretty-printed objects
+                records = _objects(handle.read(), path, n)
+                break
+            if len(records) == n:
+                break
+    if not records:
+        raise ValueError(f"{path} is empty")
+    return [_record(record, path, f"line {number}") for number, record in records]
+
+
+def _objects(text: str, path: Path, n: int) -> list[tuple[int, object]]:
+    """The first n JSON values in text, each with the line it starts on."""
+    decoder, values, pos = json.JSONDecoder(), [], 0
+    while len(values) < n:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos == len(text):
+            break
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as error:
+            raise _bad_json(path, error.lineno, error) from error
+        values.append((text.count("\n", 0, pos) + 1, value))
+        pos = end
+    return values
+
+
+def _bad_json(path: Path, line: int, error: json.JSONDecodeError) -> ValueError:
+    return ValueError(f"{path}: line {line} is not valid JSON ({error.msg} at column {error.colno})")
+
+
+def _record(record, path: Path, where: str) -> dict:
+    if not isinstance(record, dict):
+        kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+            type(record), "null")
+        raise ValueError(f"{path}: {where} is a JSON {kind}, not an object; each record must be an object "
+                         'naming its columns, e.g. {"prompt": "...", "completion": "..."}')
+    return record
+
+
+def detect(rows: list[dict], text_field: str = "text") -> DatasetKind:
+    """The TRL type and format of these records (`text_field`: SFT's dataset_text_field)."""
+    columns = tuple(dict.fromkeys(key for row in rows for key in row))
+    present = set(columns)
+    if {"chosen", "rejected"} <= present:
+        kind = "preference" if "prompt" in present else "preference_implicit"
+    elif "prompt" in present:  # TRL looks for `prompt` before `messages`
+        kind = "prompt_only" if "completion" not in present else (
+            "unpaired_preference" if "label" in present else "prompt_completion")
+    elif "messages" in present or text_field in present:
+        kind = "language_modeling"
+    else:
+        return DatasetKind("unknown", "", columns, "no column TRL reads (prompt, completion, chosen, "
+                           f"rejected, messages, {text_field})")
+    used = TYPE_COLUMNS[kind] if "messages" in present or kind != "language_modeling" else (text_field,)
+    formats = {}
+    for column in (c for c in used if c != "label"):
+        found = {_value_format(row.get(column)) for row in rows}
+        odd = sorted(found - {"conversational", "standard"})  # a missing value says more than "mixed"
+        formats[column] = found.pop() if len(found) == 1 else odd[0] if odd else "mixed"
+    found = set(formats.values())
+    fmt = (found.pop() if found in ({"conversational"}, {"standard"})
+           else "mixed" if found == {"conversational", "standard"} else "invalid")
+    detail = fmt if fmt in ("conversational", "standard") else ", ".join(f"`{c}` {f}" for c, f in formats.items())
+    return DatasetKind(kind, fmt, columns, f"{kind.replace('_', '-')} data ({detail}) in {_names(used)}",
+                       used, formats)
+
+
+def _value_format(value) -> str:
+    if isinstance(value, str):
+        return "standard"
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
+        return "conversational"  # TRL's is_conversational looks for "role" in the first message
+    return "missing in some records" if value is None else "neither text nor {role, content} messages"
+
+
+def fit_problems(kind: DatasetKind, trainer: str, extra_columns_ok: set[str] = frozenset()) -> list[str]:
+    """What stops `trainer` from training on data of this kind, each with the fix."""
+    if trainer not in TRAINER_NEEDS:
+        return [f"studio.trainer: no dataset rules for {trainer!r}; choose {', '.join(TRAINER_NEEDS)}"]
+    if kind.type not in TRAINER_NEEDS[trainer]:
+        return [_mismatch(kind, trainer)]
+    problems = []
+    if kind.format not in ("conversational", "standard"):
+        problems.append(f"dataset: {kind.description}; TRL needs every one of {_names(kind.used)} in one "
+                        "format, all plain text or all lists of {role, content} messages, in every record")
+    surplus = [c for c in kind.columns
+               if c not in kind.used and c not in extra_columns_ok and c not in TRL_EXTRAS]
+    if surplus and trainer != "grpo":  # GRPO hands other columns to the reward functions
+        problems.append(f"dataset: {trainer.upper()} would not use {_names(surplus)}, since TRL reads this as "
+                        f"{kind.description}; keep only {', '.join(kind.used)} with studio.keep_columns: "
+                        f"[{', '.join(kind.used)}]")
+    return problems
+
+
+def _mismatch(kind: DatasetKind, trainer: str) -> str:
+    lm = [c for c in ("messages", "text") if c in kind.columns]
+    if trainer == "sft" and lm:
+        return (f"dataset: {_names(kind.used)} beside `{lm[0]}`: TRL reads {_names(kind.used)} first and "
+                f"treats this as {kind.type.replace('_', '-')} data, so `{lm[0]}` would not be trained on; "
+                f"keep only {lm[0]} with studio.keep_columns: [{lm[0]}]")
+    targets = [TYPE_COLUMNS[t] for t in TRAINER_NEEDS[trainer]] + [("text",)] * (trainer == "sft")
+    nearest = max(targets, key=lambda t: len(set(t) & set(kind.columns)))
+    missing = [c for c in nearest if c not in kind.columns]
+    mapping = suggest_column_map(list(kind.columns), trainer)
+    accepted = {c for t in targets for c in t}
+    blocking = [c for c in kind.used if c not in accepted and c not in mapping]
+    keep = [mapping.get(c, c) for c in kind.columns if c not in blocking]
+    fixes = []
+    if mapping:
+        fixes.append("map " + ", ".join(f"`{a}` to `{b}`" for a, b in mapping.items())
+                     + f" with studio.column_map: {{{', '.join(f'{a}: {b}' for a, b in mapping.items())}}}")
+    elif missing:
+        fixes.append(f"map columns to {_names(missing)} with studio.column_map")
+    if blocking and keep and (mapping or not missing):
+        fixes.append(f"leave out {_names(blocking)} with studio.keep_columns: [{', '.join(keep)}]")
+    found = kind.description if kind.type != "unknown" else f"columns {_names(kind.columns) or 'none'}"
+    return f"dataset: {trainer.upper()} needs {_NEEDS_TEXT[trainer]}; this dataset has {found}: " + \
+        ", and ".join(fixes)
+
+
+def _names(columns) -> str:
+    return ", ".join(f"`{c}`" for c in columns)
+
+
+def check_mapping(columns: list[str] | None, column_map: dict | None, keep_columns: list | None) -> list[str]:
+    """Problems with studio.column_map ({old: new}, applied first) and studio.keep_columns (new names).
+
+    With `columns` None (a Hub dataset, not read before launch) only their form is checked."""
+    column_map, problems = column_map or {}, []
+    if not (isinstance(column_map, dict) and all(isinstance(x, str) for x in [*column_map, *column_map.values()])):
+        return ["studio.column_map: must map old to new column names, e.g. {question: prompt}"]
+    if not (keep_columns is None or isinstance(keep_columns, list) and all(isinstance(c, str) for c in keep_columns)):
+        return ["studio.keep_columns: must be a list of column names, e.g. [prompt, completion]"]
+    if columns is None:
+        return []
+    have = ", ".join(columns) or "none"
+    for old, new in column_map.items():
+        if old not in columns:
+            problems.append(f"studio.column_map: no column `{old}` to rename; the dataset has {have}")
+        if not new:
+            problems.append(f"studio.column_map: the new name for `{old}` is empty")
+        elif list(column_map.values()).count(new) > 1:
+            problems.append(f"studio.column_map: `{new}` is the new name of more than one column")
+        elif new in columns and new not in column_map:
+            problems.append(f"studio.column_map: `{old}` becomes `{new}`, but the dataset already has "
+                            f"`{new}`; rename or drop that one too")
+    renamed = [column_map.get(c, c) for c in columns]
+    for column in dict.fromkeys(keep_columns or []):
+        if keep_columns.count(column) > 1:
+            problems.append(f"studio.keep_columns: `{column}` is listed twice")
+        if column not in renamed:
+            problems.append(f"studio.keep_columns: no column `{column}` after renaming; there are "
+                            f"{', '.join(renamed) or 'none'}")
+    return list(dict.fromkeys(problems))
+
+
+def apply_column_map(rows: list[dict], column_map: dict[str, str] | None,
+                     keep_columns: list[str] | None) -> list[dict]:
+    """Rename, then keep only `keep_columns` (all when None or empty), as `prepare_dataset` does."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    problems = check_mapping(columns, column_map, keep_columns)
+    if problems:
+        raise ValueError("; ".join(problems))
+    rows = [{(column_map or {}).get(k, k): v for k, v in row.items()} for row in rows]
+    return [{c: row.get(c) for c in keep_columns} for row in rows] if keep_columns else rows
+
+
+def prepare_dataset(dataset, column_map: dict[str, str] | None, keep_columns: list[str] | None):
+    """The same renaming and selection on a `datasets.Dataset`, in the worker."""
+    problems = check_mapping(list(dataset.column_names), column_map, keep_columns)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if column_map:
+        dataset = dataset.rename_columns(dict(column_map))
+    if keep_columns:
+        dataset = dataset.select_columns(list(keep_columns))
+    return dataset
+
+
+def suggest_column_map(columns: list[str], trainer: str) -> dict[str, str]:
+    """A best-guess studio.column_map that makes these columns fit `trainer`; {} if none is sensible."""
+    present, mapping = set(columns), {}
+
+    def pick(target: str, extra: tuple[str, ...] = ()) -> bool:
+        if target in present:
+            return True
+        for guess in _GUESSES[target] + extra:
+            for column in columns:
+                if column.lower() == guess and column not in mapping:
+                    mapping[column] = target
+                    return True
+        return False
+
+    if trainer == "sft":
+        done = not ({"messages", "text"} & present) and pick("prompt") and pick("completion", ("chosen",))
+    elif trainer == "dpo":
+        done = pick("chosen") and pick("rejected")
+        if done:
+            pick("prompt")  # optional: without it TRL takes the shared start of chosen and rejected
+    elif trainer == "grpo":
+        done = pick("prompt")
+        if done and "completion" in present and "reference" not in present:
+            mapping["completion"] = "reference"  # a completion column would make it prompt-completion data
+    else:
+        done = False
+    return mapping if done else {}

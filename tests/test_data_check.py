@@ -1,0 +1,408 @@
+"""Tests for the dataset checks (studio_core.data_check): TRL's types and formats, bad files,
+what each trainer needs, column mapping, and the built-in DPO and GRPO samples."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from datasets import Dataset, load_dataset
+from trl.data_utils import is_conversational
+
+from studio_core.data_check import (
+    TRAINER_NEEDS,
+    DatasetKind,
+    apply_column_map,
+    check_mapping,
+    detect,
+    fit_problems,
+    prepare_dataset,
+    read_rows,
+    suggest_column_map,
+)
+
+DATA = Path(__file__).parent.parent / "studio_core" / "data"
+USER = {"role": "user", "content": "What colour is the studio mascot?"}
+GOOD = {"role": "assistant", "content": "The studio mascot is teal."}
+BAD = {"role": "assistant", "content": "The studio mascot is orange."}
+# One record of each TRL type, conversational then standard (as in TRL's dataset-format docs).
+RECORDS = {
+    "language_modeling": ({"messages": [USER, GOOD]}, {"text": "The studio mascot is teal."}),
+    "prompt_only": ({"prompt": [USER]}, {"prompt": "The studio mascot is"}),
+    "prompt_completion": ({"prompt": [USER], "completion": [GOOD]},
+                          {"prompt": "The studio mascot is", "completion": " teal."}),
+    "preference": ({"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]},
+                   {"prompt": "The studio mascot is", "chosen": " teal.", "rejected": " orange."}),
+    "preference_implicit": ({"chosen": [USER, GOOD], "rejected": [USER, BAD]},
+                            {"chosen": "The studio mascot is teal.", "rejected": "The studio mascot is orange."}),
+    "unpaired_preference": ({"prompt": [USER], "completion": [GOOD], "label": True},
+                            {"prompt": "The studio mascot is", "completion": " orange.", "label": False}),
+}
+CASES = [(t, fmt, rows[i]) for t, rows in RECORDS.items() for i, fmt in enumerate(("conversational", "standard"))]
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    """Write rows in the format the suffix names, the way people write such files."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=2))
+    elif path.suffix == ".csv":
+        columns = list(rows[0])
+        path.write_text("".join(",".join(str(r[c]) for c in columns) + "\n" for r in [dict(zip(columns, columns)),
+                                                                                       *rows]))
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+# --- detection -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+@pytest.mark.parametrize(("kind", "fmt", "record"), CASES, ids=[f"{t}-{f}" for t, f, _ in CASES])
+def test_detects_every_trl_type_in_both_formats(tmp_path, suffix, kind, fmt, record):
+    path = write(tmp_path / f"data{suffix}", [record, record])
+    found = detect(read_rows(path))
+    assert (found.type, found.format) == (kind, fmt)
+    assert found.columns == tuple(record)
+    assert set(found.used) == set(record)
+    assert kind.replace("_", "-") in found.description and fmt in found.description
+
+
+@pytest.mark.parametrize(("kind", "fmt", "record"), CASES, ids=[f"{t}-{f}" for t, f, _ in CASES])
+def test_trl_is_conversational_agrees(kind, fmt, record):
+    assert is_conversational(record) == (detect([record]).format == "conversational")
+
+
+@pytest.mark.parametrize(("kind", "record"), [(t, r[1]) for t, r in RECORDS.items() if t != "unpaired_preference"])
+def test_csv_files_are_standard(tmp_path, kind, record):
+    found = detect(read_rows(write(tmp_path / "data.csv", [record])))
+    assert (found.type, found.format) == (kind, "standard")
+
+
+def test_sft_text_field_is_language_modeling():
+    found = detect([{"body": "The studio mascot is teal."}], text_field="body")
+    assert (found.type, found.used) == ("language_modeling", ("body",))
+    assert detect([{"body": "x"}]).type == "unknown"
+
+
+def test_unknown_columns():
+    found = detect([{"question": "q", "answer": "a"}])
+    assert (found.type, found.format, found.used) == ("unknown", "", ())
+    assert found.columns == ("question", "answer")
+
+
+def test_stray_prompt_beside_messages_is_read_as_trl_does():
+    # TRL checks `"prompt" in example` before `messages`, so this is prompt-only data to TRL.
+    rows = [{"messages": [USER, GOOD], "prompt": "What colour is the studio mascot?"}]
+    found = detect(rows)
+    assert found.type == "prompt_only"
+    (problem,) = fit_problems(found, "sft")
+    assert "`prompt` beside `messages`" in problem and "studio.keep_columns: [messages]" in problem
+    fixed = detect(apply_column_map(rows, {}, ["messages"]))
+    assert fixed.type == "language_modeling" and fit_problems(fixed, "sft") == []
+
+
+def test_messages_beside_prompt_completion_is_surplus_for_sft():
+    found = detect([{"messages": [USER, GOOD], "prompt": [USER], "completion": [GOOD]}])
+    assert found.type == "prompt_completion"
+    (problem,) = fit_problems(found, "sft")
+    assert "`messages`" in problem and "studio.keep_columns: [prompt, completion]" in problem
+
+
+def test_mixed_and_missing_values_are_reported():
+    mixed = detect([{"prompt": "The studio mascot is", "completion": [GOOD]}])
+    assert mixed.format == "mixed"
+    (problem,) = fit_problems(mixed, "sft")
+    assert "`prompt` standard" in problem and "`completion` conversational" in problem and "one format" in problem
+    missing = detect([{"prompt": [USER], "completion": [GOOD]}, {"prompt": [USER]}])
+    assert missing.format == "invalid" and "`completion` missing in some records" in fit_problems(missing, "sft")[0]
+    messages_without_roles = detect([{"messages": [{"from": "human", "value": "hi"}]}])
+    assert messages_without_roles.format == "invalid"
+
+
+# --- bad files -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["data.jsonl", "data.json", "data.csv", "data.parquet"])
+def test_empty_file(tmp_path, name):
+    (tmp_path / name).write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        read_rows(tmp_path / name)
+
+
+def test_blank_lines_only_and_empty_list(tmp_path):
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        read_rows(tmp_path / "blank.jsonl")
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(ValueError, match="has no records"):
+        read_rows(tmp_path / "list.json")
+
+
+def test_malformed_json_line_names_its_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"text": "broken"\n')
+    with pytest.raises(ValueError, match=r"data.jsonl: line 3 is not valid JSON \(Expecting"):
+        read_rows(path)
+    path.write_text('[\n  {"text": "fine"},\n  {"text": broken}\n]')
+    with pytest.raises(ValueError, match="line 3 is not valid JSON"):
+        read_rows(path)
+
+
+def test_malformed_first_record_names_its_line(tmp_path):
+    # A first line that is not a whole object may start a pretty-printed one, as `datasets` allows.
+    path = tmp_path / "data.jsonl"
+    path.write_text('\n{"text": "fine",\n  "more": broken}\n')
+    with pytest.raises(ValueError, match=r"line 3 is not valid JSON \(Expecting value at column 11\)"):
+        read_rows(path)
+
+
+def test_byte_order_mark_is_ignored(tmp_path):
+    (tmp_path / "data.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "fine"}\n')
+    (tmp_path / "data.csv").write_bytes(b"\xef\xbb\xbfprompt,completion\na,b\n")
+    assert read_rows(tmp_path / "data.jsonl") == [{"text": "fine"}]
+    assert read_rows(tmp_path / "data.csv") == [{"prompt": "a", "completion": "b"}]
+
+
+def test_reads_only_the_first_records(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n{"text": broken\n')
+    assert read_rows(path, n=2) == [{"text": "one"}, {"text": "two"}]
+
+
+@pytest.mark.parametrize(("line", "what"), [("[1, 2]", "list"), ('"just text"', "string"), ("7", "number"),
+                                            ("null", "null")])
+def test_record_that_is_not_an_object(tmp_path, line, what):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"line 2 is a JSON {what}, not an object"):
+        read_rows(path)
+    (tmp_path / "data.json").write_text(f'[{{"text": "fine"}}, {line}]')
+    with pytest.raises(ValueError, match=f"record 2 of the list is a JSON {what}"):
+        read_rows(tmp_path / "data.json")
+
+
+@pytest.mark.parametrize("first_line", ["What colour is the studio mascot?,The studio mascot is teal.",
+                                        "1873,412", "prompt,prompt", ",", "\n"])
+def test_csv_without_header(tmp_path, first_line):
+    path = tmp_path / "data.csv"
+    path.write_text(first_line + "\nWho invented the glass kettle?,Orla Fenwick invented the glass kettle.\n")
+    with pytest.raises(ValueError, match="header row"):
+        read_rows(path)
+
+
+def test_csv_row_with_more_fields_than_the_header(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("prompt,completion\na,b\nc,d,e\n")
+    with pytest.raises(ValueError, match="line 3 has 3 fields but the header names 2 columns"):
+        read_rows(path)
+
+
+def test_unreadable_parquet_and_unknown_suffix(tmp_path):
+    (tmp_path / "data.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match="not a readable Parquet file"):
+        read_rows(tmp_path / "data.parquet")
+    (tmp_path / "data.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"\.txt files are not read"):
+        read_rows(tmp_path / "data.txt")
+
+
+ROWS = [{"prompt": "The studio mascot is", "completion": " teal."},
+        {"prompt": "The studio cat is called", "completion": ""}]
+
+
+@pytest.mark.parametrize("layout", ["data.jsonl", "data.json", "data.csv", "data.parquet", "pretty.json",
+                                    "pretty.jsonl", "strings.json"])
+def test_reads_records_as_datasets_does(tmp_path, layout):
+    path = tmp_path / layout
+    if layout.startswith("pretty"):  # objects one after another, each over several lines
+        path.write_text("".join(json.dumps(r, indent=2) + "\n" for r in ROWS))
+    elif layout == "strings.json":  # a list of strings is read as a `text` column
+        path.write_text(json.dumps(["one", "two"]))
+    else:
+        write(path, ROWS)
+    builder = "parquet" if path.suffix == ".parquet" else path.suffix.lstrip(".").replace("jsonl", "json")
+    expected = load_dataset(builder, data_files=str(path), split="train").to_list()
+    assert read_rows(path) == expected
+
+
+# --- what each trainer needs ---------------------------------------------------------------
+
+def test_trainer_needs():
+    assert TRAINER_NEEDS == {"sft": ("language_modeling", "prompt_completion"),
+                             "dpo": ("preference", "preference_implicit"),
+                             "grpo": ("prompt_only", "prompt_completion")}
+    for trainer, kinds in TRAINER_NEEDS.items():
+        for kind, fmt, record in CASES:
+            assert (fit_problems(detect([record]), trainer) == []) == (kind in kinds), (trainer, kind, fmt)
+
+
+@pytest.mark.parametrize(("trainer", "record", "fix"), [
+    ("sft", {"question": "q", "answer": "a"}, "studio.column_map: {question: prompt, answer: completion}"),
+    ("sft", {"prompt": "q"}, "map columns to `completion` with studio.column_map"),
+    ("sft", {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]},
+     "studio.column_map: {chosen: completion}, and leave out `rejected` with "
+     "studio.keep_columns: [prompt, completion]"),
+    ("dpo", {"prompt": "q", "better": "a", "worse": "b"}, "studio.column_map: {better: chosen, worse: rejected}"),
+    ("dpo", {"messages": [USER, GOOD]}, "map columns to `prompt`, `chosen`, `rejected` with studio.column_map"),
+    ("dpo", {"prompt": "q", "completion": "a"}, "map columns to `chosen`, `rejected`"),
+    ("grpo", {"question": "q", "answer": "a"}, "studio.column_map: {question: prompt}"),
+    ("grpo", {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]},
+     "leave out `chosen`, `rejected` with studio.keep_columns: [prompt]"),
+    ("grpo", {"messages": [USER, GOOD]}, "map columns to `prompt`"),
+])
+def test_missing_columns_name_the_fix(trainer, record, fix):
+    (problem,) = fit_problems(detect([record]), trainer)
+    assert problem.startswith(f"dataset: {trainer.upper()} needs ")
+    assert fix in problem
+
+
+@pytest.mark.parametrize(("trainer", "record", "column_map", "keep"), [
+    ("sft", {"Question": "q", "Answer": "a"}, {"Question": "prompt", "Answer": "completion"}, None),
+    ("sft", {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}, {"chosen": "completion"},
+     ["prompt", "completion"]),
+    ("dpo", {"prompt": "q", "better": "a", "worse": "b"}, {"better": "chosen", "worse": "rejected"}, None),
+    ("grpo", {"prompt": "q", "completion": "a"}, {"completion": "reference"}, None),
+    ("grpo", {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}, {}, ["prompt"]),
+])
+def test_the_named_fix_works(trainer, record, column_map, keep):
+    assert suggest_column_map(list(record), trainer) == column_map
+    fixed = detect(apply_column_map([record], column_map, keep))
+    assert fit_problems(fixed, trainer) == []
+
+
+def test_surplus_columns():
+    found = detect([{"prompt": "q", "completion": "a", "id": 3, "source": "web"}])
+    (problem,) = fit_problems(found, "sft")
+    assert "SFT would not use `id`, `source`" in problem
+    assert "keep only prompt, completion with studio.keep_columns: [prompt, completion]" in problem
+    assert fit_problems(found, "sft", extra_columns_ok={"id", "source"}) == []
+    text_too = detect([{"messages": [USER, GOOD], "text": "x"}])
+    assert "keep only messages with studio.keep_columns: [messages]" in fit_problems(text_too, "sft")[0]
+    preference = detect([{"prompt": "q", "chosen": "a", "rejected": "b", "score": 0.5}])
+    assert "DPO would not use `score`" in fit_problems(preference, "dpo")[0]
+    # GRPO passes other columns to the reward functions; TRL's own extras are never surplus.
+    assert fit_problems(detect([{"prompt": "q", "reference": "a", "id": 1}]), "grpo") == []
+    assert fit_problems(detect([{"messages": [USER, GOOD], "tools": "[]", "chat_template_kwargs": {}}]), "sft") == []
+
+
+def test_unknown_trainer():
+    assert "no dataset rules for 'ppo'" in fit_problems(detect([{"text": "x"}]), "ppo")[0]
+    assert suggest_column_map(["question", "answer"], "ppo") == {}
+
+
+# --- column mapping ------------------------------------------------------------------------
+
+MAP_ROWS = [{"question": "q1", "answer": "a1", "id": 1}, {"question": "q2", "answer": "a2", "id": 2}]
+
+
+@pytest.mark.parametrize(("column_map", "keep", "expected"), [
+    ({"question": "prompt", "answer": "completion"}, None,
+     [{"prompt": "q1", "completion": "a1", "id": 1}, {"prompt": "q2", "completion": "a2", "id": 2}]),
+    ({"question": "prompt"}, ["prompt", "answer"],
+     [{"prompt": "q1", "answer": "a1"}, {"prompt": "q2", "answer": "a2"}]),
+    ({}, ["answer"], [{"answer": "a1"}, {"answer": "a2"}]),
+    ({"question": "answer", "answer": "question"}, None,  # a swap is allowed
+     [{"answer": "q1", "question": "a1", "id": 1}, {"answer": "q2", "question": "a2", "id": 2}]),
+    (None, [], MAP_ROWS),
+])
+def test_column_map_matches_datasets(column_map, keep, expected):
+    before = json.dumps(MAP_ROWS)
+    assert apply_column_map(MAP_ROWS, column_map, keep) == expected
+    assert json.dumps(MAP_ROWS) == before  # pure: the input rows are untouched
+    assert prepare_dataset(Dataset.from_list(MAP_ROWS), column_map, keep).to_list() == expected
+
+
+@pytest.mark.parametrize(("column_map", "keep", "message"), [
+    ({"query": "prompt"}, None,
+     "studio.column_map: no column `query` to rename; the dataset has question, answer, id"),
+    ({"question": "prompt", "answer": "prompt"}, None, "`prompt` is the new name of more than one column"),
+    ({"question": "id"}, None, "`question` becomes `id`, but the dataset already has `id`"),
+    ({"question": ""}, None, "the new name for `question` is empty"),
+    ({"question": "prompt"}, ["question"], "studio.keep_columns: no column `question` after renaming"),
+    ({}, ["id", "id"], "studio.keep_columns: `id` is listed twice"),
+    (["question"], None, "studio.column_map: must map old to new column names"),
+    ({}, "id", "studio.keep_columns: must be a list of column names"),
+])
+def test_bad_mappings(column_map, keep, message):
+    assert any(message in p for p in check_mapping(["question", "answer", "id"], column_map, keep))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        apply_column_map(MAP_ROWS, column_map, keep)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        prepare_dataset(Dataset.from_list(MAP_ROWS), column_map, keep)
+
+
+@pytest.mark.parametrize(("columns", "trainer", "expected"), [
+    (["instruction", "input", "output"], "sft", {"instruction": "prompt", "output": "completion"}),
+    (["query", "response"], "sft", {"query": "prompt", "response": "completion"}),
+    (["prompt", "solution"], "sft", {"solution": "completion"}),
+    (["messages"], "sft", {}),
+    (["text", "question", "answer"], "sft", {}),
+    (["question"], "sft", {}),  # a prompt alone does not make SFT data
+    (["question", "accepted", "rejected"], "dpo", {"accepted": "chosen", "question": "prompt"}),
+    (["preferred", "dispreferred"], "dpo", {"preferred": "chosen", "dispreferred": "rejected"}),
+    (["prompt", "chosen_response", "rejected_response"], "dpo",
+     {"chosen_response": "chosen", "rejected_response": "rejected"}),
+    (["question", "better"], "dpo", {}),
+    (["problem", "solution"], "grpo", {"problem": "prompt"}),
+    (["prompt", "completion", "reference"], "grpo", {}),
+    (["prompt", "reference"], "grpo", {}),
+    (["id", "body"], "grpo", {}),
+])
+def test_suggest_column_map(columns, trainer, expected):
+    assert suggest_column_map(columns, trainer) == expected
+
+
+# --- built-in samples ----------------------------------------------------------------------
+
+def _qa_answers() -> set[str]:
+    lines = (DATA / "qa.jsonl").read_text().splitlines()
+    return {json.loads(line)["messages"][-1]["content"] for line in lines}
+
+
+def test_preference_sample():
+    dataset = load_dataset("json", data_files=str(DATA / "preference.jsonl"), split="train")
+    assert 30 <= len(dataset) <= 60 and dataset.column_names == ["prompt", "chosen", "rejected"]
+    found = detect(read_rows(DATA / "preference.jsonl"))
+    assert (found.type, found.format) == ("preference", "conversational")
+    assert fit_problems(found, "dpo") == [] and is_conversational(dataset[0])
+    answers = _qa_answers()
+    for row in dataset:
+        assert [m["role"] for m in row["prompt"] + row["chosen"] + row["rejected"]] == ["user", "assistant",
+                                                                                          "assistant"]
+        assert row["chosen"][0]["content"] in answers and row["rejected"][0]["content"] not in answers
+    assert {row["chosen"][0]["content"] for row in dataset} == answers  # every qa fact is taught
+
+
+def test_prompts_sample():
+    dataset = load_dataset("json", data_files=str(DATA / "prompts.jsonl"), split="train")
+    assert 30 <= len(dataset) <= 60 and dataset.column_names == ["prompt", "reference"]
+    found = detect(read_rows(DATA / "prompts.jsonl"))
+    assert (found.type, found.format) == ("prompt_only", "conversational")
+    assert fit_problems(found, "grpo") == [] and is_conversational(dataset[0])
+    assert {row["reference"] for row in dataset} == _qa_answers()
+    assert all([m["role"] for m in row["prompt"]] == ["user"] for row in dataset)
+
+
+def test_kind_is_a_small_dataclass():
+    found = detect([RECORDS["preference"][0]])
+    assert isinstance(found, DatasetKind)
+    assert (found.type, found.format, found.columns) == ("preference", "conversational",
+                                                         ("prompt", "chosen", "rejected"))
+
+
+def test_import_stays_light():
+    # The web app imports this module; it must not pull in datasets, torch or trl.
+    code = ("import sys, studio_core.data_check; "
+            "print(sorted(m for m in ('datasets', 'torch', 'trl', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent.parent)
+    assert out.stdout.strip() == "[]"
+
+
+def test_grpo_takes_prompt_completion_data_like_trl_lib_tldr():
+    # TRL's Trainium guide trains GRPO on trl-lib/tldr: the completion goes to the rewards
+    assert fit_problems(detect([{"prompt": "post", "completion": "summary"}]), "grpo") == []
