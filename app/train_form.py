@@ -14,6 +14,7 @@ import yaml
 
 from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.hardware import Hardware
+from studio_core.sources import cached_models
 from studio_core.spec import Layout, RunSpec, SpecError
 from studio_core.trl_schema import trainer_fields
 
@@ -37,8 +38,9 @@ class TrainForm:
         most = hardware.devices if hardware.backend != "cpu" else hardware.cpu_count
         w = self.widgets = {}
         with gr.Row():
-            w["model"] = gr.Dropdown([BUILTIN_MODEL], value=BUILTIN_MODEL, allow_custom_value=True, label="Model",
-                                     info="built-in tiny model, a Hub id (Qwen/Qwen3-0.6B) or a local folder",
+            w["model"] = gr.Dropdown([BUILTIN_MODEL, *cached_models()], value=BUILTIN_MODEL,
+                                     allow_custom_value=True, label="Model", info="built-in tiny model, one "
+                                     "in your Hugging Face cache, a Hub id (Qwen/Qwen3-0.6B) or a local folder",
                                      elem_id="model")
             w["dataset"] = gr.Dropdown(list(BUILTIN_DATASETS), value="builtin:qa", allow_custom_value=True,
                                        label="Dataset", info="built-in sample, a local JSONL/JSON/CSV/Parquet "
@@ -108,6 +110,8 @@ class TrainForm:
                 w["lr_scheduler_type"] = gr.Dropdown(trainer_fields("sft")["lr_scheduler_type"]["choices"],
                                                      value="linear", label="lr_scheduler_type")
                 w["seed"] = gr.Number(42, label="seed", precision=0)
+            w["trust_remote_code"] = gr.Checkbox(False, label="trust_remote_code: run the model's own Python "
+                                                 "code (only for authors you trust)")
             w["extra"] = gr.Code(label="Other TRL settings (YAML, TRL's names), e.g. `save_steps: 100`",
                                  language="yaml", lines=3, value="", elem_id="extra")
 
@@ -156,6 +160,8 @@ def spec_from_form(v: dict) -> RunSpec:
         targets = [t.strip() for t in (v["lora_target_modules"] or "").split(",") if t.strip()]
         args |= {"use_peft": True, "lora_r": int(v["lora_r"] or 0), "lora_alpha": int(v["lora_alpha"] or 0),
                  "lora_dropout": float(v["lora_dropout"] or 0), "lora_target_modules": targets or None}
+    if v["trust_remote_code"]:
+        args["trust_remote_code"] = True
     args |= _yaml(v["extra"], "Other TRL settings", dict)
     rewards = _yaml(v["rewards"], "Reward functions", list) if trainer == "grpo" else []
     keep = [c.strip() for c in (v["keep_columns"] or "").split(",") if c.strip()]

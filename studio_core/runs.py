@@ -30,7 +30,7 @@ from studio_core.events import FINAL_STATES, EventReader, append_event
 from studio_core.hardware import Hardware
 from studio_core.plan import Plan, plan
 from studio_core.procs import kill_run_processes
-from studio_core.spec import RunSpec, SpecError, validated
+from studio_core.spec import RunSpec, SpecError, validated, with_absolute_paths
 from studio_core.builtin import cache_dir
 
 DEFAULT_RUNS_DIR = "~/trn-studio/runs"
@@ -142,7 +142,7 @@ class RunManager:
 
     # --- starting ----------------------------------------------------------------------
     def plan(self, spec: RunSpec, hardware: Hardware, run_id: str = "<run id>") -> Plan:
-        validated(spec)
+        spec = with_absolute_paths(validated(spec))
         run_dir = self.runs_dir / run_id
         return plan(spec, hardware, run_dir=run_dir, run_id=run_id, cache_root=cache_dir())
 

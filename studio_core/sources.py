@@ -8,6 +8,7 @@ reads a file's first rows, and the worker does the real loading.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
 
 
-def check_model(name: str) -> list[str]:
+def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
     if not name:
         return ["model_name_or_path: empty; give a Hub id, a local folder, or builtin:tiny-qwen3"]
     if name == BUILTIN_MODEL:
@@ -37,13 +38,45 @@ def check_model(name: str) -> list[str]:
         if not (folder / "config.json").is_file():
             return [f"model_name_or_path: {folder} has no config.json, so it is not a saved "
                     "Transformers model; give the folder that save_pretrained wrote"]
-        return []
+        return _check_config(folder / "config.json", name, trust_remote_code)
     if not HUB_ID.match(name):
         return [f"model_name_or_path: {name!r} is neither an existing folder nor a Hub id like Qwen/Qwen3-0.6B"]
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+    cached = try_to_load_from_cache(name, "config.json")
+    if isinstance(cached, str):
+        return _check_config(Path(cached), name, trust_remote_code)
+    if constants.HF_HUB_OFFLINE:
         return [f"model_name_or_path: {name} is not in the local Hugging Face cache and the Hub is off "
                 "(HF_HUB_OFFLINE=1): download it first, or give a local folder"]
+    return []  # checked by the worker when it downloads the model
+
+
+def _check_config(path: Path, name: str, trust_remote_code: bool) -> list[str]:
+    """A causal language model, and one that needs no code of its own unless that is allowed."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        return [f"model_name_or_path: {path} is not readable JSON ({error})"]
+    architectures = config.get("architectures") or []
+    if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        return [f"model_name_or_path: {name} is a {', '.join(architectures)}, not a causal language model; "
+                "SFT, DPO and GRPO train causal LMs (a ...ForCausalLM), e.g. Qwen/Qwen3-0.6B"]
+    if "AutoModelForCausalLM" in (config.get("auto_map") or {}) and not trust_remote_code:
+        return [f"model_name_or_path: {name} runs its own Python code (auto_map in config.json); set "
+                "trust_remote_code: true only if you trust its authors"]
     return []
+
+
+def cached_models(cache: str | Path | None = None) -> list[str]:
+    """Models in the local Hugging Face cache, by Hub id: usable without the network."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        repos = scan_cache_dir(cache).repos
+    except CacheNotFound:
+        return []
+    return sorted(repo.repo_id for repo in repos if repo.repo_type == "model"
+                  and isinstance(try_to_load_from_cache(repo.repo_id, "config.json", cache_dir=cache), str))
 
 
 def dataset_file(name: str) -> Path | None:

@@ -194,7 +194,7 @@ def validate(spec: RunSpec) -> list[str]:
     if isinstance(spec.run_name, str) and not RUN_NAME.match(spec.run_name):
         problems.append(f"run_name: {spec.run_name!r} must be 1-64 letters, digits, '.', '_' or '-'")
     if "model_name_or_path" not in not_text:
-        problems += sources.check_model(spec.model_name_or_path)
+        problems += sources.check_model(spec.model_name_or_path, bool(spec.args.get("trust_remote_code")))
     if "dataset_name" not in not_text:
         problems += _check_data(spec)
     return problems
@@ -265,6 +265,19 @@ def _check_layout(layout: Layout) -> list[str]:
         problems.append(f"studio.tp_size x studio.fsdp_size = {layout.tp_size * layout.fsdp_size} must equal "
                         f"studio.nproc = {layout.nproc}: change one of them")
     return problems
+
+
+def with_absolute_paths(spec: RunSpec) -> RunSpec:
+    """Local model, dataset and reward files as absolute paths: the worker runs in the run folder."""
+    def absolute(name):
+        path = Path(name).expanduser()
+        return str(path.resolve()) if isinstance(name, str) and path.exists() else name
+
+    out = replace(spec, model_name_or_path=absolute(spec.model_name_or_path),
+                  dataset_name=absolute(spec.dataset_name))
+    out.rewards = [{**r, "file": absolute(r["file"])} if isinstance(r, dict) and "file" in r else r
+                   for r in spec.rewards]
+    return out
 
 
 def resolved(spec: RunSpec, args: dict) -> RunSpec:

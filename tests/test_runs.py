@@ -362,3 +362,14 @@ def test_run_ids_are_unique_across_runs_folders(tmp_path):
     # name started in the same second in two runs folders must still get different ids.
     ids = {RunManager(tmp_path / f"runs{i}")._new_run_id("tiny-sft") for i in range(20)}
     assert len(ids) == 20
+
+
+def test_relative_paths_are_made_absolute_for_the_worker(tmp_path, monkeypatch):
+    # the worker runs in the run folder, so a dataset named relative to here must still be found
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "qa.jsonl").write_bytes((REPO / "studio_core" / "data" / "qa.jsonl").read_bytes())
+    manager = RunManager(tmp_path / "runs")
+    view = manager.start(tiny("dataset_name=data/qa.jsonl", "max_steps=3"), cpu_hardware())
+    assert view.spec["dataset_name"] == str(tmp_path / "data" / "qa.jsonl")
+    assert wait_until_final(manager, view.id).state == "finished"

@@ -382,3 +382,43 @@ def test_every_problem_is_listed_at_once():
     keys = [p.split(":")[0] for p in caught.value.problems]
     assert keys == ["max_step", "learning_rate", "studio.nproc", "run_name"]
     assert str(caught.value).count("\n- ") == 3  # one line each
+
+
+# --- models: causal LMs only, no foreign code unless allowed, the local cache ---------------
+def model_folder(tmp_path, **config) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
+    folder = model_folder(tmp_path, architectures=["BertForSequenceClassification"])
+    message = only_problem(tiny(f"model_name_or_path={folder}"))
+    assert "BertForSequenceClassification" in message and "not a causal language model" in message
+
+
+def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path):
+    folder = model_folder(tmp_path, architectures=["MyForCausalLM"], auto_map={"AutoModelForCausalLM": "m.My"})
+    assert "trust_remote_code: true" in only_problem(tiny(f"model_name_or_path={folder}"))
+    assert validate(tiny(f"model_name_or_path={folder}", "trust_remote_code=true")) == []
+
+
+def test_models_in_the_local_hub_cache_are_listed_and_pass_offline(tmp_path):
+    from huggingface_hub import try_to_load_from_cache
+
+    from studio_core.builtin import ensure_tiny_model
+    from studio_core.sources import cached_models
+
+    # the Hub cache's own layout: refs/main names a snapshot holding the files
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "blobs").mkdir()
+    for file in ensure_tiny_model().iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    assert cached_models(tmp_path / "hub") == ["acme/tiny"]
+    assert isinstance(try_to_load_from_cache("acme/tiny", "config.json", cache_dir=tmp_path / "hub"), str)
+    assert cached_models(tmp_path / "nothing-here") == []
