@@ -37,6 +37,8 @@ class TrainForm:
     def __init__(self, hardware: Hardware):
         most = hardware.devices if hardware.backend != "cpu" else hardware.cpu_count
         w = self.widgets = {}
+        w["trainer"] = gr.Radio([(label, key) for key, label in TRAINERS.items()], value="sft",
+                                label="Trainer", elem_id="trainer")
         with gr.Row():
             w["model"] = gr.Dropdown([BUILTIN_MODEL, *cached_models()], value=BUILTIN_MODEL,
                                      allow_custom_value=True, label="Model", info="built-in tiny model, one "
@@ -62,8 +64,6 @@ class TrainForm:
                 w["keep_columns"] = gr.Textbox(label="Keep only these columns (comma-separated; empty: all)",
                                                elem_id="keep_columns")
             self.fix_button = gr.Button("Apply the suggested fix", visible=False, elem_id="apply-fix")
-        w["trainer"] = gr.Radio([(label, key) for key, label in TRAINERS.items()], value="sft",
-                                label="Trainer", elem_id="trainer")
         with gr.Row():
             w["max_steps"] = gr.Number(300, label="max_steps", precision=0, info="0: train by epochs",
                                        elem_id="max_steps")

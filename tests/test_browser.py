@@ -176,3 +176,44 @@ def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser
     finally:
         second_app.kill()
     assert RunManager(runs_dir).view(view.id).live_state == "stopped"
+
+
+@pytest.mark.parametrize(("label", "sample", "steps"), [
+    ("DPO (preference pairs)", "builtin:preference", 10),
+    ("GRPO (online RL with reward functions)", "builtin:prompts", 4),
+])
+def test_dpo_and_grpo_from_the_page(browser, app, label, sample, steps):
+    page = open_page(browser, app.url)
+    page.get_by_label(label).check()
+    playwright_api.expect(page.locator("#dataset input").first).to_have_value(sample)
+    page.get_by_text("Dataset: upload, Hub options").click()
+    page.locator("#check-dataset").click()
+    playwright_api.expect(page.locator("#data-report")).to_contain_text("Fits")
+    set_number(page, "max_steps", steps)
+    set_number(page, "logging_steps", 2)
+    page.locator("#start").click()
+    page.get_by_text("FINISHED").first.wait_for(timeout=180_000)
+    [view] = RunManager(app.runs_dir).list()
+    assert view.spec["studio"]["trainer"] == ("dpo" if "DPO" in label else "grpo")
+    assert view.live_state == "finished" and view.step == steps
+
+
+def test_a_dataset_that_does_not_fit_gets_a_one_click_fix(browser, app, tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "What colour is the mascot?", "answer": "Teal."}\n' * 8)
+    page = open_page(browser, app.url)
+    dataset = page.locator("#dataset input").first
+    dataset.fill(str(data))
+    dataset.press("Enter")
+    page.get_by_text("Dataset: upload, Hub options").click()
+    page.locator("#check-dataset").click()
+    report = page.locator("#data-report")
+    playwright_api.expect(report).to_contain_text("Does not fit this trainer")
+    playwright_api.expect(report).to_contain_text("map question to prompt, answer to completion")
+    page.locator("#apply-fix").click()
+    playwright_api.expect(report).to_contain_text("Fits SFT")
+    set_number(page, "max_steps", 5)
+    page.locator("#start").click()
+    page.get_by_text("FINISHED").first.wait_for(timeout=120_000)
+    [view] = RunManager(app.runs_dir).list()
+    assert view.spec["studio"]["column_map"] == {"question": "prompt", "answer": "completion"}
