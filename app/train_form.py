@@ -110,6 +110,8 @@ class TrainForm:
                 w["lr_scheduler_type"] = gr.Dropdown(trainer_fields("sft")["lr_scheduler_type"]["choices"],
                                                      value="linear", label="lr_scheduler_type")
                 w["seed"] = gr.Number(42, label="seed", precision=0)
+                w["save_steps"] = gr.Number(0, label="save_steps", precision=0,
+                                            info="a checkpoint every N steps; 0: only the final model")
             w["trust_remote_code"] = gr.Checkbox(False, label="trust_remote_code: run the model's own Python "
                                                  "code (only for authors you trust)")
             w["extra"] = gr.Code(label="Other TRL settings (YAML, TRL's names), e.g. `save_steps: 100`",
@@ -147,6 +149,8 @@ def spec_from_form(v: dict) -> RunSpec:
         "warmup_steps": int(v["warmup_steps"] or 0),
         "lr_scheduler_type": v["lr_scheduler_type"],
         "seed": int(v["seed"] or 0),
+        **({"save_strategy": "steps", "save_steps": int(v["save_steps"])} if v["save_steps"]
+           else {"save_strategy": "no"}),
     }
     if trainer in ("sft", "dpo"):
         args["max_length"] = int(v["max_length"]) if v["max_length"] else None

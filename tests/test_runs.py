@@ -111,12 +111,22 @@ def launch_py(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.Complete
 
 
 def broken_dataset(folder: Path) -> Path:
-    """A JSONL whose first record is fine (validation passes) but whose third is not JSON."""
+    """A JSONL whose first records are fine (the pre-launch check reads only the first few, so
+    validation passes) but whose 20th is not JSON, so `datasets` fails in the worker."""
     good = json.dumps({"messages": [{"role": "user", "content": "Hi?"},
                                     {"role": "assistant", "content": "Hello."}]})
     path = folder / "broken.jsonl"
-    path.write_text(f"{good}\n{good}\n{{\"messages\": [oops\n{good}\n")
+    path.write_text(f"{good}\n" * 19 + "{\"messages\": [oops\n" + f"{good}\n")
     return path
+
+
+def test_a_malformed_line_among_the_first_rows_is_refused_before_launch(manager, tmp_path):
+    path = tmp_path / "early.jsonl"
+    path.write_text(broken_dataset(tmp_path).read_text().splitlines()[0] + "\n{oops\n")
+    with pytest.raises(SpecError) as refused:
+        manager.start(tiny(f"dataset_name={path}"), cpu_hardware())
+    assert "line 2 is not valid JSON" in str(refused.value)
+    assert list(manager.runs_dir.iterdir()) == []
 
 
 # --- a whole run ------------------------------------------------------------------------
