@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--instance", choices=sorted(INSTANCES),
                          help="plan for this instance type instead of the detected hardware")
         sub.add_argument("--backend", choices=("cpu",), help="plan for the CPU even if a device is present")
+        sub.add_argument("--lnc", type=int, choices=(1, 2), default=2, help="with --instance: the LNC setting")
+        for option, key in (("--nproc", "nproc"), ("--tp", "tp_size"), ("--fsdp", "fsdp_size"), ("--cores", "cores")):
+            sub.add_argument(option, dest=key, help=f"the layout's {key} (same as --set studio.{key}=...)")
         if name == "train":
             sub.add_argument("--detach", action="store_true",
                              help="start the run and return; it goes on in the background")
@@ -74,14 +77,21 @@ def parser() -> argparse.ArgumentParser:
 
 def hardware_for(args):
     if getattr(args, "instance", None):
-        return instance_hardware(args.instance)
+        try:
+            return instance_hardware(args.instance, lnc=args.lnc)
+        except ValueError as error:
+            raise SpecError([f"--instance/--lnc: {error}"]) from error
     if getattr(args, "backend", None) == "cpu":
         return cpu_hardware()
     return detect_hardware()
 
 
 def load_spec(args) -> RunSpec:
-    return validated(RunSpec.load(args.recipe).with_overrides(args.set))
+    layout = [f"studio.{key}={value}" for key in ("nproc", "tp_size", "fsdp_size", "cores")
+              if (value := getattr(args, key)) is not None]
+    if args.cores is not None:
+        layout[-1] = f"studio.cores='{args.cores}'"  # a core set is text, even "3"
+    return validated(RunSpec.load(args.recipe).with_overrides([*args.set, *layout]))
 
 
 def cmd_plan(args) -> int:

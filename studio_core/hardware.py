@@ -8,12 +8,19 @@ importing torch (and torch-neuronx), which the web app's process should not carr
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
 BACKENDS = ("neuron", "cuda", "cpu")
+# PyTorch cannot address more than 127 devices of one type: a trn2.48xlarge at LNC=1 shows
+# 128 logical cores and fails (the project's Neuron notes; not in the AWS pages read), so
+# such a configuration is refused up front.
+MAX_TORCH_DEVICES = 127
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,11 +32,13 @@ class Hardware:
     chips: int = 0  # Neuron chips (0 elsewhere)
     lnc: int | None = None  # Logical NeuronCore config (NEURON_LOGICAL_NC_CONFIG)
     detected: bool = True  # False when chosen from the instance table
+    chip_memory_gib: int | None = None  # device memory (HBM) per chip, when known
 
     def describe(self) -> str:
         if self.backend == "neuron":
             where = self.instance_type or "Neuron machine"
-            return f"{where}: {self.devices} NeuronCores on {self.chips} chip(s), LNC={self.lnc}"
+            memory = f", {self.chip_memory_gib} GiB per chip" if self.chip_memory_gib else ""
+            return f"{where}: {self.devices} NeuronCores on {self.chips} chip(s), LNC={self.lnc}{memory}"
         if self.backend == "cuda":
             return f"{self.devices} CUDA device(s), {self.cpu_count} CPU cores"
         return f"CPU only: {self.cpu_count} cores (no Neuron or CUDA device found)"
@@ -38,11 +47,29 @@ class Hardware:
         return asdict(self)
 
 
-# Trn2: 8 physical NeuronCores per chip, paired into 4 logical cores at the default LNC=2.
+# Known instance types: chips, physical NeuronCores per chip, device memory (HBM) per chip.
+# Logical cores = chips * physical_cores_per_chip / LNC; LNC=2 (the default) pairs cores.
+# Where each number comes from (AWS Neuron documentation, read 2026; not checked on hardware):
+# - Trainium2: 8 physical NeuronCore-v3 and 96 GiB per chip ("Trainium2 Architecture";
+#   "Logical NeuronCore configuration"; neuron-ls -j example: memory_size 103079215104 B).
+# - trn2.48xlarge, trn2u.48xlarge: 16 Trainium2 chips in a 4x4 2D torus, 192 vCPUs
+#   ("Amazon EC2 Trn2 Architecture"); trn2u.48xlarge is the size that joins an UltraServer.
+# - trn2.3xlarge: 1 Trainium2 chip (TRL's Trainium guide; the Neuron Trn2 page lists only the
+#   48xlarge sizes).
+# - Trainium3: 8 physical NeuronCore-v4 and 144 GiB per chip ("Trainium3 Architecture").
+# - trn3.48xlarge: ASSUMPTION. The docs describe Trn3 only as UltraServers: Gen1 = 4 servers
+#   of 16 Trainium3 chips (768 vCPUs, so 192 per server); Gen2 = 36 servers of 4 chips. The
+#   name trn3.48xlarge for the 16-chip server comes from the Neuron driver's instance table,
+#   not from documentation. The Gen2 4-chip server's name was not found, so it is not listed.
+# - LNC=2 as the default on Trn3: ASSUMPTION ("similar to Trainium2" in the Trainium3 page;
+#   the NKI guide says LNC 1 or 2 on Trn2 and Trn3).
 INSTANCES = {
-    "trn2.3xlarge": {"chips": 1, "physical_cores_per_chip": 8},
-    "trn2.48xlarge": {"chips": 16, "physical_cores_per_chip": 8},
+    "trn2.3xlarge": {"chips": 1, "physical_cores_per_chip": 8, "chip_memory_gib": 96},
+    "trn2.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 96},
+    "trn2u.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 96},
+    "trn3.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 144},
 }
+LNC_VALUES = (1, 2)
 
 
 def instance_hardware(instance_type: str, lnc: int = 2) -> Hardware:
@@ -50,10 +77,71 @@ def instance_hardware(instance_type: str, lnc: int = 2) -> Hardware:
     if instance_type not in INSTANCES:
         known = ", ".join(INSTANCES)
         raise ValueError(f"unknown instance type {instance_type!r}: choose one of {known}")
+    if isinstance(lnc, bool) or lnc not in LNC_VALUES:
+        raise ValueError(f"LNC={lnc!r} is not a Logical NeuronCore configuration: use 1 or 2 "
+                         "(NEURON_LOGICAL_NC_CONFIG; 2 is the default)")
     info = INSTANCES[instance_type]
     cores = info["chips"] * info["physical_cores_per_chip"] // lnc
+    if cores > MAX_TORCH_DEVICES:
+        raise ValueError(f"{instance_type} at LNC={lnc} has {cores} logical NeuronCores, but PyTorch cannot "
+                         f"address more than {MAX_TORCH_DEVICES} devices: use LNC=2 "
+                         f"({cores * lnc // 2} cores)")
     return Hardware("neuron", cores, cpu_count=os.cpu_count() or 1, instance_type=instance_type,
-                    chips=info["chips"], lnc=lnc, detected=False)
+                    chips=info["chips"], lnc=lnc, detected=False, chip_memory_gib=info["chip_memory_gib"])
+
+
+# `neuron-ls --json-output` (-j), as the Neuron LS User Guide shows it (Neuron 2.2x-2.33):
+# a JSON list with one object per chip ("Neuron device"):
+#   {"neuron_device": 0, "bdf": "cc:00.0", "connected_to": [12, 3, 4, 1], "nc_count": 4,
+#    "logical_neuroncore_config": 2, "memory_size": 103079215104, "neuron_processes": [...]}
+# nc_count counts logical cores (4 on a Trn2 chip at LNC=2); memory_size is in bytes. Some
+# versions add "instance_type" and "neuroncore_ids" per device; both are optional here.
+# Written from the documentation, NOT from output captured on hardware. The docs announce that
+# Neuron 2.34 drops --json-output for a new `--output-format json`; when the flag fails,
+# detect_hardware falls back to torch-neuronx's count.
+def parse_neuron_ls(json_text: str) -> dict:
+    """chips, logical cores per chip, LNC, memory per chip (bytes) and instance type, from
+    `neuron-ls --json-output`. Raises ValueError when the text is not that format."""
+    try:
+        devices = json.loads(json_text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"neuron-ls output is not JSON: {error}") from error
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, dict) for d in devices):
+        raise ValueError("neuron-ls output is not a list of Neuron devices (the --json-output format)")
+    try:
+        per_chip = {int(d["nc_count"]) for d in devices}
+        memory = min(int(d["memory_size"]) for d in devices)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"neuron-ls device entry without a usable nc_count / memory_size: {error!r}") from error
+    if len(per_chip) != 1:
+        raise ValueError(f"neuron-ls lists chips with different core counts {sorted(per_chip)}")
+    lnc = {d.get("logical_neuroncore_config") for d in devices} - {None}
+    types = {d.get("instance_type") for d in devices} - {None}
+    return {"chips": len(devices), "cores_per_chip": per_chip.pop(),
+            "lnc": int(lnc.pop()) if len(lnc) == 1 else None,
+            "memory_per_chip": memory, "instance_type": types.pop() if len(types) == 1 else None}
+
+
+def _neuron_ls(timeout: float = 10) -> dict | None:
+    """parse_neuron_ls of this machine, or None (with the reason logged) when unavailable."""
+    exe = shutil.which("neuron-ls")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, "--json-output"], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        log.warning("neuron-ls failed (%s); counting NeuronCores with torch-neuronx instead", error)
+        return None
+    if done.returncode != 0:
+        log.warning("neuron-ls --json-output exited %s: %s; counting NeuronCores with torch-neuronx instead",
+                    done.returncode, done.stderr.strip()[-500:])
+        return None
+    try:
+        return parse_neuron_ls(done.stdout)
+    except ValueError as error:
+        log.warning("%s; counting NeuronCores with torch-neuronx instead", error)
+        return None
 
 
 def cpu_hardware() -> Hardware:
@@ -87,8 +175,15 @@ def detect_hardware(timeout: float = 120) -> Hardware:
         raise RuntimeError(f"hardware probe failed:\n{done.stderr[-2000:]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
     if found["neuron"]:
+        # torch-neuronx must be there to train; neuron-ls, when installed, tells chips and memory.
+        listed = _neuron_ls()
+        if listed:
+            return Hardware("neuron", listed["chips"] * listed["cores_per_chip"], base.cpu_count,
+                            instance_type=listed["instance_type"], chips=listed["chips"],
+                            lnc=listed["lnc"] or int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")),
+                            chip_memory_gib=listed["memory_per_chip"] // 2**30)
         lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
-        chips = max(1, found["neuron"] * lnc // 8)
+        chips = max(1, found["neuron"] * lnc // 8)  # assumes 8 physical cores per chip (Trn2, Trn3)
         return Hardware("neuron", found["neuron"], base.cpu_count, chips=chips, lnc=lnc)
     if found["cuda"]:
         return Hardware("cuda", found["cuda"], base.cpu_count)

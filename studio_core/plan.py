@@ -16,6 +16,7 @@ from pathlib import Path
 from studio_core import sources
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.hardware import Hardware
+from studio_core.layout import check_layout, parse_cores
 from studio_core.spec import RunSpec, resolved
 from studio_core.trl_schema import trainer_fields
 
@@ -97,7 +98,9 @@ class Plan:
 
 
 def plan(spec: RunSpec, hardware: Hardware, run_dir: str | Path = "<run folder>",
-         run_id: str = "<run id>", cache_root: str | Path = "<studio cache>") -> Plan:
+         run_id: str = "<run id>", cache_root: str | Path = "<studio cache>",
+         model_config: dict | None = None) -> Plan:
+    """`model_config` (the model's config.json, when at hand) lets the layout check heads vs TP."""
     args = dict(spec.args)
     applied: list[tuple[str, object, str]] = []
     warnings: list[str] = []
@@ -123,7 +126,7 @@ def plan(spec: RunSpec, hardware: Hardware, run_dir: str | Path = "<run folder>"
     env = _environment(spec, hardware, run_id, cache_root, applied)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
             f"--nproc-per-node={layout.nproc}", "-m", WORKER_MODULE, str(run_dir)]
-    return Plan(argv, env, resolved(spec, args), applied, warnings, _hardware_errors(spec, hardware))
+    return Plan(argv, env, resolved(spec, args), applied, warnings, _hardware_errors(spec, hardware, model_config))
 
 
 def _neuron_model_init(args: dict, trainer: str, applied: list) -> None:
@@ -172,13 +175,14 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, cache_root, app
         env["HF_HUB_OFFLINE"] = "1"
         applied.append(("HF_HUB_OFFLINE", "1", "model and dataset are local: the run makes no network call"))
     if hardware.backend == "cpu":
-        threads = max(1, hardware.cpu_count // layout.nproc)
+        cores = len(parse_cores(layout.cores)) if layout.cores else hardware.cpu_count
+        threads = max(1, cores // layout.nproc)
         env["OMP_NUM_THREADS"] = str(threads)
-        applied.append(("OMP_NUM_THREADS", str(threads), "the CPU cores shared out between the processes"))
+        applied.append(("OMP_NUM_THREADS", str(threads), "the run's CPU cores shared out between its processes"))
     if hardware.backend == "neuron":
         first = 0
         cores = layout.cores or (f"{first}-{first + layout.nproc - 1}" if layout.nproc > 1 else str(first))
-        env["NEURON_RT_VISIBLE_CORES"] = cores
+        env["NEURON_RT_VISIBLE_CORES"] = cores  # the run's leased cores; a preview shows the first ones
         env["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
         env["TORCH_NEURONX_NEFF_CACHE_DIR"] = f"{cache_root}/neff-cache"
         applied.append(("HF_DEACTIVATE_ASYNC_LOAD", "1", "Transformers' async weight loading hangs on Neuron"))
@@ -186,22 +190,13 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, cache_root, app
                         "compiled graphs are kept and reused by later runs with the same shapes"))
         if hardware.lnc:
             env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.lnc)
+    if hardware.backend == "cuda" and layout.cores:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, parse_cores(layout.cores)))
     if layout.tp_size > 1 or layout.fsdp_size > 1:
         env["TP_SIZE"], env["FSDP_SIZE"] = str(layout.tp_size), str(layout.fsdp_size)
     return env
 
 
-def _hardware_errors(spec: RunSpec, hardware: Hardware) -> list[str]:
-    layout, errors = spec.layout, []
-    if hardware.backend == "cpu":
-        if layout.tp_size > 1 or layout.fsdp_size > 1:
-            errors.append("studio.tp_size / studio.fsdp_size: tensor and FSDP parallelism need a Neuron or "
-                          "CUDA device; on the CPU backend use data parallel (tp_size 1, fsdp_size 1)")
-        if layout.nproc > hardware.cpu_count:
-            errors.append(f"studio.nproc: {layout.nproc} processes but this machine has {hardware.cpu_count} "
-                          f"CPU cores; use at most {hardware.cpu_count}")
-    elif layout.nproc > hardware.devices:
-        unit = "NeuronCores" if hardware.backend == "neuron" else "CUDA devices"
-        errors.append(f"studio.nproc: {layout.nproc} processes but {hardware.describe()} has "
-                      f"{hardware.devices} {unit}; use at most {hardware.devices}")
-    return errors
+def _hardware_errors(spec: RunSpec, hardware: Hardware, model_config: dict | None) -> list[str]:
+    layout = spec.layout
+    return check_layout(layout.nproc, layout.tp_size, layout.fsdp_size, layout.cores, hardware, model_config)

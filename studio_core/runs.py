@@ -21,13 +21,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
 
+from studio_core import leases, sources
 from studio_core.events import FINAL_STATES, EventReader, append_event
 from studio_core.hardware import Hardware
+from studio_core.layout import format_cores, parse_cores, pick_cores
 from studio_core.plan import Plan, plan
 from studio_core.procs import kill_run_processes
 from studio_core.spec import RunSpec, SpecError, validated, with_absolute_paths
@@ -144,11 +146,15 @@ class RunManager:
     def plan(self, spec: RunSpec, hardware: Hardware, run_id: str = "<run id>") -> Plan:
         spec = with_absolute_paths(validated(spec))
         run_dir = self.runs_dir / run_id
-        return plan(spec, hardware, run_dir=run_dir, run_id=run_id, cache_root=cache_dir())
+        return plan(spec, hardware, run_dir=run_dir, run_id=run_id, cache_root=cache_dir(),
+                    model_config=sources.model_config(spec.model_name_or_path))
 
     def start(self, spec: RunSpec, hardware: Hardware) -> RunView:
-        """Validate, plan, write the run folder, start its supervisor. Raises SpecError."""
+        """Validate, reserve cores, plan, write the run folder, start its supervisor.
+        Raises SpecError, naming the holder when a core is taken."""
         run_id = self._new_run_id(spec.display_name)
+        spec = validated(spec)
+        spec = replace(spec, layout=replace(spec.layout, cores=self.choose_cores(spec, hardware)))
         launch = self.plan(spec, hardware, run_id)
         if launch.errors:
             raise SpecError(launch.errors)
@@ -158,6 +164,7 @@ class RunManager:
         (tmp / "launch.json").write_text(json.dumps({
             "argv": launch.argv, "env": launch.env, "hardware": hardware.to_dict(),
             "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
+            "cores": parse_cores(spec.layout.cores),
         }, indent=2, default=str))
         append_event(tmp / "events.jsonl", "status", state="starting")
         for warning in launch.warnings:
@@ -178,6 +185,29 @@ class RunManager:
         # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
         threading.Thread(target=supervisor.wait, name=f"reap-{run_id}", daemon=True).start()
         return self.view(run_id)
+
+    def choose_cores(self, spec: RunSpec, hardware: Hardware) -> str:
+        """The cores the run will hold: the ones asked for if all are free, else the first free
+        valid block ("next free"). On the CPU backend these are CPU cores the run is pinned to."""
+        count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+        held = leases.holders(self.runs_dir, hardware.backend, count)
+        if spec.layout.cores is not None:
+            try:
+                wanted = parse_cores(spec.layout.cores)
+            except ValueError as error:
+                raise SpecError([f"studio.cores: {error}"]) from error
+            busy = [f"core {c} is held by {leases.describe(held[c])}" for c in wanted if c in held]
+            if busy:
+                raise SpecError([f"studio.cores: {'; '.join(busy)}: choose free cores, or stop what holds "
+                                 "them first"])
+            return spec.layout.cores
+        block = pick_cores(spec.layout.nproc, set(range(count)) - set(held), hardware)
+        if block is None:
+            holding = sorted({leases.describe(info) for info in held.values()})
+            raise SpecError([f"studio.nproc: no {spec.layout.nproc} free {hardware.backend} cores in a valid "
+                             f"block; {len(held)} of {count} are held ({'; '.join(holding)}): wait for or stop "
+                             "one of them, or ask for fewer processes"])
+        return format_cores(block)
 
     def _new_run_id(self, name: str) -> str:
         """`<time>-<name>-<6 hex>`: the suffix keeps ids unique across runs folders too, which

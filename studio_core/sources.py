@@ -50,6 +50,19 @@ def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
     return []  # checked by the worker when it downloads the model
 
 
+def model_config(name: str) -> dict | None:
+    """The model's config.json when it is on this machine (a folder, or the Hub cache), else None."""
+    if _looks_local(name):
+        path = Path(name).expanduser() / "config.json"
+    else:
+        cached = try_to_load_from_cache(name, "config.json") if HUB_ID.match(name) else None
+        path = Path(cached) if isinstance(cached, str) else None
+    try:
+        return json.loads(path.read_text()) if path else None
+    except (OSError, json.JSONDecodeError):
+        return None  # check_model has said what is wrong with it
+
+
 def _check_config(path: Path, name: str, trust_remote_code: bool) -> list[str]:
     """A causal language model, and one that needs no code of its own unless that is allowed."""
     try:

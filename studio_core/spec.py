@@ -104,8 +104,10 @@ class RunSpec:
         if unknown:
             raise SpecError([f"studio.{k}: unknown key; the studio block takes "
                              f"{', '.join(sorted(layout_keys | STUDIO_KEYS))}" for k in sorted(unknown)])
-        spec = cls(trainer=studio.get("trainer", "sft"),
-                   layout=Layout(**{k: v for k, v in studio.items() if k in layout_keys}),
+        layout = {k: v for k, v in studio.items() if k in layout_keys}
+        if isinstance(layout.get("cores"), int) and not isinstance(layout["cores"], bool):
+            layout["cores"] = str(layout["cores"])  # `cores: 3` is the one-core set "3"
+        spec = cls(trainer=studio.get("trainer", "sft"), layout=Layout(**layout),
                    column_map=studio.get("column_map") or {}, keep_columns=studio.get("keep_columns"),
                    rewards=studio.get("rewards") or [])
         for name in ("model_name_or_path", "dataset_name", "dataset_config",
@@ -259,6 +261,8 @@ def _check_layout(layout: Layout) -> list[str]:
         value = getattr(layout, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.append(f"studio.{name}: must be a whole number of at least 1, got {value!r}")
+    if layout.cores is not None and not isinstance(layout.cores, str):
+        problems.append(f"studio.cores: {layout.cores!r} is not a core set; write it like \"0-3\" or \"0,1\"")
     if problems:
         return problems
     if (layout.tp_size > 1 or layout.fsdp_size > 1) and layout.tp_size * layout.fsdp_size != layout.nproc:

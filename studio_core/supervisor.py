@@ -3,6 +3,9 @@
 Started detached (its own session) by the run manager, with output to train.log:
     python -m studio_core.supervisor RUN_DIR
 It outlives the web app, so closing or restarting the app changes nothing for a run.
+It holds the run's core leases (studio_core.leases) from before torchrun starts until
+every process of the run has ended; on the CPU backend it pins itself, and so torchrun
+and every rank, to those CPU cores.
 The final `status` event is written here, not by the workers, so it is there even when
 a rank is killed or dies in native code. SIGTERM (the manager's stop) is passed on to
 torchrun; whatever of the run is still alive after a grace period is killed.
@@ -19,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from studio_core import leases
 from studio_core.events import append_event, read_events
 from studio_core.procs import kill_run_processes
 
@@ -30,6 +34,16 @@ def main(run_dir: Path) -> int:
     launch = json.loads((run_dir / "launch.json").read_text())
     events = run_dir / "events.jsonl"
     stop_requested_at: float | None = None
+    backend, cores = launch["hardware"]["backend"], launch["cores"]
+    try:  # held until this process ends, after every process of the run has
+        lease = leases.acquire(run_dir.parent, backend, cores, holder=run_dir.name, kind="run")
+    except leases.CoresBusy as busy:  # taken between the manager's check and now
+        append_event(events, "error", message=str(busy))
+        append_event(events, "status", state="failed", exit_code=None)
+        return 1
+    append_event(events, "log", message=f"holding {backend} cores {cores}")
+    if backend == "cpu":
+        os.sched_setaffinity(0, cores)  # torchrun and every rank inherit the pinning
 
     torchrun = subprocess.Popen(launch["argv"], stdin=subprocess.DEVNULL, cwd=run_dir,
                                 env={**os.environ, **launch["env"]})
@@ -54,6 +68,7 @@ def main(run_dir: Path) -> int:
     if left:
         append_event(events, "log", message=f"processes that survived SIGKILL: {[p.pid for p in left]}")
 
+    lease.release()
     if stop_requested:
         append_event(events, "status", state="stopped", exit_code=code)
     elif code == 0:

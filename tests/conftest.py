@@ -13,3 +13,8 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("STUDIO_CACHE_DIR", tempfile.mkdtemp(prefix="studio-test-cache-"))
 # datasets' own cache of the JSONL files the tests load, away from the user's
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="studio-test-datasets-"))
+
+
+def run_folders(runs_dir):
+    """The run folders in a runs folder, without the studio's own state (.leases/)."""
+    return [p for p in runs_dir.iterdir() if not p.name.startswith(".")]

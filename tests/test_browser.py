@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from studio_core.runs import RunManager
+from conftest import run_folders
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = "/usr/bin/chromium"
@@ -111,7 +112,7 @@ def test_click_through_sft_on_the_builtin_default(browser, app, tmp_path):
     plan = page.locator("#plan")
     plan.get_by_text("torch.distributed.run").first.wait_for()
     assert "use_cpu = True" in plan.inner_text()
-    assert list(app.runs_dir.iterdir()) == []  # a preview launches nothing
+    assert run_folders(app.runs_dir) == []  # a preview launches nothing
 
     page.locator("#start").click()
     page.get_by_text("FINISHED").first.wait_for(timeout=120_000)
@@ -143,7 +144,7 @@ def test_bad_input_is_refused_in_the_page_and_launches_nothing(browser, app):
     message.get_by_text("Nothing was launched").wait_for()
     text = message.inner_text()
     assert "/no/such/data.jsonl" in text and "did you mean max_steps" in text
-    assert list(app.runs_dir.iterdir()) == []
+    assert run_folders(app.runs_dir) == []
     # the form keeps what the user typed, so they can correct it
     assert page.locator("#dataset input").first.input_value() == "/no/such/data.jsonl"
 

@@ -31,13 +31,17 @@ def applied_keys(launch) -> dict:
     ("trn2.3xlarge", 2, 4, 1),
     ("trn2.3xlarge", 1, 8, 1),
     ("trn2.48xlarge", 2, 64, 16),
-    ("trn2.48xlarge", 1, 128, 16),
 ])
 def test_instance_hardware(instance, lnc, cores, chips):
     hardware = instance_hardware(instance, lnc=lnc)
     assert (hardware.backend, hardware.devices, hardware.chips, hardware.lnc) == ("neuron", cores, chips, lnc)
     assert not hardware.detected
     assert f"{cores} NeuronCores" in hardware.describe()
+
+
+def test_lnc_1_on_a_trn2_48xlarge_is_refused():
+    with pytest.raises(ValueError, match="cannot address more than 127"):
+        instance_hardware("trn2.48xlarge", lnc=1)
 
 
 def test_unknown_instance_lists_the_known_ones():
@@ -195,7 +199,7 @@ def test_tp_and_fsdp_sizes_reach_the_worker_on_neuron():
 # --- what cannot launch -----------------------------------------------------------------
 @pytest.mark.parametrize("hardware, nproc, limit", [
     (TRN2_3XL, 8, 4),
-    (instance_hardware("trn2.48xlarge"), 65, 64),
+    (instance_hardware("trn2.48xlarge"), 128, 64),
     (Hardware("cuda", 2, cpu_count=16), 4, 2),
     (Hardware("cpu", 2, cpu_count=2), 3, 2),
 ])

@@ -22,6 +22,7 @@ from studio_core.events import FINAL_STATES, read_events
 from studio_core.hardware import cpu_hardware
 from studio_core.procs import kill_run_processes
 from studio_core.runs import RunManager, RunView
+from conftest import run_folders
 from studio_core.spec import RunSpec, SpecError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ def tiny(*overrides: str) -> RunSpec:
 def manager(tmp_path):
     runs = RunManager(tmp_path / "runs")
     yield runs
-    for path in runs.runs_dir.iterdir():  # never leave a trainer running after a test
+    for path in run_folders(runs.runs_dir):  # never leave a trainer running after a test
         kill_run_processes(path.name)
 
 
@@ -126,7 +127,7 @@ def test_a_malformed_line_among_the_first_rows_is_refused_before_launch(manager,
     with pytest.raises(SpecError) as refused:
         manager.start(tiny(f"dataset_name={path}"), cpu_hardware())
     assert "line 2 is not valid JSON" in str(refused.value)
-    assert list(manager.runs_dir.iterdir()) == []
+    assert run_folders(manager.runs_dir) == []
 
 
 # --- a whole run ------------------------------------------------------------------------
@@ -288,7 +289,7 @@ def test_a_run_folder_still_being_made_is_not_listed(manager):
 def test_bad_input_to_start_makes_nothing(manager, overrides):
     with pytest.raises(SpecError):
         manager.start(tiny(*overrides), cpu_hardware())
-    assert list(manager.runs_dir.iterdir()) == []
+    assert run_folders(manager.runs_dir) == []
 
 
 # --- the CLI ------------------------------------------------------------------------------
@@ -296,7 +297,7 @@ def test_cli_train_follows_the_run_to_its_model(tmp_path):
     runs_dir = tmp_path / "runs"
     done = launch_py("train", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu", "--set", "max_steps=20")
     assert done.returncode == 0, done.stderr
-    (run_dir,) = runs_dir.iterdir()
+    (run_dir,) = run_folders(runs_dir)
     assert f"Model saved in {run_dir / 'output'}" in done.stdout
     assert (run_dir / "output" / "config.json").is_file()
     assert "finished (exit code 0)" in done.stdout
@@ -308,7 +309,7 @@ def test_cli_bad_set_says_what_to_change_and_starts_nothing(tmp_path):
     done = launch_py("train", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu", "--set", "max_step=5")
     assert done.returncode == 2
     assert "max_step:" in done.stderr and "did you mean max_steps?" in done.stderr
-    assert not runs_dir.exists() or list(runs_dir.iterdir()) == []
+    assert not runs_dir.exists() or run_folders(runs_dir) == []
 
 
 def test_cli_train_reports_a_failed_run(tmp_path):
@@ -316,7 +317,7 @@ def test_cli_train_reports_a_failed_run(tmp_path):
     done = launch_py("train", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu",
                      "--set", f"dataset_name={broken_dataset(tmp_path)}")
     assert done.returncode == 1
-    (run_dir,) = runs_dir.iterdir()
+    (run_dir,) = run_folders(runs_dir)
     error = RunManager(runs_dir).view(run_dir.name).error_text
     assert "failed" in done.stdout
     assert f"Error: {error}" in done.stderr
@@ -330,7 +331,7 @@ def test_cli_plan_prints_the_command_and_runs_nothing(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "torch.distributed.run --standalone --nnodes=1 --nproc-per-node=2" in done.stdout
     assert "use_cpu = True" in done.stdout
-    assert not runs_dir.exists() or list(runs_dir.iterdir()) == []
+    assert not runs_dir.exists() or run_folders(runs_dir) == []
 
 
 def test_cli_plan_for_trainium_without_trainium(tmp_path):
@@ -344,7 +345,7 @@ def test_cli_plan_for_trainium_without_trainium(tmp_path):
     assert too_many.returncode != 0
     assert "studio.nproc: 8 processes" in too_many.stdout + too_many.stderr
     assert "use at most 4" in too_many.stdout + too_many.stderr
-    assert not runs_dir.exists() or list(runs_dir.iterdir()) == []
+    assert not runs_dir.exists() or run_folders(runs_dir) == []
 
 
 # --- layering -----------------------------------------------------------------------------
@@ -383,3 +384,30 @@ def test_relative_paths_are_made_absolute_for_the_worker(tmp_path, monkeypatch):
     view = manager.start(tiny("dataset_name=data/qa.jsonl", "max_steps=3"), cpu_hardware())
     assert view.spec["dataset_name"] == str(tmp_path / "data" / "qa.jsonl")
     assert wait_until_final(manager, view.id).state == "finished"
+
+
+# --- core reservation -------------------------------------------------------------------
+def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manager):
+    first = manager.start(tiny(*LONG, "studio.cores=0"), cpu_hardware())
+    wait_until_training(manager, first.id)
+    rank0 = ranks(marked_processes(first.id))["0"]
+    assert rank0.cpu_affinity() == [0]  # pinned to the core it holds
+
+    with pytest.raises(SpecError) as refused:
+        manager.start(tiny("max_steps=3", "studio.cores=0"), cpu_hardware())
+    assert f"core 0 is held by run {first.id}" in str(refused.value)
+    assert [p.name for p in run_folders(manager.runs_dir)] == [first.id]  # nothing half-made
+
+    second = manager.start(tiny("max_steps=3"), cpu_hardware())  # "next free": core 1
+    assert second.spec["studio"]["cores"] == "1"
+    assert wait_until_final(manager, second.id).state == "finished"
+    manager.stop(first.id)
+    again = manager.start(tiny("max_steps=3", "studio.cores=0"), cpu_hardware())  # freed by the stop
+    assert wait_until_final(manager, again.id).state == "finished"
+
+
+def test_runs_on_disjoint_cores_run_side_by_side(manager):
+    views = [manager.start(tiny("max_steps=40", f"studio.cores={core}"), cpu_hardware()) for core in (0, 1)]
+    for view in views:
+        wait_until_training(manager, view.id, steps=2)  # both are training at the same time
+    assert [wait_until_final(manager, v.id).state for v in views] == ["finished", "finished"]

@@ -1,0 +1,221 @@
+"""Process layouts: which NeuronCores a run uses and how TP x FSDP splits its processes.
+
+Pure functions over plain data (a `Hardware`, lists of ints, a model's config.json as a
+dict), so every rule here is checked on a machine without Trainium.
+
+    cores = parse_cores("0-3")                      # NEURON_RT_VISIBLE_CORES syntax
+    problems = check_layout(4, 1, 1, cores, instance_hardware("trn2.3xlarge"), None)
+    block = pick_cores(4, free={0, 1, 2, 3}, hardware=...)   # "next free": [0, 1, 2, 3]
+
+Which core sets work. The Neuron runtime wants a contiguous, increasing set, and TRL's
+Trainium guide adds that on a trn2.3xlarge only `0,1`, `2,3` and `0-3` set up collectives
+(`1,2` fails). The rule taken from that: a multi-core set has a power-of-two size and starts
+on a multiple of its size, up to one row of the Trn2 4x4 chip torus (4 chips: 16 cores at
+LNC=2); a bigger set starts on a row boundary, so half a trn2.48xlarge is 0-31, 16-47 or
+32-63 but not 8-39. Beyond the TRL guide's three sets this is an ASSUMPTION, not a measured
+fact, and Trn3 (whose chips meet through a switch, not a torus) gets the same rule.
+
+Ranks and cores: torchrun's ranks take the visible cores in order, and Transformers puts
+TP innermost in its mesh (see `tp_groups`), so each TP group is a run of consecutive cores.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from studio_core.hardware import MAX_TORCH_DEVICES, Hardware
+
+TORUS_ROW_CHIPS = 4  # a Trn2 trn2.48xlarge is a 4x4 torus of chips (Neuron "Trn2 Architecture")
+_PART = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+
+
+def parse_cores(text: str) -> list[int]:
+    """NEURON_RT_VISIBLE_CORES syntax ("0-3", "0,1", "0-1,2-3") -> the cores, in written order."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"no cores given ({text!r}): write a range like 0-3 or a list like 0,1")
+    cores: list[int] = []
+    for part in text.split(","):
+        match = _PART.match(part.strip())
+        if not match:
+            raise ValueError(f"{part.strip()!r} in {text!r} is not a core number or a range: "
+                             "write e.g. 0-3, 0,1 or 0-1,2-3")
+        first, last = int(match[1]), int(match[2] if match[2] is not None else match[1])
+        if last < first:
+            raise ValueError(f"{part.strip()} is a reversed range: write {last}-{first}")
+        for core in range(first, last + 1):
+            if core in cores:
+                raise ValueError(f"core {core} appears twice in {text!r}: list each core once")
+            cores.append(core)
+    return cores
+
+
+def format_cores(cores: list[int]) -> str:
+    """[0, 1, 2, 3] -> "0-3", [2] -> "2", [0, 1, 4] -> "0-1,4" (runs kept in the given order)."""
+    if not cores:
+        raise ValueError("no cores to format")
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def _show(cores: list[int]) -> str:
+    """Two cores as TRL's guide writes them ("0,1"), more as ranges; out of order as written."""
+    plain = len(cores) == 2 or cores != sorted(cores)
+    return ",".join(map(str, cores)) if plain else format_cores(cores)
+
+
+def _cores_per_chip(hardware: Hardware) -> int:
+    return max(1, hardware.devices // hardware.chips) if hardware.chips else max(1, hardware.devices)
+
+
+def _alignment(size: int, hardware: Hardware) -> int:
+    return min(size, TORUS_ROW_CHIPS * _cores_per_chip(hardware))
+
+
+def _blocks_near(size: int, start: int, hardware: Hardware) -> list[str]:
+    """Valid sets of `size` cores around `start` (else the first ones), to suggest instead."""
+    step = _alignment(size, hardware)
+    base = max(0, start) // step * step
+    near = [s for s in (base, base + step) if s + size <= hardware.devices]
+    near = near or [s for s in range(0, hardware.devices - size + 1, step)][:2]
+    return [_show(list(range(s, s + size))) for s in near]
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_core_set(cores: list[int], hardware: Hardware) -> list[str]:
+    """Why this set of cores cannot run one job's collectives, each saying what to use instead."""
+    if not cores:
+        return ["no cores given: name at least one core, e.g. 0"]
+    shown = _show(cores)
+    problems = []
+    outside = [c for c in cores if not 0 <= c < hardware.devices]
+    if outside:
+        problems.append(f"core{'s' if len(outside) > 1 else ''} {', '.join(map(str, outside))} "
+                        f"not on {hardware.describe()}: use cores 0-{hardware.devices - 1}")
+    if len(set(cores)) != len(cores):
+        return problems + [f"{shown} lists a core twice: list each core once"]
+    size, start = len(cores), min(cores)
+    if size == 1:
+        return problems
+    if cores != sorted(cores):
+        return problems + [f"{shown} is not in increasing order: write {format_cores(sorted(cores))}"]
+    if cores[-1] - cores[0] + 1 != size:
+        fix = _blocks_near(size, start, hardware) if _is_power_of_two(size) else []
+        hint = f": use {' or '.join(fix)}" if fix else ": name a range without gaps, e.g. 0-3"
+        return problems + [f"{shown} is not contiguous{hint}"]
+    if not _is_power_of_two(size):
+        lower, upper = 1 << (size.bit_length() - 1), 1 << size.bit_length()
+        options = [f"{n} cores ({' or '.join(_blocks_near(n, start, hardware))})"
+                   for n in (lower, upper) if n <= hardware.devices]
+        return problems + [f"{shown} is {size} cores: a multi-core set must be 2, 4, 8, ... cores "
+                           f"(collectives fail otherwise); use {' or '.join(options)}"]
+    step = _alignment(size, hardware)
+    if start % step:
+        fix = _blocks_near(size, start, hardware)
+        where = f"a multiple of {step}" if step == size else f"a multiple of {step}, a row of {TORUS_ROW_CHIPS} chips"
+        return problems + [f"{shown} is not aligned (it must start at {where}): use {' or '.join(fix)}"]
+    return problems
+
+
+def _heads(model_config: dict) -> tuple[int | None, int | None]:
+    """(attention heads, key/value heads) from a config.json, looking into text_config too."""
+    for config in (model_config, model_config.get("text_config") or {}):
+        heads = config.get("num_attention_heads")
+        if isinstance(heads, int):
+            kv = config.get("num_key_value_heads")
+            return heads, kv if isinstance(kv, int) else heads
+    return None, None
+
+
+def check_layout(nproc: int, tp_size: int, fsdp_size: int, cores: list[int] | str | None,
+                 hardware: Hardware, model_config: dict | None = None) -> list[str]:
+    """Every reason this process layout cannot run on `hardware`, each saying what to change.
+    `model_config` is the model's config.json as a dict (the caller reads it), or None."""
+    sizes = {"nproc": nproc, "tp_size": tp_size, "fsdp_size": fsdp_size}
+    bad = [f"studio.{name}: got {value!r}; use a whole number of at least 1" for name, value in sizes.items()
+           if not isinstance(value, int) or isinstance(value, bool) or value < 1]
+    if bad:
+        return bad
+    problems = []
+    parallel = tp_size > 1 or fsdp_size > 1
+    if parallel and tp_size * fsdp_size != nproc:
+        problems.append(f"studio.tp_size x studio.fsdp_size = {tp_size} x {fsdp_size} = {tp_size * fsdp_size} "
+                        f"must equal studio.nproc = {nproc}: change one of them")
+    if hardware.backend == "cpu":
+        if parallel:
+            problems.append("studio.tp_size / studio.fsdp_size: tensor and FSDP parallelism are not supported "
+                            "on the CPU backend: use data parallel (tp_size 1, fsdp_size 1)")
+        if nproc > hardware.cpu_count:
+            problems.append(f"studio.nproc: {nproc} processes but this machine has {hardware.cpu_count} "
+                            f"CPU cores: use at most {hardware.cpu_count}")
+    elif nproc > hardware.devices:
+        unit = "NeuronCores" if hardware.backend == "neuron" else "CUDA devices"
+        problems.append(f"studio.nproc: {nproc} processes but {hardware.describe()} has {hardware.devices} "
+                        f"{unit}: use at most {hardware.devices}")
+    if hardware.backend == "neuron" and hardware.devices > MAX_TORCH_DEVICES:
+        problems.append(f"{hardware.devices} NeuronCores at LNC={hardware.lnc}: PyTorch cannot address more than "
+                        f"{MAX_TORCH_DEVICES} devices: use LNC=2 (NEURON_LOGICAL_NC_CONFIG=2)")
+    if isinstance(cores, str):
+        try:
+            cores = parse_cores(cores)
+        except ValueError as error:
+            return problems + [f"studio.cores: {error}"]
+    if cores is not None and hardware.backend != "neuron":
+        count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+        if len(cores) != nproc:
+            problems.append(f"studio.cores: {_show(cores)} is {len(cores)} core(s) but studio.nproc is {nproc} "
+                            "(one process per core): make them match")
+        if any(c >= count for c in cores):
+            problems.append(f"studio.cores: {_show(cores)} goes past the {count} {hardware.backend} cores "
+                            f"(0-{count - 1}): choose cores below {count}")
+    elif cores is not None:
+        if len(cores) != nproc:
+            problems.append(f"studio.cores: {_show(cores)} is {len(cores)} core(s) but studio.nproc is {nproc} "
+                            "(one process per core): make them match")
+        problems += [f"studio.cores: {message}" for message in check_core_set(cores, hardware)]
+    elif hardware.backend == "neuron" and nproc > 1 and not _is_power_of_two(nproc):
+        problems.append(f"studio.nproc: {nproc} NeuronCores cannot run collectives together; use 2, 4, 8, ... "
+                        "processes")
+    if model_config and tp_size > 1:
+        heads, kv_heads = _heads(model_config)
+        for count, what in ((heads, "attention heads"), (kv_heads, "key/value heads")):
+            if count is not None and count % tp_size:
+                both = math.gcd(heads, kv_heads)  # each rank must hold whole heads of both kinds
+                fits = [n for n in range(1, both + 1) if both % n == 0]
+                problems.append(f"studio.tp_size: {tp_size} does not divide the model's {count} {what} "
+                                f"({heads} attention, {kv_heads} key/value): use {', '.join(map(str, fits))}")
+                break
+    return problems
+
+
+def pick_cores(nproc: int, free: set[int], hardware: Hardware) -> list[int] | None:
+    """The lowest valid block of `nproc` cores that are all free ("next free"), or None."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+    for start in range(0, count - nproc + 1):
+        block = list(range(start, start + nproc))
+        # CPU cores and CUDA devices need no alignment; NeuronCores do (check_core_set)
+        if free.issuperset(block) and (hardware.backend != "neuron" or not check_core_set(block, hardware)):
+            return block
+    return None
+
+
+def tp_groups(nproc: int, tp_size: int) -> list[list[int]]:
+    """The ranks of each tensor-parallel group, as Transformers groups them.
+
+    transformers 5.24 (distributed/utils.py, initialize_distributed_mesh) builds its dense
+    mesh with torch.distributed.init_device_mesh(device, (pp, dp_replicate, fsdp, tp)),
+    row-major with "tp" last, so a TP group is tp_size consecutive ranks: with 32 processes
+    and TP 4, ranks 0-3, 4-7, ... and FSDP shards across the 8 groups."""
+    if tp_size < 1 or nproc % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide {nproc} processes")
+    return [list(range(first, first + tp_size)) for first in range(0, nproc, tp_size)]
