@@ -21,6 +21,7 @@ from pathlib import Path
 from studio_core.events import FINAL_STATES
 from studio_core.hardware import detect_hardware, instance_hardware, cpu_hardware, INSTANCES
 from studio_core.runs import RunManager, RunView
+from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import RunSpec, SpecError, validated
 
 COMMANDS = ("serve", "train", "plan", "runs", "stop")
@@ -66,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--lnc", type=int, choices=(1, 2), default=2, help="with --instance: the LNC setting")
         for option, key in (("--nproc", "nproc"), ("--tp", "tp_size"), ("--fsdp", "fsdp_size"), ("--cores", "cores")):
             sub.add_argument(option, dest=key, help=f"the layout's {key} (same as --set studio.{key}=...)")
+        if name == "plan":
+            sub.add_argument("--export-script", metavar="FILE", help="also write a runnable bash launch script")
+            sub.add_argument("--slurm-script", metavar="FILE", help="also write a Slurm batch script for --nodes nodes")
+            sub.add_argument("--nodes", type=int, default=2, help="nodes for --slurm-script (default 2)")
         if name == "train":
             sub.add_argument("--detach", action="store_true",
                              help="start the run and return; it goes on in the background")
@@ -100,7 +105,15 @@ def cmd_plan(args) -> int:
     launch = RunManager(args.runs_dir).plan(spec, hardware)
     print(f"Hardware: {hardware.describe()}\n")
     print(launch.describe())
-    return 2 if launch.errors else 0
+    if launch.errors:
+        return 2
+    for path, text in ((args.export_script, launch_script(launch) if args.export_script else None),
+                       (args.slurm_script, slurm_script(launch, args.nodes) if args.slurm_script else None)):
+        if path:
+            Path(path).write_text(text)
+            Path(path).chmod(0o755)
+            print(f"\nWrote {path}")
+    return 0
 
 
 def cmd_train(args) -> int:

@@ -142,8 +142,11 @@ class RunSpec:
             raise SpecError([f"recipe {path} is not valid YAML: {error}"]) from error
         return cls.from_dict(data or {})
 
+    def to_yaml(self) -> str:
+        return yaml.dump(self.to_dict(), Dumper=_RecipeDumper, sort_keys=False)
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.dump(self.to_dict(), Dumper=_RecipeDumper, sort_keys=False))
+        Path(path).write_text(self.to_yaml())
 
     def with_overrides(self, assignments: list[str]) -> RunSpec:
         """Apply `key=value` strings (values read as YAML), as `--set` does."""
