@@ -13,7 +13,7 @@ import gradio as gr
 import yaml
 
 from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
-from studio_core.hardware import Hardware
+from studio_core.hardware import INSTANCES, Hardware, instance_hardware
 from studio_core.sources import cached_models
 from studio_core.spec import Layout, RunSpec, SpecError
 from studio_core.trl_schema import trainer_fields
@@ -21,6 +21,7 @@ from studio_core.trl_schema import trainer_fields
 TRAINERS = {"sft": "SFT (supervised fine-tuning)", "dpo": "DPO (preference pairs)",
             "grpo": "GRPO (online RL with reward functions)"}
 SAMPLE_FOR_TRAINER = {"sft": "builtin:qa", "dpo": "builtin:preference", "grpo": "builtin:prompts"}
+THIS_MACHINE = "this machine"
 DEFAULT_REWARDS = "- {name: length, target: 40, weight: 1.0}\n- {name: exact_match, column: reference, weight: 1.0}\n"
 
 
@@ -90,10 +91,24 @@ class TrainForm:
                                    label="Reward functions (YAML list): built-ins length {target}, regex "
                                    "{pattern}, exact_match {column}; or {file: my_rewards.py, function: name}; "
                                    "each with a weight")
-        with gr.Row():
-            w["nproc"] = gr.Number(1, label="Processes (torchrun nproc)", precision=0, minimum=1,
-                                   info=f"up to {most}", elem_id="nproc")
-            w["run_name"] = gr.Textbox(label="Run name", placeholder="e.g. tiny-sft", elem_id="run_name")
+        w["run_name"] = gr.Textbox(label="Run name", placeholder="e.g. tiny-sft", elem_id="run_name")
+        with gr.Accordion("Layout: processes, parallelism, cores", open=False,
+                          elem_id="layout-box") as self.layout_box:
+            with gr.Row():
+                w["nproc"] = gr.Number(1, label="Processes (torchrun nproc)", precision=0, minimum=1,
+                                       info=f"one per core; up to {most} here", elem_id="nproc")
+                w["tp_size"] = gr.Number(1, label="TP size", precision=0, minimum=1, elem_id="tp_size",
+                                         info="tensor parallel (Neuron/CUDA)")
+                w["fsdp_size"] = gr.Number(1, label="FSDP size", precision=0, minimum=1, elem_id="fsdp_size",
+                                           info="TP x FSDP = processes")
+            with gr.Row():
+                w["cores"] = gr.Textbox(label="Cores", placeholder="next free", elem_id="cores",
+                                        info="e.g. 0-3 or 0,1; empty: the first free valid block")
+                w["target"] = gr.Dropdown([THIS_MACHINE, *INSTANCES], value=THIS_MACHINE, label="Plan for",
+                                          info="another instance type: preview and export only",
+                                          elem_id="target")
+                w["lnc"] = gr.Dropdown([2, 1], value=2, label="LNC (instance types)", elem_id="lnc")
+            self.core_map = gr.HTML("", elem_id="core-map")
         with gr.Accordion("LoRA", open=False):
             w["use_peft"] = gr.Checkbox(False, label="Train a LoRA adapter instead of the full model",
                                         elem_id="use_peft")
@@ -174,5 +189,16 @@ def spec_from_form(v: dict) -> RunSpec:
                    dataset_config=(v["dataset_config"] or "").strip() or None,
                    dataset_train_split=(v["dataset_split"] or "").strip() or "train",
                    run_name=(v["run_name"] or "").strip() or None, args=args,
-                   layout=Layout(nproc=int(v["nproc"] or 1)),
+                   layout=Layout(nproc=int(v["nproc"] or 1), cores=(v["cores"] or "").strip() or None,
+                                 tp_size=int(v["tp_size"] or 1), fsdp_size=int(v["fsdp_size"] or 1)),
                    column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards)
+
+
+def target_hardware(v: dict, detected: Hardware) -> Hardware:
+    """The hardware the form plans for: this machine, or a known instance type."""
+    if v["target"] in (None, THIS_MACHINE):
+        return detected
+    try:
+        return instance_hardware(v["target"], lnc=int(v["lnc"] or 2))
+    except ValueError as error:
+        raise SpecError([f"Plan for: {error}"]) from error

@@ -7,6 +7,7 @@ engine's.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -15,8 +16,11 @@ import pandas as pd
 import yaml
 
 from app import run_panel
-from app.train_form import SAMPLE_FOR_TRAINER, TrainForm, spec_from_form
-from studio_core import data_check, sources
+from app.core_map import core_map_html
+from app.train_form import SAMPLE_FOR_TRAINER, THIS_MACHINE, TrainForm, spec_from_form, target_hardware
+from studio_core import data_check, leases, sources
+from studio_core.layout import check_layout, parse_cores, pick_cores
+from studio_core.scripts import launch_script, slurm_script
 from studio_core.hardware import Hardware
 from studio_core.runs import RunManager
 from studio_core.spec import SpecError
@@ -66,7 +70,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
                 preview_btn = gr.Button("Preview command", elem_id="preview")
                 start_btn = gr.Button("Start", variant="primary", elem_id="start")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+            export_btn = gr.Button("Export launch script", elem_id="export")
             message = gr.Markdown("", elem_id="train-message")
+            exports = gr.File(label="Launch scripts", file_count="multiple", visible=False, elem_id="exports")
             plan_box = gr.Code(label="Plan: command, environment, applied defaults", language="shell",
                                visible=False, lines=14, elem_id="plan")
             panel = run_panel.make_panel()
@@ -101,14 +107,54 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
 
     def on_preview(values):
         try:
-            launch = manager.plan(spec_from_form(form.named(values)), hardware)
+            v = form.named(values)
+            launch = manager.plan(spec_from_form(v), target_hardware(v, hardware))
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
         return "", gr.update(value=launch.describe(), visible=True)
 
+    def on_export(values):
+        try:
+            v = form.named(values)
+            launch = manager.plan(spec_from_form(v), target_hardware(v, hardware))
+            if launch.errors:
+                raise SpecError(launch.errors)
+        except SpecError as error:
+            return problems_markdown(error), gr.update(visible=False)
+        folder = manager.runs_dir / "exports"
+        folder.mkdir(exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", launch.spec.display_name)
+        paths = [folder / f"{name}-launch.sh", folder / f"{name}-slurm.sh"]
+        for path, text in zip(paths, (launch_script(launch), slurm_script(launch, nodes=2))):
+            path.write_text(text)
+            path.chmod(0o755)
+        return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` (Slurm, 2 nodes: change --nodes "
+                "in it for more)."), gr.update(value=[str(p) for p in paths], visible=True)
+
+    def on_layout(values):
+        v = form.named(values)
+        try:
+            target, spec = target_hardware(v, hardware), spec_from_form(v)
+        except (SpecError, ValueError, TypeError) as error:
+            return f"<div class='core-map'>{error}</div>"
+        count = target.cpu_count if target.backend == "cpu" else target.devices
+        held = leases.holders(manager.runs_dir, target.backend, count) if target is hardware else {}
+        try:
+            cores = parse_cores(spec.layout.cores) if spec.layout.cores else pick_cores(
+                spec.layout.nproc, set(range(count)) - set(held), target)
+        except ValueError as error:
+            return f"<div class='core-map'>studio.cores: {error}</div>"
+        problems = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size, cores, target)
+        note = "".join(f"<div style='color:#dc322f;font-size:0.85em'>{p}</div>" for p in problems)
+        return core_map_html(target, cores or [], spec.layout.tp_size, held) + note
+
     def on_start(values):
         try:
-            view = manager.start(spec_from_form(form.named(values)), hardware)
+            v = form.named(values)
+            if v["target"] != THIS_MACHINE:
+                raise SpecError([f"Plan for: {v['target']} is not this machine ({hardware.describe()}); "
+                                 "Preview or Export the launch script for it, or plan for this machine"])
+            view = manager.start(spec_from_form(v), hardware)
         except SpecError as error:
             return problems_markdown(error), gr.update(), gr.update()
         return f"Started run `{view.id}`. It keeps going if you close this page.", gr.update(visible=False), view.id
@@ -126,6 +172,10 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
     form.fix_button.click(on_fix, suggested_fix, w["column_map"]).then(
         on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
     preview_btn.click(on_preview, inputs, [message, plan_box])
+    export_btn.click(on_export, inputs, [message, exports])
+    for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc"):
+        w[name].change(on_layout, inputs, form.core_map, show_progress="hidden")
+    form.layout_box.expand(on_layout, inputs, form.core_map, show_progress="hidden")
     start_btn.click(on_start, inputs, [message, plan_box, selected])
     stop_btn.click(on_stop, selected, message)
     timer = gr.Timer(1.0)

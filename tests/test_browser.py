@@ -218,3 +218,22 @@ def test_a_dataset_that_does_not_fit_gets_a_one_click_fix(browser, app, tmp_path
     page.get_by_text("FINISHED").first.wait_for(timeout=120_000)
     [view] = RunManager(app.runs_dir).list()
     assert view.spec["studio"]["column_map"] == {"question": "prompt", "answer": "completion"}
+
+
+def test_a_two_process_layout_from_the_page(browser, app):
+    page = open_page(browser, app.url)
+    page.get_by_text("Layout: processes, parallelism, cores").click()
+    set_number(page, "nproc", 2)
+    core_map = page.locator("#core-map")
+    playwright_api.expect(core_map.locator(".core[data-state='r1']")).to_have_count(1)
+    playwright_api.expect(core_map).to_contain_text("2 of 2 CPU cores for this run")
+    set_number(page, "max_steps", 10)
+    page.locator("#export").click()
+    playwright_api.expect(page.locator("#train-message")).to_contain_text("launch.sh")
+    exported = sorted(p.name for p in (app.runs_dir / "exports").iterdir())
+    assert exported == ["sft-builtin-tiny-qwen3-launch.sh", "sft-builtin-tiny-qwen3-slurm.sh"]
+    assert "--nproc-per-node=2" in (app.runs_dir / "exports" / exported[0]).read_text()
+    page.locator("#start").click()
+    page.get_by_text("FINISHED").first.wait_for(timeout=180_000)
+    [view] = RunManager(app.runs_dir).list()
+    assert view.world_size == 2 and view.spec["studio"]["cores"] == "0-1"
