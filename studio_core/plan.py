@@ -119,6 +119,11 @@ def plan(spec: RunSpec, hardware: Hardware, run_dir: str | Path = "<run folder>"
     if hardware.backend == "neuron":
         _neuron_model_init(args, spec.trainer, applied)
         warnings += _neuron_warnings(args, spec.trainer)
+    if spec.layout.tp_size > 1 or spec.layout.fsdp_size > 1:
+        applied.append(("model_init_kwargs.distributed_config",
+                        f"DistributedConfig(tp_size={spec.layout.tp_size}, fsdp_size={spec.layout.fsdp_size})",
+                        "the worker passes it to from_pretrained, which shards the model as it loads; the "
+                        "Trainer then uses it as is (no --fsdp flag)"))
     if args.get("torch_compile"):
         applied.append((DYNAMIC_SHAPES_OFF, False, "automatic dynamic shapes make graphs Neuron cannot "
                         "compile (TRL issue 7660); each shape compiles once instead"))

@@ -230,3 +230,19 @@ def test_describe_lists_the_command_and_every_applied_setting():
         assert f"  {key} = " in text and reason in text
     assert "Warnings:" in text and launch.warnings[0] in text
     assert "Cannot launch:" not in text
+
+
+@pytest.mark.parametrize("cores", ["0-3", "0,1", "2,3"])
+def test_seed_core_sets_on_a_trn2_3xlarge_reach_the_environment(cores):
+    nproc = 4 if cores == "0-3" else 2
+    launch = plan(spec(f"studio.nproc={nproc}", f"studio.cores='{cores}'"), TRN2_3XL)
+    assert launch.errors == [] and launch.env["NEURON_RT_VISIBLE_CORES"] == cores
+
+
+def test_a_tp_fsdp_layout_shows_the_distributed_config_it_passes():
+    launch = plan(spec("studio.nproc=32", "studio.tp_size=4", "studio.fsdp_size=8"),
+                  instance_hardware("trn2.48xlarge"))
+    assert launch.errors == []
+    assert ("model_init_kwargs.distributed_config", "DistributedConfig(tp_size=4, fsdp_size=8)") in [
+        (key, value) for key, value, _ in launch.applied]
+    assert launch.env["NEURON_RT_VISIBLE_CORES"] == "0-31" and "--nproc-per-node=32" in launch.argv
