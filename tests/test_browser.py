@@ -151,13 +151,15 @@ def test_bad_input_is_refused_in_the_page_and_launches_nothing(browser, app):
 
 def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser(browser, runs_dir):
     first_app = App(runs_dir)
-    page = open_page(browser, first_app.url)
-    set_number(page, "max_steps", 100_000)
-    set_number(page, "logging_steps", 50)
-    page.locator("#start").click()
-    page.get_by_text("RUNNING").first.wait_for(timeout=120_000)
-    page.close()  # closing the browser changes nothing for the run
-    first_app.kill()  # and neither does the app dying
+    try:
+        page = open_page(browser, first_app.url)
+        set_number(page, "max_steps", 100_000)
+        set_number(page, "logging_steps", 50)
+        page.locator("#start").click()
+        page.get_by_text("RUNNING").first.wait_for(timeout=120_000)
+        page.close()  # closing the browser changes nothing for the run
+    finally:
+        first_app.kill()  # and neither does the app dying
 
     [view] = RunManager(runs_dir).list()
     step = view.step
