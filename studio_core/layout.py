@@ -135,20 +135,32 @@ def _heads(model_config: dict) -> tuple[int | None, int | None]:
     return None, None
 
 
+def _not_whole(nproc, tp_size, fsdp_size) -> list[str]:
+    sizes = {"nproc": nproc, "tp_size": tp_size, "fsdp_size": fsdp_size}
+    return [f"studio.{name}: got {value!r}; use a whole number of at least 1" for name, value in sizes.items()
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1]
+
+
+def check_sizes(nproc: int, tp_size: int, fsdp_size: int) -> list[str]:
+    """The rules on the sizes alone, whatever the hardware: whole numbers, TP x FSDP = processes."""
+    bad = _not_whole(nproc, tp_size, fsdp_size)
+    if bad:
+        return bad
+    if (tp_size > 1 or fsdp_size > 1) and tp_size * fsdp_size != nproc:
+        return [f"studio.tp_size x studio.fsdp_size = {tp_size} x {fsdp_size} = {tp_size * fsdp_size} "
+                f"must equal studio.nproc = {nproc}: change one of them"]
+    return []
+
+
 def check_layout(nproc: int, tp_size: int, fsdp_size: int, cores: list[int] | str | None,
                  hardware: Hardware, model_config: dict | None = None) -> list[str]:
     """Every reason this process layout cannot run on `hardware`, each saying what to change.
     `model_config` is the model's config.json as a dict (the caller reads it), or None."""
-    sizes = {"nproc": nproc, "tp_size": tp_size, "fsdp_size": fsdp_size}
-    bad = [f"studio.{name}: got {value!r}; use a whole number of at least 1" for name, value in sizes.items()
-           if not isinstance(value, int) or isinstance(value, bool) or value < 1]
+    bad = _not_whole(nproc, tp_size, fsdp_size)
     if bad:
-        return bad
-    problems = []
+        return bad  # nothing else can be checked
+    problems = check_sizes(nproc, tp_size, fsdp_size)
     parallel = tp_size > 1 or fsdp_size > 1
-    if parallel and tp_size * fsdp_size != nproc:
-        problems.append(f"studio.tp_size x studio.fsdp_size = {tp_size} x {fsdp_size} = {tp_size * fsdp_size} "
-                        f"must equal studio.nproc = {nproc}: change one of them")
     if hardware.backend == "cpu":
         if parallel:
             problems.append("studio.tp_size / studio.fsdp_size: tensor and FSDP parallelism are not supported "

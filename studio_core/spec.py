@@ -20,6 +20,7 @@ import yaml
 
 from studio_core import data_check, rewards, sources
 from studio_core.builtin import BUILTIN_MODEL
+from studio_core.layout import check_sizes
 from studio_core.trl_schema import TRAINER_CONFIGS, check_value, trainer_fields
 
 AVAILABLE_TRAINERS = tuple(TRAINER_CONFIGS)  # sft, dpo, grpo
@@ -259,18 +260,10 @@ def _check_numbers(spec: RunSpec) -> list[str]:
 
 
 def _check_layout(layout: Layout) -> list[str]:
-    problems = []
-    for name in ("nproc", "tp_size", "fsdp_size"):
-        value = getattr(layout, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"studio.{name}: must be a whole number of at least 1, got {value!r}")
+    """The hardware-free layout rules; the planner checks the rest against the hardware."""
+    problems = check_sizes(layout.nproc, layout.tp_size, layout.fsdp_size)
     if layout.cores is not None and not isinstance(layout.cores, str):
         problems.append(f"studio.cores: {layout.cores!r} is not a core set; write it like \"0-3\" or \"0,1\"")
-    if problems:
-        return problems
-    if (layout.tp_size > 1 or layout.fsdp_size > 1) and layout.tp_size * layout.fsdp_size != layout.nproc:
-        problems.append(f"studio.tp_size x studio.fsdp_size = {layout.tp_size * layout.fsdp_size} must equal "
-                        f"studio.nproc = {layout.nproc}: change one of them")
     return problems
 
 
