@@ -15,7 +15,7 @@ import yaml
 from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.hardware import INSTANCES, Hardware, instance_hardware
 from studio_core.sources import cached_models
-from studio_core.spec import Layout, RunSpec, SpecError
+from studio_core.spec import Layout, RunSpec, SpecError, check_args
 from studio_core.trl_schema import trainer_fields
 
 TRAINERS = {"sft": "SFT (supervised fine-tuning)", "dpo": "DPO (preference pairs)",
@@ -131,6 +131,7 @@ class TrainForm:
                                                  "code (only for authors you trust)")
             w["extra"] = gr.Code(label="Other TRL settings (YAML, TRL's names), e.g. `save_steps: 100`",
                                  language="yaml", lines=3, value="", elem_id="extra")
+            self.extra_check = gr.Markdown("", elem_id="extra-check")
 
     def components(self) -> set:
         return set(self.widgets.values())
@@ -149,6 +150,17 @@ def _yaml(text: str, what: str, kind: type):
     if not isinstance(value, kind):
         raise SpecError([f"{what}: write a YAML {'mapping' if kind is dict else 'list'}"])
     return value
+
+
+def check_extra(trainer: str, text: str) -> str:
+    """The live verdict under the 'Other TRL settings' box."""
+    try:
+        problems = check_args(trainer, _yaml(text, "Other TRL settings", dict))
+    except SpecError as error:
+        problems = error.problems
+    if problems:
+        return "\n".join(f"- {p}" for p in problems)
+    return "TRL settings recognised." if (text or "").strip() else ""
 
 
 def spec_from_form(v: dict) -> RunSpec:

@@ -17,7 +17,8 @@ import yaml
 
 from app import run_panel
 from app.core_map import core_map_html
-from app.train_form import SAMPLE_FOR_TRAINER, THIS_MACHINE, TrainForm, spec_from_form, target_hardware
+from app.train_form import (SAMPLE_FOR_TRAINER, THIS_MACHINE, TrainForm, check_extra, spec_from_form,
+                            target_hardware)
 from studio_core import data_check, leases, sources
 from studio_core.layout import check_layout, parse_cores, pick_cores
 from studio_core.scripts import launch_script, slurm_script
@@ -171,6 +172,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
     form.check_button.click(on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
     form.fix_button.click(on_fix, suggested_fix, w["column_map"]).then(
         on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
+    for name in ("extra", "trainer"):
+        w[name].change(check_extra, [w["trainer"], w["extra"]], form.extra_check, show_progress="hidden")
     preview_btn.click(on_preview, inputs, [message, plan_box])
     export_btn.click(on_export, inputs, [message, exports])
     for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc"):

@@ -177,18 +177,7 @@ def validate(spec: RunSpec) -> list[str]:
         known = ", ".join(AVAILABLE_TRAINERS)
         problems.append(f"studio.trainer: {spec.trainer!r} is not available; choose {known}")
         return problems
-    allowed = trainer_fields(spec.trainer)
-    for key, value in spec.args.items():
-        if key in STUDIO_OWNED:
-            problems.append(f"{key}: set by the studio ({STUDIO_OWNED[key]}); remove it")
-        elif key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; see {TRAINER_CONFIGS[spec.trainer]}'s fields"
-            problems.append(f"{key}: not a setting of TRL's {TRAINER_CONFIGS[spec.trainer]}{hint}")
-        else:
-            message = check_value(key, value, allowed[key])
-            if message:
-                problems.append(message)
+    problems += check_args(spec.trainer, spec.args)
     problems += _check_numbers(spec)
     problems += _check_layout(spec.layout)
     # YAML reads `run_name: 2024-06-01` as a date and `dataset_name: 7` as a number.
@@ -203,6 +192,24 @@ def validate(spec: RunSpec) -> list[str]:
         problems += sources.check_model(spec.model_name_or_path, bool(spec.args.get("trust_remote_code")))
     if "dataset_name" not in not_text:
         problems += _check_data(spec)
+    return problems
+
+
+def check_args(trainer: str, args: dict) -> list[str]:
+    """Each TRL setting checked against the trainer's config: known name, right kind of value."""
+    problems = []
+    allowed = trainer_fields(trainer)
+    for key, value in args.items():
+        if key in STUDIO_OWNED:
+            problems.append(f"{key}: set by the studio ({STUDIO_OWNED[key]}); remove it")
+        elif key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; see {TRAINER_CONFIGS[trainer]}'s fields"
+            problems.append(f"{key}: not a setting of TRL's {TRAINER_CONFIGS[trainer]}{hint}")
+        else:
+            message = check_value(key, value, allowed[key])
+            if message:
+                problems.append(message)
     return problems
 
 

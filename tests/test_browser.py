@@ -139,6 +139,8 @@ def test_bad_input_is_refused_in_the_page_and_launches_nothing(browser, app):
     dataset.press("Enter")
     page.get_by_text("Advanced").click()
     page.locator("#extra .cm-content").first.fill("max_step: 5")
+    # checked as it is typed, before anything is started
+    page.locator("#extra-check").get_by_text("did you mean max_steps").wait_for()
     page.locator("#start").click()
     message = page.locator("#train-message")
     message.get_by_text("Nothing was launched").wait_for()
