@@ -15,6 +15,7 @@ from pathlib import Path
 
 from studio_core import sources
 from studio_core.builtin import BUILTIN_MODEL
+from studio_core.compile_cache import compile_cache_env
 from studio_core.hardware import Hardware
 from studio_core.layout import check_layout, parse_cores
 from studio_core.spec import RunSpec, resolved
@@ -98,9 +99,11 @@ class Plan:
 
 
 def plan(spec: RunSpec, hardware: Hardware, run_dir: str | Path = "<run folder>",
-         run_id: str = "<run id>", cache_root: str | Path = "<studio cache>",
+         run_id: str = "<run id>", compile_cache: str | Path = "<compile cache>",
          model_config: dict | None = None) -> Plan:
-    """`model_config` (the model's config.json, when at hand) lets the layout check heads vs TP."""
+    """`compile_cache` is the compile cache root (compile_cache.compile_cache_root(), passed in
+    so the plan stays pure); `model_config` (the model's config.json, when at hand) lets the
+    layout check heads vs TP."""
     args = dict(spec.args)
     applied: list[tuple[str, object, str]] = []
     warnings: list[str] = []
@@ -128,7 +131,7 @@ def plan(spec: RunSpec, hardware: Hardware, run_dir: str | Path = "<run folder>"
         applied.append((DYNAMIC_SHAPES_OFF, False, "automatic dynamic shapes make graphs Neuron cannot "
                         "compile (TRL issue 7660); each shape compiles once instead"))
     layout = spec.layout
-    env = _environment(spec, hardware, run_id, cache_root, applied)
+    env = _environment(spec, hardware, run_id, compile_cache, applied)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
             f"--nproc-per-node={layout.nproc}", "-m", WORKER_MODULE, str(run_dir)]
     return Plan(argv, env, resolved(spec, args), applied, warnings, _hardware_errors(spec, hardware, model_config))
@@ -166,7 +169,7 @@ def _neuron_warnings(args: dict, trainer: str) -> list[str]:
     return warnings
 
 
-def _environment(spec: RunSpec, hardware: Hardware, run_id: str, cache_root, applied) -> dict[str, str]:
+def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, applied) -> dict[str, str]:
     layout = spec.layout
     env = {
         "PYTHONPATH": str(REPO_ROOT),
@@ -179,6 +182,10 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, cache_root, app
     if local_model and local_data:
         env["HF_HUB_OFFLINE"] = "1"
         applied.append(("HF_HUB_OFFLINE", "1", "model and dataset are local: the run makes no network call"))
+    env.update(compile_cache_env(hardware.backend, compile_cache))
+    applied.append(("TORCHINDUCTOR_CACHE_DIR", env["TORCHINDUCTOR_CACHE_DIR"], "with torch.compile's inductor "
+                    "backend, compiled graphs (FX graph and AOTAutograd caches) are kept and reused by later "
+                    f"{hardware.backend} runs; shared by every run on this backend"))
     if hardware.backend == "cpu":
         cores = len(parse_cores(layout.cores)) if layout.cores else hardware.cpu_count
         threads = max(1, cores // layout.nproc)
@@ -189,10 +196,10 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, cache_root, app
         cores = layout.cores or (f"{first}-{first + layout.nproc - 1}" if layout.nproc > 1 else str(first))
         env["NEURON_RT_VISIBLE_CORES"] = cores  # the run's leased cores; a preview shows the first ones
         env["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
-        env["TORCH_NEURONX_NEFF_CACHE_DIR"] = f"{cache_root}/neff-cache"
         applied.append(("HF_DEACTIVATE_ASYNC_LOAD", "1", "Transformers' async weight loading hangs on Neuron"))
         applied.append(("TORCH_NEURONX_NEFF_CACHE_DIR", env["TORCH_NEURONX_NEFF_CACHE_DIR"],
-                        "compiled graphs are kept and reused by later runs with the same shapes"))
+                        "compiled graphs (NEFFs) are kept and reused by later steps and runs with identical "
+                        "graphs: same model, shapes, dtype, layout and compiler version"))
         if hardware.lnc:
             env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.lnc)
     if hardware.backend == "cuda" and layout.cores:

@@ -33,7 +33,7 @@ from studio_core.layout import format_cores, parse_cores, pick_cores
 from studio_core.plan import Plan, plan
 from studio_core.procs import kill_run_processes
 from studio_core.spec import RunSpec, SpecError, validated, with_absolute_paths
-from studio_core.builtin import cache_dir
+from studio_core.compile_cache import compile_cache_root
 
 DEFAULT_RUNS_DIR = "~/trn-studio/runs"
 STARTING_GRACE_S = 30  # how long a folder may exist before its supervisor.json does
@@ -146,7 +146,7 @@ class RunManager:
     def plan(self, spec: RunSpec, hardware: Hardware, run_id: str = "<run id>") -> Plan:
         spec = with_absolute_paths(validated(spec))
         run_dir = self.runs_dir / run_id
-        return plan(spec, hardware, run_dir=run_dir, run_id=run_id, cache_root=cache_dir(),
+        return plan(spec, hardware, run_dir=run_dir, run_id=run_id, compile_cache=compile_cache_root(),
                     model_config=sources.model_config(spec.model_name_or_path))
 
     def start(self, spec: RunSpec, hardware: Hardware) -> RunView:

@@ -54,8 +54,8 @@ def test_unknown_instance_lists_the_known_ones():
 def test_plan_is_pure(hardware):
     original = spec("studio.nproc=2", "model_init_kwargs={dtype: float32}")
     before = copy.deepcopy(original)
-    first = plan(original, hardware, run_dir="/runs/r1", run_id="r1", cache_root="/cache")
-    second = plan(original, hardware, run_dir="/runs/r1", run_id="r1", cache_root="/cache")
+    first = plan(original, hardware, run_dir="/runs/r1", run_id="r1", compile_cache="/cache")
+    second = plan(original, hardware, run_dir="/runs/r1", run_id="r1", compile_cache="/cache")
     assert first == second
     assert original == before  # the spec given is not changed
     assert first.spec is not original and first.spec.args is not original.args
@@ -86,14 +86,15 @@ def test_backend_defaults_are_applied_each_with_a_reason(hardware, expected, abs
 
 
 def test_neuron_plan_for_trn2_3xlarge():
-    launch = plan(spec("studio.nproc=4"), TRN2_3XL, run_dir="/runs/r1", run_id="r1", cache_root="/cache")
+    launch = plan(spec("studio.nproc=4"), TRN2_3XL, run_dir="/runs/r1", run_id="r1", compile_cache="/cache")
     assert launch.spec.args["model_init_kwargs"] == {"device_map": None}
     applied = applied_keys(launch)
     assert "model_init_kwargs.device_map" in applied and applied["model_init_kwargs.device_map"] is None
     assert applied[DYNAMIC_SHAPES_OFF] is False  # torch_compile is on
     assert launch.env["HF_DEACTIVATE_ASYNC_LOAD"] == "1"
     assert launch.env["NEURON_RT_VISIBLE_CORES"] == "0-3"
-    assert launch.env["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/cache/neff-cache"
+    assert launch.env["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/cache/neuron/neff"
+    assert launch.env["TORCHINDUCTOR_CACHE_DIR"] == "/cache/neuron/inductor"
     assert launch.env["NEURON_LOGICAL_NC_CONFIG"] == "2"
     assert "OMP_NUM_THREADS" not in launch.env
     assert launch.errors == []

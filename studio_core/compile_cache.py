@@ -1,0 +1,126 @@
+"""The persistent compile cache: where runs keep their compiled graphs, its size, and clearing it.
+
+One folder per backend under the compile cache root (`$STUDIO_COMPILE_CACHE`, else
+`<studio cache>/compile-cache`), so every run with the same compiler stack shares it:
+
+    <root>/neuron/neff/       TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR)
+    <root>/<backend>/inductor/  TORCHINDUCTOR_CACHE_DIR: Inductor's FX graph cache (fxgraph/)
+                              and the AOTAutograd cache (aotautograd/), with the C++ and
+                              Python code they load; used only by the inductor backend
+
+The planner puts these folders in a run's environment (`compile_cache_env`); the Runs tab
+and `launch.py cache` show them and clear them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from studio_core.builtin import cache_dir
+from studio_core.events import FINAL_STATES
+
+BACKENDS = ("cpu", "cuda", "neuron")
+NEFF = "neff"
+INDUCTOR = "inductor"
+# Inductor's own cache layout (checked on torch 2.13, CPU): one file per entry in these
+# folders, under a folder per key; the other files in inductor/ are the code they load.
+INDUCTOR_ENTRIES = {"fxgraph": "Inductor FX graphs", "aotautograd": "AOTAutograd entries"}
+
+
+class CacheInUse(RuntimeError):
+    """Clearing was refused because runs are active; the message names them."""
+
+
+@dataclass
+class CacheSummary:
+    path: Path
+    exists: bool
+    size_bytes: int = 0
+    entries: dict[str, int] = field(default_factory=dict)  # kind of entry -> how many
+    newest: float | None = None  # mtime of the newest file, Unix seconds
+
+    def describe(self) -> str:
+        if not self.exists:
+            return f"{self.path}: not created yet (nothing compiled)"
+        counts = ", ".join(f"{kind}: {n}" for kind, n in self.entries.items()) or "no entries"
+        return f"{self.path}: {format_size(self.size_bytes)}; {counts}"
+
+
+def compile_cache_root() -> Path:
+    """The configured root: `$STUDIO_COMPILE_CACHE`, else `<studio cache>/compile-cache`."""
+    configured = os.environ.get("STUDIO_COMPILE_CACHE")
+    return Path(configured).expanduser() if configured else cache_dir() / "compile-cache"
+
+
+def compile_cache_dir(backend: str, root: str | Path | None = None) -> Path:
+    """The folder for one backend's compiled graphs (`root` defaults to the configured one)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    return Path(root if root is not None else compile_cache_root()) / backend
+
+
+def compile_cache_env(backend: str, root: str | Path) -> dict[str, str]:
+    """The environment that points a run's compilers at the cache. Pure: `root` is given."""
+    folder = compile_cache_dir(backend, root)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(folder / INDUCTOR)}
+    if backend == "neuron":
+        env["TORCH_NEURONX_NEFF_CACHE_DIR"] = str(folder / NEFF)
+    return env
+
+
+def summary(path: str | Path) -> CacheSummary:
+    """Size, entry counts and newest file of a backend's cache folder."""
+    path = Path(path)
+    if not path.is_dir():
+        return CacheSummary(path, exists=False)
+    size, newest = 0, None
+    for file in (p for p in path.rglob("*") if p.is_file() and not p.is_symlink()):
+        stat = file.stat()
+        size += stat.st_size
+        newest = max(newest or 0.0, stat.st_mtime)
+    entries = {}
+    if (path / NEFF).is_dir():
+        # Not checked on Trainium: we could not see how TorchNeuron lays out its NEFF
+        # cache, so this counts what is at the top of neff/, one entry per item.
+        entries["NEFF cache items"] = sum(1 for _ in (path / NEFF).iterdir())
+    for folder, kind in INDUCTOR_ENTRIES.items():
+        if (path / INDUCTOR / folder).is_dir():
+            entries[kind] = sum(1 for p in (path / INDUCTOR / folder).rglob("*") if p.is_file())
+    return CacheSummary(path, True, size, entries, newest)
+
+
+def active_runs(runs_dir: str | Path | None) -> list[str]:
+    """Ids of the runs in `runs_dir` that have not ended."""
+    from studio_core.runs import RunManager  # runs imports the planner, which imports this module
+
+    return [view.id for view in RunManager(runs_dir).list() if view.live_state not in FINAL_STATES]
+
+
+def clear(path: str | Path, runs_dir: str | Path | None = None) -> CacheSummary:
+    """Delete everything in the cache folder; refused (CacheInUse) while a run is active,
+    since a running compiler may be reading or writing it. Only `runs_dir` is checked:
+    runs from another runs folder that share this cache are not seen."""
+    path = Path(path)
+    running = active_runs(runs_dir)
+    if running:
+        raise CacheInUse(f"Cannot clear the compile cache while runs are active: {', '.join(running)}. "
+                         "Stop them or wait until they end, then clear it.")
+    if path.is_dir():
+        for item in path.iterdir():
+            if item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item)
+            else:
+                item.unlink()
+    return summary(path)
+
+
+def format_size(size: float) -> str:
+    if size < 1024:
+        return f"{size:.0f} B"
+    for unit in ("KB", "MB", "GB"):
+        size /= 1024
+        if size < 1024 or unit == "GB":
+            return f"{size:.1f} {unit}"
