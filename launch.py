@@ -5,6 +5,7 @@
     python launch.py plan RECIPE.yaml         print the exact command and environment; runs nothing
     python launch.py runs                     list the runs in the runs folder
     python launch.py stop RUN_ID              stop a run and every process of it
+    python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
 
 Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
 """
@@ -18,13 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+from studio_core import compile_cache
 from studio_core.events import FINAL_STATES
 from studio_core.hardware import detect_hardware, instance_hardware, cpu_hardware, INSTANCES
 from studio_core.runs import RunManager, RunView
 from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import RunSpec, SpecError, validated
 
-COMMANDS = ("serve", "train", "plan", "runs", "stop")
+COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache")
 
 
 def main(argv: list[str]) -> int:
@@ -77,6 +79,10 @@ def parser() -> argparse.ArgumentParser:
     command("runs", cmd_runs, "list runs with their state")
     stop = command("stop", cmd_stop, "stop a run")
     stop.add_argument("run_id")
+    cache = command("cache", cmd_cache, "show the compile cache's folder, size and entries, or clear it")
+    cache.add_argument("--backend", choices=compile_cache.BACKENDS,
+                       help="whose cache (default: this machine's backend)")
+    cache.add_argument("--clear", action="store_true", help="delete it; refused while a run is active")
     return top
 
 
@@ -182,6 +188,19 @@ def cmd_runs(args) -> int:
 def cmd_stop(args) -> int:
     view = RunManager(args.runs_dir).stop(args.run_id)
     print(f"Run {view.id}: {view.live_state}")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    folder = compile_cache.compile_cache_dir(args.backend or detect_hardware().backend)
+    if args.clear:
+        try:
+            compile_cache.clear(folder, args.runs_dir)
+        except compile_cache.CacheInUse as error:
+            print(error, file=sys.stderr)
+            return 2
+        print(f"Cleared {folder}")
+    print(compile_cache.summary(folder).describe())
     return 0
 
 
