@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app import runs_tab, train_tab
+from app import cache_panel, runs_tab, train_tab
 from studio_core.hardware import Hardware, detect_hardware
 from studio_core.runs import RunManager
 
@@ -35,5 +35,6 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
             train_tab.build(manager, hardware, selected)
         with gr.Tab("Runs", elem_id="tab-runs"):
             runs_tab.build(manager)
+            cache_panel.build(manager, hardware.backend)
         demo.load(lambda: latest_active_run(manager), None, selected)
     return demo
