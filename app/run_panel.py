@@ -1,4 +1,5 @@
-"""The live view of one run: state, progress and ETA, loss and learning-rate plots, log tail.
+"""The live view of one run: state, progress and ETA, compilations, loss and learning-rate
+plots, log tail.
 
 Both tabs show runs the same way, so the widgets and the function that fills them live
 here. Everything shown is read from the run's folder through the run manager, so a
@@ -24,6 +25,7 @@ def make_panel() -> list[gr.Component]:
     """Create the panel's widgets in the current Blocks context, in the order `render` fills them."""
     status = gr.Markdown("No run selected.", elem_classes="run-status")
     progress = gr.HTML("")
+    compiles = gr.HTML("", elem_classes="run-compiles")
     error = gr.Code(label="Error", visible=False, language=None, lines=8)
     with gr.Row():
         loss = gr.LinePlot(x="step", y="loss", title="Loss", height=260)
@@ -32,21 +34,21 @@ def make_panel() -> list[gr.Component]:
                      interactive=False, elem_classes="run-log")
     with gr.Accordion("Settings the studio applied, and why", open=False):
         applied = gr.Markdown("")
-    return [status, progress, error, loss, lr, log, applied]
+    return [status, progress, compiles, error, loss, lr, log, applied]
 
 
 def render(manager: RunManager, run_id: str | None) -> list:
     """The values for `make_panel()`'s widgets for this run."""
     if not run_id:
-        return ["No run selected.", "", gr.update(visible=False), _frame("loss"), _frame("learning_rate"),
+        return ["No run selected.", "", "", gr.update(visible=False), _frame("loss"), _frame("learning_rate"),
                 "", ""]
     try:
         view = manager.view(run_id)
     except KeyError:
-        return [f"Run `{run_id}` not found in {manager.runs_dir}.", "", gr.update(visible=False),
+        return [f"Run `{run_id}` not found in {manager.runs_dir}.", "", "", gr.update(visible=False),
                 _frame("loss"), _frame("learning_rate"), "", ""]
     error = _error_text(view)
-    return [status_markdown(view), progress_html(view),
+    return [status_markdown(view), progress_html(view), compiles_html(view),
             gr.update(value=error, visible=bool(error)),
             _frame("loss", view), _frame("learning_rate", view), log_tail(view), applied_markdown(view)]
 
@@ -74,13 +76,61 @@ def progress_html(view: RunView) -> str:
     eta = view.eta_seconds()
     label = f"step {view.step} / {total or '?'}"
     if eta is not None:
-        label += f" · ETA {format_seconds(eta)}"
+        label += f" · ETA {format_seconds(eta)} (compilation left out)"
     elif view.live_state == "starting":
         label = "starting: loading the model and data, building the trainer ..."
     return (f"<div class='run-progress' data-step='{view.step}' data-total='{total}'>"
             f"<div style='background:#eee8d5;border-radius:4px;height:14px'>"
             f"<div style='background:#268bd2;width:{fraction * 100:.1f}%;height:14px;border-radius:4px'></div>"
             f"</div><div style='font-size:0.9em;margin-top:4px'>{html.escape(label)}</div></div>")
+
+
+def compiles_html(view: RunView) -> str:
+    """What is compiling now, the totals, a timeline of compile time against training time,
+    and a warning for each compilation after the warm-up."""
+    if not view.compiles and not view.compiling:
+        return ""
+    parts = []
+    for (graph, phase), event in view.compiling.items():
+        if view.ended is None:
+            parts.append(f"<div class='compile-now'>Compiling now: graph {graph} ({phase}) for "
+                         f"{format_seconds(time.time() - event['time'])}</div>")
+    seconds = view.compile_seconds()
+    wall = view.duration() or 0
+    totals = (f"{len(view.compiles)} compilation(s) in {short_seconds(seconds)}"
+              + (f" ({seconds / wall:.0%} of the run's time so far)" if wall > 0 else "")
+              + f"; {len(view.shapes)} batch shape(s) reached the model")
+    rate = view.tokens_per_second()
+    if view.step_seconds:
+        totals += f"; training {short_seconds(sum(view.step_seconds))} without compilation"
+    if rate:
+        totals += f", {rate:,.0f} tokens/s"
+    parts.append(f"<div class='compile-totals'>{html.escape(totals)}</div>")
+    parts.append(_timeline(view))
+    for c in view.late_compiles()[-5:]:
+        reason = c.get("reason") or "no reason logged"
+        parts.append(f"<div class='compile-warning' style='color:#cb4b16'>Step {c['step']} compiled again (graph "
+                     f"{html.escape(c['graph'])}, {c['seconds']:.1f} s) after the warm-up: {html.escape(reason)}. "
+                     "Something is producing new shapes: pad to a fixed multiple (pad_to_multiple_of) or pack "
+                     "(packing), see the shape forecast.</div>")
+    return f"<div class='compiles' data-compiles='{len(view.compiles)}'>{''.join(parts)}</div>"
+
+
+def _timeline(view: RunView) -> str:
+    """A bar from the first step's start to now (or the end): compile time in orange."""
+    begin = view.started or (min(c["started"] for c in view.compiles) if view.compiles else None)
+    end = view.ended or time.time()
+    if not begin or end <= begin:
+        return ""
+    spans = [(c["started"], c["time"]) for c in view.compiles]
+    spans += [(e["time"], end) for e in view.compiling.values()] if view.ended is None else []
+    segments = "".join(
+        f"<div class='compile-span' style='position:absolute;left:{(a - begin) / (end - begin) * 100:.2f}%;"
+        f"width:{max(0.3, (b - a) / (end - begin) * 100):.2f}%;height:100%;background:#cb4b16'></div>"
+        for a, b in spans if b >= begin)
+    return ("<div class='compile-timeline' title='compile time (orange) against training time (blue)' "
+            "style='position:relative;background:#268bd2;height:10px;border-radius:3px;margin:4px 0'>"
+            f"{segments}</div><div style='font-size:0.8em'>timeline: compiling (orange), training (blue)</div>")
 
 
 def log_tail(view: RunView) -> str:
@@ -124,6 +174,10 @@ def format_seconds(seconds: float) -> str:
     seconds = int(max(0, seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def short_seconds(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 60 else format_seconds(seconds)
 
 
 def format_time(timestamp: float | None) -> str:

@@ -37,6 +37,8 @@ from studio_core.compile_cache import compile_cache_root
 
 DEFAULT_RUNS_DIR = "~/trn-studio/runs"
 STARTING_GRACE_S = 30  # how long a folder may exist before its supervisor.json does
+RECENT_STEPS = 20  # the ETA's window of step times
+WARMUP_STEPS = 2  # compilations in these first steps are expected; later ones get a warning
 
 
 def default_runs_dir() -> Path:
@@ -60,6 +62,11 @@ class RunView:
     metrics: list[dict] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
     progress_times: list[tuple[float, int]] = field(default_factory=list)  # (time, step)
+    step_seconds: list[float] = field(default_factory=list)  # each step's time, compilation left out
+    tokens: int = 0  # real (unpadded) tokens trained on
+    compiles: list[dict] = field(default_factory=list)  # compile_end events, with their start's reason
+    compiling: dict[tuple, dict] = field(default_factory=dict)  # compile_start events not ended yet
+    shapes: list[dict] = field(default_factory=list)  # shape events: batch shapes as they first came
     spec: dict = field(default_factory=dict)
     _reader: EventReader | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # app threads share views
@@ -95,6 +102,17 @@ class RunView:
             self.max_steps = event.get("max_steps", self.max_steps)
             self.epoch = event.get("epoch", self.epoch)
             self.progress_times.append((event["time"], self.step))
+            if "step_s" in event:
+                self.step_seconds.append(event["step_s"])
+                self.tokens += event.get("tokens", 0)
+        elif kind == "compile_start":
+            self.compiling[(event["graph"], event["phase"])] = event
+        elif kind == "compile_end":
+            start = self.compiling.pop((event["graph"], event["phase"]), {})
+            self.compiles.append({**event, "started": start.get("time", event["time"] - event["seconds"]),
+                                  "reason": start.get("reason")})
+        elif kind == "shape":
+            self.shapes.append(event)
         elif kind == "metrics":
             self.metrics.append(event)
         elif kind == "error":
@@ -121,13 +139,31 @@ class RunView:
         return None
 
     def eta_seconds(self) -> float | None:
-        """Remaining time from the average step time so far (None until two steps are seen)."""
+        """Remaining time from the recent step times, compilation left out (None until two
+        steps are seen): a compilation is a one-off, not a rate."""
         if not self.max_steps or len(self.progress_times) < 2 or self.live_state not in ("running",):
             return None
+        recent = self.step_seconds[1:][-RECENT_STEPS:]  # the first step also loads and warms up
+        if recent:
+            return sum(recent) / len(recent) * (self.max_steps - self.step)
         (t0, s0), (t1, s1) = self.progress_times[0], self.progress_times[-1]
         if s1 <= s0:
             return None
         return (t1 - t0) / (s1 - s0) * (self.max_steps - s1)
+
+    def compile_seconds(self) -> float:
+        """Time spent compiling so far, the compilations still running included."""
+        ongoing = sum(time.time() - e["time"] for e in self.compiling.values()) if self.ended is None else 0
+        return sum(c["seconds"] for c in self.compiles) + ongoing
+
+    def tokens_per_second(self) -> float | None:
+        """Training throughput in real tokens per second of step time (compilation left out)."""
+        seconds = sum(self.step_seconds)
+        return self.tokens / seconds if seconds > 0 and self.tokens else None
+
+    def late_compiles(self) -> list[dict]:
+        """Compilations after the warm-up steps: something is producing new shapes."""
+        return [c for c in self.compiles if c.get("step", 0) > WARMUP_STEPS and c["phase"] == "forward"]
 
     def duration(self) -> float | None:
         begin = self.created

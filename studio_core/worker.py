@@ -15,11 +15,13 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
 from studio_core import sources
 from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+from studio_core.compile_watch import CompileWatch, ShapeWatch
 from studio_core.data_check import prepare_dataset
 from studio_core.events import append_event
 from studio_core.rewards import reward_functions
@@ -80,18 +82,39 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
     dataset = prepare_dataset(load_train_dataset(spec), spec.column_map, spec.keep_columns)
 
     class EventCallback(TrainerCallback):
-        """Rank 0 reports the run's progress and metrics as events."""
+        """Rank 0 reports progress, metrics, compilations and new batch shapes as events.
+        A step's time is the wall time since the previous step ended, less the compile time
+        in it, so step times, tokens/s and the ETA are not skewed by compilation."""
+
+        def __init__(self):
+            self.state = None
+            self.compiles = CompileWatch(events, self.current_step)
+            self.shapes = ShapeWatch(events, self.current_step)
+            self.compiles.install()
+
+        def current_step(self) -> int:
+            return self.state.global_step + 1 if self.state else 0
 
         def on_train_begin(self, args, state, control, **kwargs):
+            self.state = state
+            self.shapes.install(trainer.model_wrapped)  # outermost wrapper: outside the compiled graph
+            self.mark = (time.time(), self.compiles.compile_seconds(), self.shapes.tokens)
             append_event(events, "status", state="running", world_size=args.world_size,
                          max_steps=state.max_steps, num_train_epochs=state.num_train_epochs)
 
         def on_step_end(self, args, state, control, **kwargs):
+            now, compiled, tokens = time.time(), self.compiles.compile_seconds(), self.shapes.tokens
+            step_s = max(0.0, now - self.mark[0] - (compiled - self.mark[1]))
             append_event(events, "progress", step=state.global_step, max_steps=state.max_steps,
-                         epoch=state.epoch)
+                         epoch=state.epoch, step_s=round(step_s, 4), compile_s=round(compiled, 3),
+                         tokens=tokens - self.mark[2])
+            self.mark = (now, compiled, tokens)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             append_event(events, "metrics", **{"step": state.global_step, "epoch": state.epoch, **(logs or {})})
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.compiles.report_backend_metrics()
 
     trainer = getattr(trl, trainer_name)(
         model=model_path, args=config, train_dataset=dataset,

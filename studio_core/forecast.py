@@ -1,0 +1,309 @@
+"""The shape forecast: before launch, the batch shapes a run will compile and its padding waste.
+
+On Trainium every distinct batch shape that reaches the model is a compilation of minutes.
+The forecast asks TRL itself rather than imitating it: it builds the run's own trainer (its
+dataset preparation: chat template, truncation, packing; its collator: padding,
+pad_to_multiple_of; its sampler: the same seed, batch size and drop_last) around a tiny
+stand-in model with the tokenizer's vocabulary, and walks the batches the run will take.
+At each batch the trainer's own loss code calls the model; the stand-in's forward pre-hook
+reads the shape that reaches it and stops the forward there, so no model math runs.
+
+Several data-parallel processes take turns at the batches (accelerate gives process r the
+batches r, r+N, ...), so the forecast covers them all and reports the shapes of the busiest
+one too. GRPO's shapes come from what the model generates, so GRPO is not forecast.
+
+Runs in a child process (it imports TRL): `forecast_in_subprocess` for the app and the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from studio_core.spec import RunSpec, SpecError
+
+MAX_MICRO_BATCHES = 20_000  # walk at most this many batches (say so when the run takes more)
+FORECAST_TRAINERS = ("sft", "dpo")
+# Settings the forecast's stand-in trainer must not take from the run: devices, compilation,
+# logging, saving and the model's own loading (none of them changes a batch's shape).
+NOT_FOR_DATA = ("use_cpu", "bf16", "fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode",
+                "report_to", "model_init_kwargs", "gradient_checkpointing", "save_strategy", "save_steps",
+                "logging_steps", "precompute_ref_log_probs", "push_to_hub", "hub_model_id")
+
+
+@dataclasses.dataclass
+class Forecast:
+    trainer: str
+    shapes: list[list[int]]  # [batch, length, how many batches], most frequent first
+    micro_batches: int  # batches walked
+    steps: int  # optimizer steps they make
+    capped: bool  # the run takes more batches than were walked
+    real_tokens: int
+    padded_tokens: int  # tokens the model computes on, padding included
+    lengths: list[int]  # every sample's tokenized length before truncation
+    max_length: int | None
+    truncated: int  # samples longer than max_length
+    data_parallel: int
+    busiest_rank_shapes: int
+    suggestions: list[dict] = dataclasses.field(default_factory=list)  # {"set", "graphs", "waste", "why"}
+
+    @property
+    def graphs(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def waste(self) -> float:
+        return 1 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    def histogram(self, bins: int = 12) -> list[tuple[str, int]]:
+        """Sequence lengths in equal-width buckets: (label, samples)."""
+        if not self.lengths:
+            return []
+        top = max(self.lengths)
+        width = max(1, math.ceil(top / bins))
+        counts = Counter(min(length // width, bins - 1) for length in self.lengths)
+        return [(f"{b * width}-{(b + 1) * width - 1}", counts.get(b, 0)) for b in range(bins)]
+
+    def describe(self) -> str:
+        lines = [f"Shape forecast ({self.trainer.upper()}, {self.micro_batches} batches = {self.steps} steps"
+                 f"{', the first ones only' if self.capped else ''}):",
+                 f"  {self.graphs} distinct batch shape(s), so {self.graphs} compilation(s) of the training "
+                 "step (forward and backward; more pieces if the model has graph breaks)"]
+        lines += [f"    {b} x {length}: {n} batch(es)" for b, length, n in self.shapes[:12]]
+        if len(self.shapes) > 12:
+            lines.append(f"    ... and {len(self.shapes) - 12} more")
+        if self.data_parallel > 1:
+            lines.append(f"  {self.data_parallel} data-parallel processes; the busiest compiles "
+                         f"{self.busiest_rank_shapes} shape(s)")
+        lines.append(f"  padding waste: {self.waste:.1%} of the tokens computed")
+        if self.lengths:
+            lines.append(f"  sequence lengths: {min(self.lengths)}-{max(self.lengths)} tokens, median "
+                         f"{sorted(self.lengths)[len(self.lengths) // 2]}; truncated at max_length "
+                         f"{self.max_length}: {self.truncated} of {len(self.lengths)} samples")
+        for s in self.suggestions:
+            settings = ", ".join(f"{k}={v}" for k, v in s["set"].items())
+            lines.append(f"  suggestion: {settings} -> {s['graphs']} shape(s), waste {s['waste']:.1%} ({s['why']})")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Forecast:
+        return cls(**data)
+
+
+def forecast_in_subprocess(spec: RunSpec, timeout: float = 900) -> Forecast:
+    """`forecast` in a child Python process; a SpecError with its output when it fails."""
+    if spec.trainer not in FORECAST_TRAINERS:
+        raise SpecError([f"shape forecast: {spec.trainer.upper()}'s shapes come from what the model generates; "
+                         "only SFT and DPO runs are forecast"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run([sys.executable, "-m", "studio_core.forecast"], input=spec.to_yaml(),
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        raise SpecError([f"shape forecast: did not finish within {timeout:g} s"]) from error
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-6:])
+        raise SpecError([f"shape forecast failed: {tail}"])
+    return Forecast.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def forecast(spec: RunSpec) -> Forecast:
+    """Walk the run's batches through its own TRL trainer (in this process: imports TRL)."""
+    import trl
+    from transformers import AutoTokenizer
+
+    from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+    from studio_core.data_check import prepare_dataset
+    from studio_core.worker import TRAINERS, load_train_dataset
+
+    model_path = str(ensure_tiny_model()) if spec.model_name_or_path == BUILTIN_MODEL else spec.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(spec.args.get("trust_remote_code")))
+    dataset = prepare_dataset(load_train_dataset(spec), spec.column_map, spec.keep_columns)
+    config_name, trainer_name = TRAINERS[spec.trainer]
+    model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)} | {
+        f.name for f in dataclasses.fields(trl.ScriptArguments)}
+    args = {k: v for k, v in spec.args.items() if k not in model_fields and k not in NOT_FOR_DATA}
+    dp = max(1, spec.layout.nproc // max(1, spec.layout.tp_size))
+    with tempfile.TemporaryDirectory() as scratch:
+        def build(**changes):
+            config = getattr(trl, config_name)(output_dir=scratch, use_cpu=True, report_to="none",
+                                               save_strategy="no", **{**args, **changes})
+            extra = {"ref_model": _stand_in_model(tokenizer)} if spec.trainer == "dpo" else {}
+            return getattr(trl, trainer_name)(model=_stand_in_model(tokenizer), args=config,
+                                              train_dataset=dataset, processing_class=tokenizer, **extra)
+
+        trainer = build()
+        updates = _updates(trainer, dp)
+        walk = _walk(trainer, updates, dp)
+        lengths = _lengths(trainer, dataset, tokenizer)
+        max_length = trainer.args.max_length
+        result = Forecast(
+            trainer=spec.trainer, shapes=_shape_list(walk["shapes"]), micro_batches=walk["micro_batches"],
+            steps=walk["steps"], capped=walk["capped"], real_tokens=walk["real"], padded_tokens=walk["padded"],
+            lengths=lengths, max_length=max_length,
+            truncated=sum(length > max_length for length in lengths) if max_length else 0,
+            data_parallel=dp, busiest_rank_shapes=walk["busiest"])
+        result.suggestions = _suggestions(result, trainer, updates, dp, build)
+    return result
+
+
+def _stand_in_model(tokenizer):
+    """A one-layer Qwen3 with the tokenizer's vocabulary: enough for TRL to build its trainer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return Qwen3ForCausalLM(config)
+
+
+class _Seen(Exception):
+    """Raised by the stand-in's forward pre-hook: the shape is read, the forward is not needed."""
+
+
+def _updates(trainer, dp: int) -> int:
+    """The optimizer steps the run makes, as Trainer counts them."""
+    args = trainer.args
+    per_rank = math.ceil(len(trainer.get_train_dataloader()) / dp)
+    per_epoch = max(1, math.ceil(per_rank / args.gradient_accumulation_steps))
+    return args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+
+
+def _walk(trainer, updates: int, dp: int) -> dict:
+    """Every batch of the run, through the trainer's loss code to the model's door."""
+    seen: list = []
+
+    def hook(module, args, kwargs):
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        real = int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
+        seen.append((tuple(ids.shape), real, ids.numel()))
+        raise _Seen
+
+    models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in models]
+    accum = trainer.args.gradient_accumulation_steps
+    loader = trainer.get_train_dataloader()
+    shapes, ranks = Counter(), [set() for _ in range(dp)]
+    real = padded = micro = steps = 0
+    try:
+        while steps < updates and micro < MAX_MICRO_BATCHES:
+            epoch = _Epoch(loader, trainer, seen)  # the sampler reseeds itself per pass, as in training
+            per_rank = math.ceil(len(loader) / dp)
+            for start in range(0, per_rank, accum):
+                if steps >= updates or micro >= MAX_MICRO_BATCHES:
+                    break
+                for rank_batch in range(start, min(start + accum, per_rank)):
+                    for rank in range(dp):  # accelerate's even_batches: the short last round wraps around
+                        shape, batch_real, batch_padded = epoch[(rank_batch * dp + rank) % len(loader)]
+                        shapes[shape] += 1
+                        ranks[rank].add(shape)
+                        real, padded, micro = real + batch_real, padded + batch_padded, micro + 1
+                steps += 1
+            if steps < updates:
+                epoch.finish()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"shapes": shapes, "micro_batches": micro, "steps": steps, "capped": steps < updates,
+            "real": real, "padded": padded, "busiest": max(len(r) for r in ranks)}
+
+
+class _Epoch:
+    """One pass of the data loader, read as far as needed: for each batch, (shape, real
+    tokens, computed tokens) of what reaches the model."""
+
+    def __init__(self, loader, trainer, seen: list):
+        self.batches, self.trainer, self.seen, self.read = iter(loader), trainer, seen, []
+
+    def __getitem__(self, index: int):
+        while len(self.read) <= index:
+            batch = next(self.batches)
+            del self.seen[:]
+            try:
+                self.trainer.compute_loss(self.trainer.model, batch)
+            except _Seen:
+                pass  # the pre-hook has read the shape and stopped the forward: nothing else to run
+            if not self.seen:
+                raise RuntimeError("the trainer's loss code did not call the model for a batch")
+            self.read.append(self.seen[0])
+        return self.read[index]
+
+    def finish(self) -> None:
+        """Run the pass to its end, so the sampler moves on to the next epoch's order."""
+        for _ in self.batches:
+            pass
+
+
+def _lengths(trainer, dataset, tokenizer) -> list[int]:
+    """Each sample's tokenized length as the trainer tokenizes it, before truncation and packing."""
+    columns = trainer.train_dataset.column_names
+    if "chosen_ids" in columns:  # DPO: the collator truncates, so the prepared rows are whole
+        rows = trainer.train_dataset
+        prompts = rows["prompt_ids"] if "prompt_ids" in columns else [[]] * len(rows)
+        return [len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, rows["chosen_ids"], rows["rejected_ids"])]
+    args = trainer.args
+    kept = args.max_length
+    args.max_length = None  # not a copy of the config: making one resets accelerate's state
+    try:
+        whole = trainer._prepare_dataset(dataset, tokenizer, args, False, None, "train")
+    finally:
+        args.max_length = kept
+    return [len(ids) for ids in whole["input_ids"]]
+
+
+def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> list[dict]:
+    """Settings that cut compilations or padding, each with its effect from a real walk."""
+    candidates = []
+    collator = trainer.data_collator
+    multiple = getattr(collator, "pad_to_multiple_of", None)
+    packing = getattr(trainer.args, "packing", False)
+    for m in (32, 64, 128):
+        if multiple != m and (current.max_length or m + 1) > m:
+            candidates.append(({"pad_to_multiple_of": m}, f"pads each batch up to a multiple of {m} tokens"))
+    if current.max_length and multiple != current.max_length and not packing:
+        candidates.append(({"pad_to_multiple_of": current.max_length},
+                           f"pads every batch to max_length {current.max_length}: one shape"))
+    found = []
+    for settings, why in candidates:
+        collator.pad_to_multiple_of = settings["pad_to_multiple_of"]
+        try:
+            walk = _walk(trainer, updates, dp)
+        finally:
+            collator.pad_to_multiple_of = multiple
+        found.append((settings, why, walk))
+    if current.trainer == "sft" and current.max_length and not packing:
+        packed = build(packing=True, packing_strategy="wrapped")
+        found.append(({"packing": True, "packing_strategy": "wrapped"},
+                      f"joins samples into rows of max_length {current.max_length}: one shape, padding only in the last rows",
+                      _walk(packed, _updates(packed, dp), dp)))
+    result = []
+    for settings, why, walk in found:
+        graphs = len(walk["shapes"])
+        waste = 1 - walk["real"] / walk["padded"] if walk["padded"] else 0.0
+        if graphs < current.graphs or waste < current.waste - 0.05:
+            result.append({"set": settings, "graphs": graphs, "waste": round(waste, 4), "why": why})
+    return sorted(result, key=lambda s: (s["graphs"], s["waste"]))
+
+
+def _shape_list(shapes: Counter) -> list[list[int]]:
+    return [[*shape, n] for shape, n in shapes.most_common()]
+
+
+def _main() -> None:
+    from studio_core.spec import read_yaml
+
+    spec = RunSpec.from_dict(read_yaml(sys.stdin.read()))
+    result = forecast(spec)
+    print(json.dumps(dataclasses.asdict(result)))
+
+
+if __name__ == "__main__":
+    _main()
