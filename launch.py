@@ -2,7 +2,7 @@
 
     python launch.py                          start the web app on http://127.0.0.1:7860
     python launch.py train RECIPE.yaml        train, with a progress bar; Ctrl-C stops the run
-    python launch.py plan RECIPE.yaml         print the exact command and environment; runs nothing
+    python launch.py plan RECIPE.yaml         print the exact command, environment and shape forecast; runs nothing
     python launch.py runs                     list the runs in the runs folder
     python launch.py stop RUN_ID              stop a run and every process of it
     python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from studio_core import compile_cache
 from studio_core.events import FINAL_STATES
+from studio_core.forecast import forecast_in_subprocess
 from studio_core.hardware import detect_hardware, instance_hardware, cpu_hardware, INSTANCES
 from studio_core.runs import RunManager, RunView
 from studio_core.scripts import launch_script, slurm_script
@@ -73,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("--export-script", metavar="FILE", help="also write a runnable bash launch script")
             sub.add_argument("--slurm-script", metavar="FILE", help="also write a Slurm batch script for --nodes nodes")
             sub.add_argument("--nodes", type=int, default=2, help="nodes for --slurm-script (default 2)")
+            sub.add_argument("--no-forecast", action="store_true",
+                             help="skip the shape forecast (it tokenizes the dataset as the trainer will)")
         if name == "train":
             sub.add_argument("--detach", action="store_true",
                              help="start the run and return; it goes on in the background")
@@ -113,6 +116,11 @@ def cmd_plan(args) -> int:
     print(launch.describe())
     if launch.errors:
         return 2
+    if not args.no_forecast:
+        try:
+            print("\n" + forecast_in_subprocess(launch.spec, hardware.backend).describe())
+        except SpecError as error:
+            print(f"\nNo shape forecast: {error}")
     for path, text in ((args.export_script, launch_script(launch) if args.export_script else None),
                        (args.slurm_script, slurm_script(launch, args.nodes) if args.slurm_script else None)):
         if path:

@@ -15,7 +15,7 @@ import gradio as gr
 import pandas as pd
 import yaml
 
-from app import run_panel
+from app import forecast_panel, run_panel
 from app.core_map import core_map_html
 from app.train_form import (SAMPLE_FOR_TRAINER, THIS_MACHINE, TrainForm, check_extra, spec_from_form,
                             target_hardware)
@@ -76,6 +76,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
             exports = gr.File(label="Launch scripts", file_count="multiple", visible=False, elem_id="exports")
             plan_box = gr.Code(label="Plan: command, environment, applied defaults", language="shell",
                                visible=False, lines=14, elem_id="plan")
+            forecast_panel.build(form, manager, hardware)
             panel = run_panel.make_panel()
     inputs = form.components()
     w = form.widgets

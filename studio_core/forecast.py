@@ -36,6 +36,7 @@ FORECAST_TRAINERS = ("sft", "dpo")
 NOT_FOR_DATA = ("use_cpu", "bf16", "fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode",
                 "report_to", "model_init_kwargs", "gradient_checkpointing", "save_strategy", "save_steps",
                 "logging_steps", "precompute_ref_log_probs", "push_to_hub", "hub_model_id")
+NOT_FOR_DATA_PREFIXES = ("ddp_", "fsdp", "deepspeed", "parallelism_config")  # one process walks for all
 
 
 @dataclasses.dataclass
@@ -97,7 +98,7 @@ class Forecast:
         return cls(**data)
 
 
-def forecast_in_subprocess(spec: RunSpec, timeout: float = 900) -> Forecast:
+def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) -> Forecast:
     """`forecast` in a child Python process; a SpecError with its output when it fails."""
     if spec.trainer not in FORECAST_TRAINERS:
         raise SpecError([f"shape forecast: {spec.trainer.upper()}'s shapes come from what the model generates; "
@@ -105,7 +106,8 @@ def forecast_in_subprocess(spec: RunSpec, timeout: float = 900) -> Forecast:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
     try:
-        done = subprocess.run([sys.executable, "-m", "studio_core.forecast"], input=spec.to_yaml(),
+        request = json.dumps({"spec": spec.to_yaml(), "backend": backend})
+        done = subprocess.run([sys.executable, "-m", "studio_core.forecast"], input=request,
                               capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as error:
         raise SpecError([f"shape forecast: did not finish within {timeout:g} s"]) from error
@@ -115,8 +117,10 @@ def forecast_in_subprocess(spec: RunSpec, timeout: float = 900) -> Forecast:
     return Forecast.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def forecast(spec: RunSpec) -> Forecast:
-    """Walk the run's batches through its own TRL trainer (in this process: imports TRL)."""
+def forecast(spec: RunSpec, backend: str) -> Forecast:
+    """Walk the run's batches through its own TRL trainer (in this process: imports TRL).
+    `backend` is the run's: the walk runs on this CPU, so TRL's device-dependent
+    pad_to_multiple_of "auto" is resolved here by TRL's own rule (128 on neuron)."""
     import trl
     from transformers import AutoTokenizer
 
@@ -130,7 +134,10 @@ def forecast(spec: RunSpec) -> Forecast:
     config_name, trainer_name = TRAINERS[spec.trainer]
     model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)} | {
         f.name for f in dataclasses.fields(trl.ScriptArguments)}
-    args = {k: v for k, v in spec.args.items() if k not in model_fields and k not in NOT_FOR_DATA}
+    args = {k: v for k, v in spec.args.items() if k not in model_fields and k not in NOT_FOR_DATA
+            and not k.startswith(NOT_FOR_DATA_PREFIXES)}
+    if args.get("pad_to_multiple_of") == "auto":
+        args["pad_to_multiple_of"] = 128 if backend == "neuron" else None
     dp = max(1, spec.layout.nproc // max(1, spec.layout.tp_size))
     with tempfile.TemporaryDirectory() as scratch:
         def build(**changes):
@@ -300,8 +307,8 @@ def _shape_list(shapes: Counter) -> list[list[int]]:
 def _main() -> None:
     from studio_core.spec import read_yaml
 
-    spec = RunSpec.from_dict(read_yaml(sys.stdin.read()))
-    result = forecast(spec)
+    request = json.load(sys.stdin)
+    result = forecast(RunSpec.from_dict(read_yaml(request["spec"])), request["backend"])
     print(json.dumps(dataclasses.asdict(result)))
 
 

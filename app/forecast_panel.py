@@ -1,0 +1,82 @@
+"""The shape forecast in the Train tab: the graphs a run will compile and its padding waste,
+before launch, with suggested settings applied in one click (into "Other TRL settings").
+
+The forecast itself is the engine's (studio_core.forecast, in a child process); this only
+turns the form into a planned spec and the result into Markdown, a histogram and choices.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+import pandas as pd
+import yaml
+
+from app.train_form import TrainForm, spec_from_form, target_hardware
+from studio_core.forecast import Forecast, forecast_in_subprocess
+from studio_core.hardware import Hardware
+from studio_core.runs import RunManager
+from studio_core.spec import SpecError
+
+
+def forecast_markdown(f: Forecast, backend: str) -> str:
+    cost = "each one a compilation of minutes on Trainium" if backend == "neuron" else "each one a compilation"
+    lines = [f"**{f.graphs} distinct batch shape(s)** reach the model in {f.steps} steps ({cost}); "
+             f"**padding waste {f.waste:.1%}** of the tokens computed."]
+    if f.capped:
+        lines.append(f"Forecast from the first {f.micro_batches} batches only.")
+    shapes = ", ".join(f"{b}x{length} ({n})" for b, length, n in f.shapes[:10])
+    lines.append(f"Shapes (batches): {shapes}{' ...' if len(f.shapes) > 10 else ''}")
+    if f.data_parallel > 1:
+        lines.append(f"{f.data_parallel} data-parallel processes; the busiest compiles {f.busiest_rank_shapes}.")
+    if f.max_length and f.truncated:
+        lines.append(f"**{f.truncated} of {len(f.lengths)} samples are cut** at max_length {f.max_length}.")
+    if not f.suggestions:
+        lines.append("No setting would cut the shapes or the waste much.")
+    return "\n\n".join(lines)
+
+
+def suggestion_label(s: dict) -> str:
+    settings = ", ".join(f"{k}: {v}" for k, v in s["set"].items())
+    return f"{settings} -> {s['graphs']} shape(s), waste {s['waste']:.1%} ({s['why']})"
+
+
+def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
+    with gr.Accordion("Shape forecast: what this run will compile", open=True):
+        button = gr.Button("Forecast compilations", elem_id="forecast")
+        report = gr.Markdown("Tokenizes the dataset as the trainer will and counts the batch shapes "
+                             "(each distinct shape is a compilation on Trainium).", elem_id="forecast-report")
+        histogram = gr.BarPlot(x="tokens", y="samples", title="Sequence lengths (before truncation)",
+                               x_label_angle=-30, height=220, visible=False, elem_id="length-histogram")
+        choice = gr.Radio([], label="Suggested settings", visible=False, elem_id="suggestions")
+        apply = gr.Button("Apply suggestion", visible=False, elem_id="apply-suggestion")
+        offered = gr.State({})
+    inputs, extra = form.components(), form.widgets["extra"]
+
+    def on_forecast(values):
+        hidden = (gr.update(visible=False), gr.update(visible=False, choices=[]), gr.update(visible=False), {})
+        try:
+            v = form.named(values)
+            target = target_hardware(v, hardware)
+            launch = manager.plan(spec_from_form(v), target)
+            if launch.errors:
+                raise SpecError(launch.errors)
+            result = forecast_in_subprocess(launch.spec, target.backend)
+        except SpecError as error:
+            return ("**No forecast:**\n" + "\n".join(f"- {p}" for p in error.problems), *hidden)
+        bars = pd.DataFrame(result.histogram(), columns=["tokens", "samples"])
+        labels = {suggestion_label(s): s["set"] for s in result.suggestions}
+        return (forecast_markdown(result, target.backend), gr.update(value=bars, visible=True),
+                gr.update(choices=list(labels), value=next(iter(labels), None), visible=bool(labels)),
+                gr.update(visible=bool(labels)), labels)
+
+    def on_apply(label, labels, text):
+        if label not in labels:
+            return gr.update()
+        current = yaml.safe_load(text or "") or {}
+        if not isinstance(current, dict):
+            return gr.update()
+        return yaml.safe_dump({**current, **labels[label]}, sort_keys=False)
+
+    outputs = [report, histogram, choice, apply, offered]
+    button.click(on_forecast, inputs, outputs)
+    apply.click(on_apply, [choice, offered, extra], extra).then(on_forecast, inputs, outputs)
