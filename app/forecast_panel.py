@@ -65,7 +65,8 @@ def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
             return ("**No forecast:**\n" + "\n".join(f"- {p}" for p in error.problems), *hidden)
         bars = pd.DataFrame(result.histogram(), columns=["tokens", "samples"])
         labels = {suggestion_label(s): s["set"] for s in result.suggestions}
-        return (forecast_markdown(result, target.backend), gr.update(value=bars, visible=True),
+        return (forecast_markdown(result, target.backend),
+                gr.update(value=bars, visible=True, sort=list(bars["tokens"])),  # buckets in length order
                 gr.update(choices=list(labels), value=next(iter(labels), None), visible=bool(labels)),
                 gr.update(visible=bool(labels)), labels)
 
