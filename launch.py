@@ -23,7 +23,7 @@ from studio_core import compile_cache
 from studio_core.events import FINAL_STATES
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.hardware import detect_hardware, instance_hardware, cpu_hardware, INSTANCES
-from studio_core.runs import RunManager, RunView
+from studio_core.runs import RunManager, RunView, late_compile_text
 from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import RunSpec, SpecError, validated
 
@@ -151,7 +151,7 @@ def cmd_train(args) -> int:
 def follow(manager: RunManager, view: RunView) -> int:
     from tqdm import tqdm
 
-    bar, shown = None, 0
+    bar, shown, warned = None, 0, 0
     while True:
         view = manager.view(view.id)
         if bar is None and view.max_steps:
@@ -161,8 +161,14 @@ def follow(manager: RunManager, view: RunView) -> int:
                              if k not in ("type", "time"))
             (bar.write if bar else print)(line)
         shown = len(view.metrics)
+        finished_steps = [late for late in view.late_compiles()
+                          if late["step"] <= view.step or view.live_state in FINAL_STATES]
+        for late in finished_steps[warned:]:
+            (bar.write if bar else print)(f"warning: {late_compile_text(late)}")
+        warned = len(finished_steps)
         if bar is not None:
             bar.update(view.step - bar.n)
+            bar.set_postfix_str(compiling_text(view), refresh=False)
         state = view.live_state
         if state in FINAL_STATES:
             break
@@ -180,6 +186,13 @@ def follow(manager: RunManager, view: RunView) -> int:
         print(f"Model saved in {view.dir / 'output'}")
         return 0
     return 1
+
+
+def compiling_text(view: RunView) -> str:
+    """The progress bar's postfix: what compiles now, and the compile time so far."""
+    now = [f"compiling {graph} {phase}" for graph, phase in view.compiling]
+    total = view.compile_seconds()
+    return ", ".join(now + ([f"{len(view.compiles)} compiled in {total:.1f} s"] if view.compiles else []))
 
 
 def cmd_runs(args) -> int:

@@ -14,7 +14,7 @@ import time
 import gradio as gr
 import pandas as pd
 
-from studio_core.runs import RunManager, RunView
+from studio_core.runs import RunManager, RunView, late_compile_text
 
 LOG_TAIL_BYTES = 12_000
 STATE_COLOURS = {"starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
@@ -107,12 +107,9 @@ def compiles_html(view: RunView) -> str:
         totals += f", {rate:,.0f} tokens/s"
     parts.append(f"<div class='compile-totals'>{html.escape(totals)}</div>")
     parts.append(_timeline(view))
-    for c in view.late_compiles()[-5:]:
-        reason = c.get("reason") or "no reason logged"
-        parts.append(f"<div class='compile-warning' style='color:#cb4b16'>Step {c['step']} compiled again (graph "
-                     f"{html.escape(c['graph'])}, {c['seconds']:.1f} s) after the warm-up: {html.escape(reason)}. "
-                     "Something is producing new shapes: pad to a fixed multiple (pad_to_multiple_of) or pack "
-                     "(packing), see the shape forecast.</div>")
+    for late in view.late_compiles()[-5:]:
+        parts.append(f"<div class='compile-warning' style='color:#cb4b16'>{html.escape(late_compile_text(late))}"
+                     "</div>")
     return f"<div class='compiles' data-compiles='{len(view.compiles)}'>{''.join(parts)}</div>"
 
 

@@ -162,13 +162,34 @@ class RunView:
         return self.tokens / seconds if seconds > 0 and self.tokens else None
 
     def late_compiles(self) -> list[dict]:
-        """Compilations after the warm-up steps: something is producing new shapes."""
-        return [c for c in self.compiles if c.get("step", 0) > WARMUP_STEPS and c["phase"] == "forward"]
+        """Steps after the warm-up that compiled (something is producing new shapes), one entry
+        per step: {step, graphs, seconds, reason (Dynamo's first), shape (if a new one came)}."""
+        steps: dict[int, dict] = {}
+        for c in self.compiles:
+            if c.get("step", 0) <= WARMUP_STEPS:
+                continue
+            entry = steps.setdefault(c["step"], {"step": c["step"], "graphs": 0, "seconds": 0.0, "reason": None,
+                                                 "shape": None})
+            entry["graphs"] += 1
+            entry["seconds"] += c["seconds"]
+            entry["reason"] = entry["reason"] or (c.get("reason") or "").split("; ")[0] or None
+        for event in self.shapes:
+            if event["step"] in steps:
+                steps[event["step"]]["shape"] = event["shape"]
+        return list(steps.values())
 
     def duration(self) -> float | None:
         begin = self.created
         end = self.ended or (time.time() if self.live_state in ("starting", "running") else None)
         return None if end is None else end - begin
+
+
+def late_compile_text(late: dict) -> str:
+    """One line for a step that compiled after the warm-up (see RunView.late_compiles)."""
+    shape = f", new batch shape {'x'.join(map(str, late['shape']))}" if late["shape"] else ""
+    return (f"step {late['step']} compiled {late['graphs']} graph(s) in {late['seconds']:.1f} s after the "
+            f"warm-up{shape}: {late['reason'] or 'no reason logged'}. Something is producing new shapes: pad "
+            "to a fixed multiple (pad_to_multiple_of) or pack (packing); the shape forecast shows their effect")
 
 
 class RunManager:
