@@ -201,3 +201,20 @@ def run_bench(name: str, args, measure, print_report) -> int:
         print(f"bench took {report['bench_seconds']:.0f} s")
         print(f"\nAll figures: {out.relative_to(REPO)}" + (f"; runs and logs kept in {work}" if keep else ""))
     return code
+
+
+def run_until_final(manager: RunManager, spec, hardware, timeout_s: float) -> tuple:
+    """Start a studio run, wait for its final state, reap its supervisor (so its CPU does not
+    count as other processes'); returns (view, state, the time the start call returned)."""
+    view = manager.start(spec, hardware)
+    started = time.time()
+    PROCS.runs.append((manager, view.id))
+    deadline = time.monotonic() + timeout_s
+    while (state := manager.view(view.id).live_state) not in FINAL_STATES:
+        if time.monotonic() > deadline:
+            raise BenchError(f"run {view.id} still {state} after {timeout_s} s")
+        time.sleep(POLL_S)
+    view = manager.view(view.id)
+    reap(json.loads((view.dir / "supervisor.json").read_text())["pid"])
+    return view, state, started
+

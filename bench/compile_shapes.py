@@ -43,16 +43,15 @@ per variant: the speed figures are single measurements, the shape and compile co
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from common import (POLL_S, PROCS, REPO, BenchError, Noise, ok, reap, run_bench,  # also sets up sys.path
+from common import (REPO, BenchError, Noise, ok, run_bench, run_until_final,  # sets sys.path
                     tail, wait_quiet)
 from studio_core.builtin import ensure_tiny_model
-from studio_core.events import FINAL_STATES, read_events
+from studio_core.events import read_events
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.hardware import cpu_hardware
 from studio_core.runs import WARMUP_STEPS, RunManager, RunView
@@ -77,15 +76,7 @@ def variant_spec(overrides: list[str], args) -> RunSpec:
 def run_to_end(manager: RunManager, spec: RunSpec) -> tuple[RunView, float]:
     """Start a studio run and wait until it finished; (its view, cores other processes used meanwhile)."""
     noise = Noise()
-    view = manager.start(spec, cpu_hardware())
-    PROCS.runs.append((manager, view.id))
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while (state := manager.view(view.id).live_state) not in FINAL_STATES:
-        if time.monotonic() > deadline:
-            raise BenchError(f"run {view.id} still {state} after {RUN_TIMEOUT_S} s")
-        time.sleep(POLL_S)
-    view = manager.view(view.id)
-    reap(json.loads((view.dir / "supervisor.json").read_text())["pid"])  # so its CPU is not `others`
+    view, state, _ = run_until_final(manager, spec, cpu_hardware(), RUN_TIMEOUT_S)
     others = noise.others_cores()
     if state != "finished":
         raise BenchError(f"run {view.id} ended {state}: {view.error_text}\n{tail(view.dir / 'train.log')}")

@@ -45,10 +45,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import (POLL_S, PROCS, REPO, BenchError, Noise, ok, reap, run_bench,  # also sets up sys.path
+from common import (PROCS, REPO, BenchError, Noise, ok, run_bench, run_until_final,  # sets sys.path
                     tail, wait_quiet)
 from studio_core.builtin import BUILTIN_DATASETS, ensure_tiny_model
-from studio_core.events import FINAL_STATES, read_events
+from studio_core.events import read_events
 from studio_core.hardware import cpu_hardware
 from studio_core.runs import RunManager
 from studio_core.spec import RunSpec, validated
@@ -94,17 +94,8 @@ def median_step_rate(times: list[float]) -> float:
 def run_studio(manager: RunManager, spec: RunSpec) -> dict:
     load, noise = os.getloadavg()[0], Noise()
     t0 = time.time()
-    view = manager.start(spec, cpu_hardware())
-    t_started = time.time()
-    PROCS.runs.append((manager, view.id))
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while (state := manager.view(view.id).live_state) not in FINAL_STATES:
-        if time.monotonic() > deadline:
-            raise BenchError(f"studio run {view.id} still {state} after {RUN_TIMEOUT_S} s")
-        time.sleep(POLL_S)
+    view, state, t_started = run_until_final(manager, spec, cpu_hardware(), RUN_TIMEOUT_S)
     t_seen = time.time()
-    view = manager.view(view.id)
-    reap(json.loads((view.dir / "supervisor.json").read_text())["pid"])  # so its CPU is not `others`
     others = noise.others_cores()
     if state != "finished":
         raise BenchError(f"studio run {view.id} ended {state}: {view.error_text}\n{tail(view.dir / 'train.log')}")

@@ -8,6 +8,8 @@ sharing it keeps each test from rebuilding them, while keeping the user's own ca
 import os
 import tempfile
 
+import pytest
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("STUDIO_CACHE_DIR", tempfile.mkdtemp(prefix="studio-test-cache-"))
@@ -18,3 +20,15 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="studio-test-
 def run_folders(runs_dir):
     """The run folders in a runs folder, without the studio's own state (.leases/)."""
     return [p for p in runs_dir.iterdir() if not p.name.startswith(".")]
+
+
+@pytest.fixture
+def manager(tmp_path):
+    """A run manager over a fresh runs folder; no trainer outlives the test."""
+    from studio_core.procs import kill_run_processes
+    from studio_core.runs import RunManager
+
+    runs = RunManager(tmp_path / "runs")
+    yield runs
+    for path in run_folders(runs.runs_dir):
+        kill_run_processes(path.name)

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_folders
 from studio_core.compile_cache import (CacheInUse, clear, compile_cache_dir, compile_cache_env,
                                        compile_cache_root, summary)
 from studio_core.events import FINAL_STATES
 from studio_core.hardware import cpu_hardware, instance_hardware
-from studio_core.procs import kill_run_processes
 from studio_core.runs import RunManager
 from studio_core.spec import RunSpec
 
@@ -53,14 +51,6 @@ def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile-cache")
     first, second = compile_once(root), compile_once(root)
     return root, first, second
-
-
-@pytest.fixture
-def manager(tmp_path):
-    runs = RunManager(tmp_path / "runs")
-    yield runs
-    for path in run_folders(runs.runs_dir):  # never leave a trainer running after a test
-        kill_run_processes(path.name)
 
 
 def launch_py(*args: str, env: dict) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import pytest
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.hardware import cpu_hardware, instance_hardware
 from studio_core.spec import RunSpec, SpecError
-from test_runs import launch_py, manager, wait_until_final  # noqa: F401 (manager is a fixture)
+from test_runs import launch_py, wait_until_final
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 COMPILED = ["torch_compile=true", "torch_compile_backend=eager", "max_steps=12", "logging_steps=4"]

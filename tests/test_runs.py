@@ -35,14 +35,6 @@ def tiny(*overrides: str) -> RunSpec:
     return RunSpec.load(TINY).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
 
 
-@pytest.fixture
-def manager(tmp_path):
-    runs = RunManager(tmp_path / "runs")
-    yield runs
-    for path in run_folders(runs.runs_dir):  # never leave a trainer running after a test
-        kill_run_processes(path.name)
-
-
 def wait_for(manager: RunManager, run_id: str, what: str, condition, timeout: float = RUN_TIMEOUT_S) -> RunView:
     deadline = time.monotonic() + timeout
     while True:
