@@ -5,6 +5,7 @@
     python launch.py plan RECIPE.yaml         print the exact command, environment and shape forecast; runs nothing
     python launch.py runs                     list the runs in the runs folder
     python launch.py stop RUN_ID              stop a run and every process of it
+    python launch.py chat RUN_OR_MODEL        chat with a run's model (--prompt TEXT: ask once)
     python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
 
 Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
@@ -20,14 +21,16 @@ import time
 from pathlib import Path
 
 from studio_core import compile_cache
+from studio_core.chat import ChatError, ChatProcess
 from studio_core.events import FINAL_STATES
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.hardware import detect_hardware, instance_hardware, cpu_hardware, INSTANCES
+from studio_core.layout import format_cores
 from studio_core.runs import RunManager, RunView, late_compile_text
 from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import RunSpec, SpecError, validated
 
-COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache")
+COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat")
 
 
 def main(argv: list[str]) -> int:
@@ -82,6 +85,17 @@ def parser() -> argparse.ArgumentParser:
     command("runs", cmd_runs, "list runs with their state")
     stop = command("stop", cmd_stop, "stop a run")
     stop.add_argument("run_id")
+    chat = command("chat", cmd_chat, "chat with a run's model (or any model) in the terminal")
+    chat.add_argument("target", help="a run id (its model or LoRA adapter), or a model: builtin:tiny-qwen3, "
+                      "a Hub id, a local folder")
+    chat.add_argument("--prompt", help="ask this once, print the answer and exit (else: an interactive chat)")
+    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument("--base", action="store_true", help="also answer with the base model, for comparison")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--max-new-tokens", type=int, default=128)
+    chat.add_argument("--cores", help="the core to chat on (default: the first free one)")
+    chat.add_argument("--backend", choices=("cpu",), help="chat on the CPU even if a device is present")
     cache = command("cache", cmd_cache, "show the compile cache's folder, size and entries, or clear it")
     cache.add_argument("--backend", choices=compile_cache.BACKENDS,
                        help="whose cache (default: this machine's backend)")
@@ -210,6 +224,55 @@ def cmd_stop(args) -> int:
     view = RunManager(args.runs_dir).stop(args.run_id)
     print(f"Run {view.id}: {view.live_state}")
     return 0
+
+
+def cmd_chat(args) -> int:
+    manager = RunManager(args.runs_dir)
+    try:
+        chat = ChatProcess.start(args.target, manager.runs_dir, hardware_for(args), cores=args.cores)
+    except ChatError as error:
+        print(f"Cannot chat: {error}", file=sys.stderr)
+        return 2
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    settings = {"temperature": args.temperature, "top_p": args.top_p, "max_new_tokens": args.max_new_tokens}
+    print(f"Chatting with {args.target} on {chat.info['backend']} core {format_cores(chat.cores)}.", file=sys.stderr)
+    try:
+        while True:
+            text = args.prompt if args.prompt is not None else read_turn()
+            if text is None:
+                return 0
+            if text.strip() == "/clear":
+                history = []
+                continue
+            history.append({"role": "user", "content": text})
+            for which in ("tuned", "base") if args.base else ("tuned",):
+                if args.base:
+                    print(f"[{which}] ", end="", flush=True)
+                done = {}
+                for event in chat.generate(system + history, which=which, **settings):
+                    if event["type"] == "token":
+                        print(event["text"], end="", flush=True)
+                    done = event
+                print()
+                if which == "tuned":
+                    history.append({"role": "assistant", "content": done.get("text", "")})
+            print(f"({done['new_tokens']} tokens in {done['seconds']:.2f} s; {len(done['shapes'])} distinct "
+                  "input shapes so far, each a compilation on Neuron)", file=sys.stderr)
+            if args.prompt is not None:
+                return 0
+    except ChatError as error:
+        print(f"Chat failed: {error}", file=sys.stderr)
+        return 1
+    finally:
+        chat.unload()
+
+
+def read_turn() -> str | None:
+    try:
+        return input("you> ")
+    except EOFError:
+        return None
 
 
 def cmd_cache(args) -> int:

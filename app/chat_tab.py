@@ -1,0 +1,138 @@
+"""The Chat tab: load a finished run's model (or any model) into a chat process, talk to it
+with streaming, compare it with its base side by side, stop, clear, unload.
+
+The model lives in the chat process (studio_core.chat), never in this one; the app holds
+one chat at a time, shared by its pages, and Unload ends the process and frees its core.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import gradio as gr
+
+from studio_core.builtin import BUILTIN_MODEL
+from studio_core.chat import ChatError, ChatProcess
+from studio_core.hardware import Hardware
+from studio_core.layout import format_cores
+from studio_core.runs import RunManager
+from studio_core.worker import OUTPUT_INFO
+
+
+class ChatHolder:
+    """The app's one chat process (loading another unloads it first)."""
+
+    def __init__(self):
+        self.chat: ChatProcess | None = None
+        self.lock = threading.Lock()
+
+    def load(self, name: str, manager: RunManager, hardware: Hardware) -> str:
+        with self.lock:
+            self._unload()
+            self.chat = ChatProcess.start(name, manager.runs_dir, hardware)
+            info = self.chat.info
+            side = "; side by side with its base available" if info["has_base"] else ""
+            return (f"Loaded `{name}` on {info['backend']} core {format_cores(self.chat.cores)} (static cache "
+                    f"of {info['max_cache_len']} tokens){side}.")
+
+    def unload(self) -> str:
+        with self.lock:
+            if self.chat is None:
+                return "Nothing loaded."
+            cores = format_cores(self.chat.cores)
+            self._unload()
+            return f"Unloaded: the chat process has ended and core {cores} is free."
+
+    def _unload(self) -> None:
+        if self.chat is not None:
+            self.chat.unload()
+            self.chat = None
+
+
+def chat_targets(manager: RunManager) -> list[str]:
+    """Finished runs with a saved model, newest first, then the built-in model."""
+    return [v.id for v in manager.list() if (v.dir / "output" / OUTPUT_INFO).exists()] + [BUILTIN_MODEL]
+
+
+def shapes_text(done: dict) -> str:
+    return (f"{done['new_tokens']} tokens in {done['seconds']:.2f} s (first after {done['ttft_s']:.2f} s); "
+            f"prompt {done['prompt_tokens']} tokens padded to {done['bucket']}"
+            + (f", {done['dropped_turns']} oldest turn(s) left out to fit the cache" if done["dropped_turns"] else "")
+            + f". **{len(done['shapes'])} distinct input shapes** so far in this chat (on Neuron, each one is a "
+            "compilation): " + ", ".join("x".join(map(str, s)) for s in done["shapes"]))
+
+
+def build(manager: RunManager, hardware: Hardware) -> gr.Tab:
+    holder = ChatHolder()
+    with gr.Row():
+        target = gr.Dropdown(chat_targets(manager), value=None, allow_custom_value=True, scale=4,
+                             label="Run or model", info="a finished run (its model or LoRA adapter), or a model: "
+                             "builtin:tiny-qwen3, a Hub id, a local folder", elem_id="chat-target")
+        load = gr.Button("Load", variant="primary", scale=1, elem_id="chat-load")
+        unload = gr.Button("Unload", scale=1, elem_id="chat-unload")
+    status = gr.Markdown("Nothing loaded.", elem_id="chat-status")
+    with gr.Accordion("Generation settings", open=False):
+        system = gr.Textbox(label="System prompt", lines=2, elem_id="chat-system")
+        with gr.Row():
+            temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0: greedy)")
+            top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top_p")
+            max_new_tokens = gr.Slider(1, 512, value=128, step=1, label="max_new_tokens")
+    compare = gr.Checkbox(False, label="Side by side: the same prompt to the base model", elem_id="chat-compare")
+    with gr.Row():
+        tuned = gr.Chatbot(label="Tuned", height=380, elem_id="chat-tuned")
+        base = gr.Chatbot(label="Base", height=380, visible=False, elem_id="chat-base")
+    message = gr.Textbox(label="Message", placeholder="Ask something, then Enter", elem_id="chat-input")
+    with gr.Row():
+        send = gr.Button("Send", variant="primary", elem_id="chat-send")
+        stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
+        clear = gr.Button("Clear", elem_id="chat-clear")
+    shapes = gr.Markdown("", elem_id="chat-shapes")
+
+    def on_load(name):
+        try:
+            return holder.load(name or "", manager, hardware)
+        except ChatError as error:
+            return f"**Not loaded:** {error}"
+
+    def on_send(text, tuned_history, base_history, side_by_side, system_prompt, temp, p, max_new):
+        chat = holder.chat
+        if chat is None or not chat.alive:
+            yield tuned_history, base_history, text, "**Load a run or a model first.**"
+            return
+        if not (text or "").strip():
+            yield tuned_history, base_history, "", ""
+            return
+        system_turn = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        histories = {"tuned": list(tuned_history or []), "base": list(base_history or [])}
+        note = ""
+        for which in ("tuned", "base") if side_by_side else ("tuned",):
+            history = histories[which]
+            asked = [*system_turn, *({"role": m["role"], "content": m["content"]} for m in history),
+                     {"role": "user", "content": text}]
+            history += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+            try:
+                for event in chat.generate(asked, which=which, temperature=temp, top_p=p,
+                                           max_new_tokens=int(max_new)):
+                    if event["type"] == "token":
+                        history[-1]["content"] += event["text"]
+                    else:
+                        note = shapes_text(event) + (" Stopped." if event["stopped"] else "")
+                    yield histories["tuned"], histories["base"], "", note
+            except ChatError as error:
+                yield histories["tuned"], histories["base"], "", f"**Chat failed:** {error}"
+                return
+
+    def on_stop():
+        if holder.chat is not None:
+            holder.chat.stop_generation()
+
+    inputs = [message, tuned, base, compare, system, temperature, top_p, max_new_tokens]
+    outputs = [tuned, base, message, shapes]
+    load.click(on_load, target, status)
+    unload.click(holder.unload, None, status)
+    send.click(on_send, inputs, outputs)
+    message.submit(on_send, inputs, outputs)
+    stop.click(on_stop, None, None)
+    clear.click(lambda: ([], [], ""), None, [tuned, base, shapes])
+    compare.change(lambda on: gr.update(visible=on), compare, base)
+    target.focus(lambda: gr.update(choices=chat_targets(manager)), None, target)

@@ -1,0 +1,233 @@
+"""Chat with a run's model, or any model, in a chat process of its own.
+
+The model lives in `studio_core.chat_worker`, a child process, never in the web app:
+the app stays light, and Unload gives the memory and the cores back. The chat takes
+its core through the same leases as training runs (kind "chat"): a core a run holds is
+refused with the run's name, and a run cannot take the chat's core.
+
+    chat = ChatProcess.start("20261130-...-tiny-sft-1a2b3c", runs_dir, hardware)
+    for event in chat.generate([{"role": "user", "content": "Hi"}]):
+        ...  # {"type": "token", "text": ...} as they come, then {"type": "done", ...}
+    chat.unload()
+
+No torch import here: this module runs in the web app's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from studio_core import leases
+from studio_core.builtin import BUILTIN_MODEL
+from studio_core.hardware import Hardware
+from studio_core.layout import parse_cores, pick_cores
+from studio_core.worker import OUTPUT_INFO
+
+MAX_CACHE_LEN = 1024  # the static cache's fixed length: prompt bucket + answer must fit
+LOAD_TIMEOUT_S = 600
+REPLY_TIMEOUT_S = 600
+
+
+class ChatError(ValueError):
+    """The chat cannot start or answer; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ChatTarget:
+    label: str  # what the user picked: a run id or a model
+    model: str  # the folder or Hub id to load
+    tokenizer: str
+    adapter: str | None = None  # a LoRA run's adapter folder, on `model`
+    base: str | None = None  # a full run's base model, for side by side
+    trust_remote_code: bool = False
+
+
+def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
+    """A run id (its saved model or adapter) or a model (builtin, Hub id, local folder)."""
+    name = name.strip()
+    if not name:
+        raise ChatError("pick a finished run or name a model (a Hub id or a local folder)")
+    run_dir = Path(runs_dir).expanduser() / name
+    if (run_dir / "spec.yaml").exists():
+        output = run_dir / "output"
+        try:
+            info = json.loads((output / OUTPUT_INFO).read_text())
+        except FileNotFoundError:
+            raise ChatError(f"run {name} has no saved model yet (it saves when training finishes); pick a "
+                            "finished run") from None
+        base = _model_path(info["base_model"])
+        if info["kind"] == "adapter":
+            return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base)
+        return ChatTarget(name, model=str(output), tokenizer=str(output), base=base)
+    if name != BUILTIN_MODEL and "/" not in name and not Path(name).exists():
+        raise ChatError(f"{name!r} is neither a run in {runs_dir} nor a model folder or Hub id (org/name)")
+    path = _model_path(name)
+    return ChatTarget(name, model=path, tokenizer=path)
+
+
+def _model_path(name: str) -> str:
+    if name == BUILTIN_MODEL:
+        from studio_core.builtin import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return name
+
+
+class ChatProcess:
+    """A running chat process and the pipe to it. One generation at a time."""
+
+    def __init__(self, proc: subprocess.Popen, target: ChatTarget, ready: dict, events: queue.Queue):
+        self.proc, self.target, self.info, self._events = proc, target, ready, events
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    @classmethod
+    def start(cls, name: str, runs_dir: str | Path, hardware: Hardware, cores: str | None = None,
+              max_cache_len: int = MAX_CACHE_LEN) -> ChatProcess:
+        """Resolve the target, take a free core (or the ones asked for), load the model."""
+        target = resolve(name, runs_dir)
+        chosen = choose_chat_cores(runs_dir, hardware, cores)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
+        visible = ",".join(map(str, chosen))
+        if hardware.backend == "neuron":
+            env["NEURON_RT_VISIBLE_CORES"] = visible
+        elif hardware.backend == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        else:
+            env["OMP_NUM_THREADS"] = str(len(chosen))
+        proc = subprocess.Popen([sys.executable, "-m", "studio_core.chat_worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        events: queue.Queue = queue.Queue()
+        stderr_tail: list[str] = []
+        threading.Thread(target=_read_events, args=(proc.stdout, events), daemon=True).start()
+        threading.Thread(target=_keep_tail, args=(proc.stderr, stderr_tail), daemon=True).start()
+        setup = {"label": target.label, "model": target.model, "tokenizer": target.tokenizer,
+                 "adapter": target.adapter, "base": target.base, "trust_remote_code": target.trust_remote_code,
+                 "runs_dir": str(Path(runs_dir).expanduser()), "backend": hardware.backend, "cores": chosen,
+                 "max_cache_len": max_cache_len}
+        proc.stdin.write(json.dumps(setup) + "\n")
+        proc.stdin.flush()
+        try:
+            first = events.get(timeout=LOAD_TIMEOUT_S)
+        except queue.Empty:
+            _kill(proc)
+            raise ChatError(f"the chat process did not load {target.label} within {LOAD_TIMEOUT_S} s") from None
+        if first.get("type") != "ready":
+            _kill(proc)
+            proc.wait()
+            message = first.get("message") or "\n".join(stderr_tail[-8:]) or "it exited"
+            raise ChatError(f"chat on {target.label}: {message}")
+        return cls(proc, target, first, events)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def cores(self) -> list[int]:
+        return self.info["cores"]
+
+    def generate(self, messages: list[dict], which: str = "tuned", temperature: float = 0.0, top_p: float = 1.0,
+                 max_new_tokens: int = 128):
+        """Yield token events as the model writes, then the done event (raises ChatError on failure)."""
+        with self._lock:
+            if not self.alive:
+                raise ChatError("the chat process has ended; load the model again")
+            self._next_id += 1
+            rid = self._next_id
+            self._send({"op": "generate", "id": rid, "which": which, "messages": messages,
+                        "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens})
+            while True:
+                try:
+                    event = self._events.get(timeout=REPLY_TIMEOUT_S)
+                except queue.Empty:
+                    raise ChatError(f"no answer within {REPLY_TIMEOUT_S} s") from None
+                if event.get("type") == "eof":
+                    raise ChatError("the chat process ended while answering (out of memory?)")
+                if event.get("id") != rid:
+                    continue  # what is left of an earlier, abandoned generation
+                if event["type"] == "error":
+                    raise ChatError(event["message"])
+                yield event
+                if event["type"] == "done":
+                    return
+
+    def stop_generation(self) -> None:
+        """End the running generation after its current token."""
+        if self.alive:
+            self._send({"op": "stop"})
+
+    def unload(self, timeout: float = 30) -> None:
+        """End the chat process: its memory and its cores are free again."""
+        if self.alive:
+            self._send({"op": "stop"})
+            self._send({"op": "quit"})
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill(self.proc)
+        self.proc.wait()
+
+    def _send(self, request: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            raise ChatError("the chat process has ended; load the model again") from None
+
+
+def choose_chat_cores(runs_dir: str | Path, hardware: Hardware, cores: str | None) -> list[int]:
+    """The chat's core: the one asked for if free, else the first free one."""
+    count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+    held = leases.holders(runs_dir, hardware.backend, count)
+    if cores:
+        try:
+            wanted = parse_cores(cores)
+        except ValueError as error:
+            raise ChatError(f"cores: {error}") from error
+        busy = [f"core {c} is held by {leases.describe(held[c])}" for c in wanted if c in held]
+        if busy:
+            raise ChatError(f"cores: {'; '.join(busy)}: choose a free core, or stop what holds it first")
+        return wanted
+    block = pick_cores(1, set(range(count)) - set(held), hardware)
+    if block is None:
+        holding = sorted({leases.describe(info) for info in held.values()})
+        raise ChatError(f"no free {hardware.backend} core for the chat: all {count} are held "
+                        f"({'; '.join(holding)}); stop one of them first")
+    return block
+
+
+def _read_events(stream, events: queue.Queue) -> None:
+    for line in stream:
+        try:
+            events.put(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a stray print from a library, not an event
+    events.put({"type": "eof"})
+
+
+def _keep_tail(stream, tail: list[str]) -> None:
+    for line in stream:
+        tail.append(line.rstrip())
+        del tail[:-50]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + 10
+    while proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
