@@ -8,6 +8,7 @@ chromium); the tests are skipped, saying so, where it is missing.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -278,3 +279,33 @@ def test_shape_forecast_suggestion_and_live_compilations(browser, app, tmp_path)
         page.screenshot(path=os.environ["STUDIO_SCREENSHOTS"] + "/compiles.png", full_page=True)
     [view] = RunManager(app.runs_dir).list()
     assert len({tuple(e["shape"]) for e in view.shapes}) == shapes
+
+
+def test_chat_with_a_trained_run_side_by_side_then_unload(browser, app):
+    from studio_core.hardware import cpu_hardware
+    from studio_core.spec import RunSpec
+
+    manager = RunManager(app.runs_dir)
+    run = manager.start(RunSpec.load(ROOT / "recipes" / "tiny-sft.yaml"), cpu_hardware())
+    deadline = time.time() + 180
+    while manager.view(run.id).live_state != "finished":
+        assert time.time() < deadline and manager.view(run.id).live_state in ("starting", "running")
+        time.sleep(0.5)
+
+    page = open_page(browser, app.url)
+    page.get_by_role("tab", name="Chat").click()
+    target = page.locator("#chat-target input").first
+    target.fill(run.id)
+    target.press("Enter")
+    page.locator("#chat-load").click()
+    page.locator("#chat-status").get_by_text(re.compile(r"^Loaded ")).wait_for(timeout=120_000)
+    page.locator("#chat-compare input").check()
+    box = page.locator("#chat-input textarea").first
+    box.fill("What is the name of the studio cat?")
+    box.press("Enter")
+    tuned, base = page.locator("#chat-tuned"), page.locator("#chat-base")
+    playwright_api.expect(tuned).to_contain_text("The studio cat is called Pixel.", timeout=60_000)
+    page.locator("#chat-shapes").get_by_text("distinct input shapes").wait_for(timeout=60_000)
+    playwright_api.expect(base).to_contain_text("What is the name of the studio cat?")
+    page.locator("#chat-unload").click()
+    page.locator("#chat-status").get_by_text(re.compile(r"^Unloaded: ")).wait_for(timeout=60_000)
