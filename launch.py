@@ -6,6 +6,7 @@
     python launch.py runs                     list the runs in the runs folder
     python launch.py stop RUN_ID              stop a run and every process of it
     python launch.py chat RUN_OR_MODEL        chat with a run's model (--prompt TEXT: ask once)
+    python launch.py export RUN_ID --out DIR  a model folder with a card [--merge] [--push REPO_ID]
     python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
 
 Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
@@ -20,9 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from studio_core import compile_cache
+from studio_core import compile_cache, hub
 from studio_core.chat import ChatError, ChatProcess
 from studio_core.events import FINAL_STATES
+from studio_core.export import ExportError, export_run
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.hardware import detect_hardware, instance_hardware, cpu_hardware, INSTANCES
 from studio_core.layout import format_cores
@@ -30,7 +32,7 @@ from studio_core.runs import RunManager, RunView, late_compile_text
 from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import RunSpec, SpecError, validated
 
-COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat")
+COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "export")
 
 
 def main(argv: list[str]) -> int:
@@ -96,6 +98,16 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=128)
     chat.add_argument("--cores", help="the core to chat on (default: the first free one)")
     chat.add_argument("--backend", choices=("cpu",), help="chat on the CPU even if a device is present")
+    export = command("export", cmd_export, "export a finished run as a model folder with a card; push it")
+    export.add_argument("run_id")
+    export.add_argument("--out", required=True, help="a new (or empty) folder for the export")
+    export.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base model")
+    export.add_argument("--push", metavar="REPO_ID", help="then upload it to the Hub in one commit, e.g. you/my-model "
+                        "(token: HF_TOKEN or your saved login)")
+    export.add_argument("--private", dest="private", action="store_true", default=True,
+                        help="a private repo (the default)")
+    export.add_argument("--public", dest="private", action="store_false", help="a public repo")
+    export.add_argument("--update", action="store_true", help="push as a new commit to a repo that exists")
     cache = command("cache", cmd_cache, "show the compile cache's folder, size and entries, or clear it")
     cache.add_argument("--backend", choices=compile_cache.BACKENDS,
                        help="whose cache (default: this machine's backend)")
@@ -273,6 +285,26 @@ def read_turn() -> str | None:
         return input("you> ")
     except EOFError:
         return None
+
+
+def cmd_export(args) -> int:
+    manager = RunManager(args.runs_dir)
+    try:
+        token, source = hub.resolve_token(None) if args.push else (None, None)
+        result = export_run(manager.runs_dir / args.run_id, args.out, merge=args.merge)
+    except (ExportError, hub.HubError) as error:
+        print(f"Cannot export: {error}", file=sys.stderr)
+        return 2
+    print(f"Exported {result['kind']} model to {result['folder']}: {', '.join(result['files'])}")
+    if not args.push:
+        return 0
+    try:
+        url = hub.push(result["folder"], args.push, token, source, private=args.private, update=args.update)
+    except hub.HubError as error:
+        print(f"Push failed: {error}", file=sys.stderr)
+        return 1
+    print(f"Pushed ({'private' if args.private else 'public'}): {url}")
+    return 0
 
 
 def cmd_cache(args) -> int:

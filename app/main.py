@@ -1,4 +1,4 @@
-"""The web app: Train, Runs and Chat tabs over one run manager.
+"""The web app: Train, Runs, Chat and Export tabs over one run manager.
 
     python launch.py [--port 7860]
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app import cache_panel, chat_tab, runs_tab, train_tab
+from app import cache_panel, chat_tab, export_tab, runs_tab, train_tab
 from studio_core.hardware import Hardware, detect_hardware
 from studio_core.runs import RunManager
 
@@ -38,5 +38,7 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
             cache_panel.build(manager, hardware.backend)
         with gr.Tab("Chat", elem_id="tab-chat"):
             chat_tab.build(manager, hardware)
+        with gr.Tab("Export", elem_id="tab-export"):
+            export_tab.build(manager)
         demo.load(lambda: latest_active_run(manager), None, selected)
     return demo

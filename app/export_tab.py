@@ -1,0 +1,81 @@
+"""The Export tab: a finished run becomes a model folder with a model card, then one click
+puts it on the Hugging Face Hub.
+
+The export is the engine's (studio_core.export, in a child process) and so is the push
+(studio_core.hub). The token field is a password field whose value is used for one push
+and never stored; empty, the push uses HF_TOKEN or the saved Hugging Face login.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from studio_core import hub
+from studio_core.export import ExportError, export_run, read_output_info
+from studio_core.runs import RunManager
+from studio_core.worker import OUTPUT_INFO
+
+
+def finished_runs(manager: RunManager) -> list[str]:
+    return [v.id for v in manager.list() if (v.dir / "output" / OUTPUT_INFO).exists()]
+
+
+def build(manager: RunManager) -> None:
+    with gr.Row():
+        run = gr.Dropdown(finished_runs(manager), value=None, label="Finished run", scale=3, elem_id="export-run")
+        folder = gr.Textbox(label="Export folder", scale=3, elem_id="export-folder",
+                            info="a new or empty folder; default: exports/<run> in the runs folder")
+        merge = gr.Checkbox(False, label="Merge the LoRA adapter into its base", interactive=False,
+                            elem_id="export-merge")
+    export = gr.Button("Export", variant="primary", elem_id="export-run-button")
+    status = gr.Markdown("", elem_id="export-status")
+    files = gr.Markdown("", elem_id="export-files")
+    with gr.Accordion("Push to the Hugging Face Hub", open=True):
+        with gr.Row():
+            repo = gr.Textbox(label="Repo id", placeholder="your-name/model-name", scale=3, elem_id="push-repo")
+            private = gr.Checkbox(True, label="Private", elem_id="push-private")
+            update = gr.Checkbox(False, label="Update if it exists (a new commit)", elem_id="push-update")
+        token = gr.Textbox(label="Token (optional)", type="password", elem_id="push-token",
+                           placeholder="empty: HF_TOKEN or your saved login; typed: used for this push only")
+        push = gr.Button("Push to the Hub", elem_id="push")
+        pushed = gr.Markdown("", elem_id="push-status")
+    exported = gr.State(None)  # the folder of the last export on this page
+
+    def on_run(run_id):
+        if not run_id:
+            return gr.update(interactive=False, value=False), gr.update()
+        info = read_output_info(manager.runs_dir / run_id)
+        default = str(manager.runs_dir / "exports" / run_id)
+        return (gr.update(interactive=info["kind"] == "adapter", value=False,
+                          label="Merge the LoRA adapter into its base" if info["kind"] == "adapter"
+                          else "Merge (only for LoRA runs: this run trained the full model)"),
+                gr.update(value=default))
+
+    def on_export(run_id, out, merge_it, progress=gr.Progress()):
+        if not run_id:
+            return "**Pick a finished run.**", "", None
+        progress(0, desc="exporting (loading, saving, writing the card)")
+        try:
+            result = export_run(manager.runs_dir / run_id, out or manager.runs_dir / "exports" / run_id, merge_it)
+        except ExportError as error:
+            return f"**Not exported:** {error}", "", None
+        listing = "\n".join(f"- `{name}`" for name in result["files"])
+        return (f"Exported the {result['kind']} model to `{result['folder']}`.", listing, result["folder"])
+
+    def on_push(last, repo_id, is_private, is_update, typed, progress=gr.Progress(track_tqdm=True)):
+        if not last or not Path(last).exists():
+            return "**Export a run first**: the push uploads the export folder."
+        progress(0, desc="checking the token")
+        try:
+            secret, source = hub.resolve_token(typed)
+            url = hub.push(last, repo_id or "", secret, source, private=is_private, update=is_update)
+        except hub.HubError as error:
+            return f"**Not pushed:** {error}"
+        return f"Pushed ({'private' if is_private else 'public'}): [{url}]({url})"
+
+    run.change(on_run, run, [merge, folder])
+    run.focus(lambda: gr.update(choices=finished_runs(manager)), None, run)
+    export.click(on_export, [run, folder, merge], [status, files, exported])
+    push.click(on_push, [exported, repo, private, update, token], pushed)

@@ -1,0 +1,198 @@
+"""Export a finished run as a clean model folder with a model card.
+
+    python -m studio_core.export RUN_DIR OUT_DIR [--merge]   (what export_run starts)
+
+The folder holds the model (a LoRA adapter merged into its base with --merge, else the
+adapter alone; a full run's model as it is) in safetensors, the tokenizer with its chat
+template, the generation config, a loss plot (loss.png) and README.md, a model card made
+with huggingface_hub's ModelCard and ModelCardData: base model, datasets, library, tags,
+license when the base model's card says it, the training settings and layout, the final
+metrics, the compilations, the plot. Nothing else from the run folder is copied (not
+training_args.bin, not the log), and no token is ever involved: pushing is studio_core.hub.
+
+Loading and merging need torch, so the export runs in a child process; export_run is the
+app's and the CLI's way in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from studio_core.events import read_events
+from studio_core.sources import HUB_ID
+from studio_core.spec import RunSpec
+from studio_core.worker import OUTPUT_INFO
+
+CARD_TEMPLATE = Path(__file__).with_name("model_card.md")
+TIMEOUT_S = 3600
+
+
+class ExportError(ValueError):
+    """The export cannot be made; the message says what to change."""
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False) -> dict:
+    """Export in a child process; returns its summary {folder, kind, files}."""
+    run_dir, out_dir = Path(run_dir).expanduser(), Path(out_dir).expanduser()
+    info = read_output_info(run_dir)
+    if merge and info["kind"] != "adapter":
+        raise ExportError(f"run {run_dir.name} trained the full model: there is no adapter to merge; "
+                          "export it without merge")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ExportError(f"{out_dir} is not empty: choose a new folder (nothing is overwritten)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "studio_core.export", str(run_dir), str(out_dir),
+                           *(["--merge"] if merge else [])], capture_output=True, text=True, env=env,
+                          timeout=TIMEOUT_S)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise ExportError(f"the export failed (nothing usable in {out_dir}): {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def read_output_info(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "output" / OUTPUT_INFO).read_text())
+    except FileNotFoundError:
+        raise ExportError(f"run {run_dir.name} has no saved model (a run saves it when training finishes); "
+                          "pick a finished run") from None
+
+
+def run_summary(run_dir: Path) -> dict:
+    """What the card tells about the run, from its folder: spec, hardware, metrics, compilations."""
+    spec = RunSpec.load(run_dir / "spec.yaml")
+    launch = json.loads((run_dir / "launch.json").read_text())
+    events = read_events(run_dir / "events.jsonl")
+    metrics = [e for e in events if e["type"] == "metrics"]
+    losses = [(e["step"], e["loss"]) for e in metrics if "loss" in e and "step" in e]
+    final = {k: v for e in metrics for k, v in e.items() if k.startswith("train_") or k == "epoch"}
+    compiles = [e for e in events if e["type"] == "compile_end"]
+    return {"spec": spec, "hardware": launch.get("hardware", {}), "cores": launch.get("cores"),
+            "losses": losses, "final": final, "last_loss": losses[-1][1] if losses else None,
+            "compiles": len(compiles), "compile_seconds": round(sum(e["seconds"] for e in compiles), 1),
+            "shapes": sum(e["type"] == "shape" for e in events)}
+
+
+def card_data(summary: dict, kind: str, base_license: str | None):
+    """The card's metadata: what the Hub indexes and filters on."""
+    from huggingface_hub import ModelCardData
+
+    spec: RunSpec = summary["spec"]
+    hub_base = spec.model_name_or_path if HUB_ID.match(spec.model_name_or_path) else None
+    hub_data = spec.dataset_name if HUB_ID.match(spec.dataset_name) else None
+    tags = ["trl", spec.trainer, "trn-studio", *(["lora", "peft"] if kind == "adapter" else [])]
+    if summary["hardware"].get("backend") == "neuron":
+        tags += ["trainium", "neuron"]
+    return ModelCardData(base_model=hub_base, datasets=[hub_data] if hub_data else None,
+                         library_name="peft" if kind == "adapter" else "transformers", license=base_license,
+                         pipeline_tag="text-generation", tags=tags, model_name=spec.display_name)
+
+
+def _main(run_dir: Path, out_dir: Path, merge: bool) -> None:
+    import shutil
+
+    import torch
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = read_output_info(run_dir)
+    output = run_dir / "output"
+    summary = run_summary(run_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    if info["kind"] == "adapter" and not merge:
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(info["base_model_path"], dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, output)
+        model.peft_config["default"].base_model_name_or_path = _published_base(info)
+        kind = "adapter"
+    elif info["kind"] == "adapter":
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(info["base_model_path"])
+        model = PeftModel.from_pretrained(base, output).merge_and_unload()
+        kind = "merged"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(output)
+        kind = "full"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)  # with its chat template
+    (model.get_base_model() if kind == "adapter" else model).generation_config.save_pretrained(out_dir)
+    plot = _loss_plot(summary["losses"], out_dir / "loss.png")
+    card = ModelCard.from_template(card_data(summary, "adapter" if kind == "adapter" else "full",
+                                             _base_license(info)),
+                                   template_path=str(CARD_TEMPLATE), **_card_text(summary, kind, info, plot))
+    card.save(out_dir / "README.md")
+    shutil.copy(output / OUTPUT_INFO, out_dir / OUTPUT_INFO)
+    files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())
+    print(json.dumps({"folder": str(out_dir), "kind": kind, "files": files}))
+
+
+def _published_base(info: dict) -> str:
+    """The base an adapter names: the Hub id it was trained from, else the local folder."""
+    return info["base_model"] if HUB_ID.match(info["base_model"]) else info["base_model_path"]
+
+
+def _base_license(info: dict) -> str | None:
+    """The license the base model's own card declares, when the card is at hand (no download)."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+
+    local = Path(info["base_model_path"]) / "README.md"
+    path = local if local.exists() else None
+    if path is None and HUB_ID.match(info["base_model"]):
+        cached = try_to_load_from_cache(info["base_model"], "README.md")
+        path = Path(cached) if isinstance(cached, str) else None
+    return ModelCard.load(path).data.license if path else None
+
+
+def _loss_plot(losses: list[tuple[int, float]], path: Path) -> str | None:
+    if not losses:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.2), dpi=100)
+    axes.plot([s for s, _ in losses], [v for _, v in losses], color="#268bd2")
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path.name
+
+
+def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
+    spec: RunSpec = summary["spec"]
+    hardware = summary["hardware"]
+    settings = "\n".join(f"| `{k}` | `{v!r}` |" for k, v in sorted(spec.args.items()))
+    final = "\n".join(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |"
+                      for k, v in summary["final"].items())
+    where = hardware.get("instance_type") or hardware.get("backend", "?")
+    layout = (f"{spec.layout.nproc} process(es), TP {spec.layout.tp_size} x FSDP {spec.layout.fsdp_size}, "
+              f"{hardware.get('backend', '?')} cores {summary['cores']} on {where}")
+    trained = f"TRL's {spec.trainer.upper()} trainer on {spec.dataset_name}"
+    how = {"full": f"{spec.model_name_or_path}, fully fine-tuned with {trained}",
+           "merged": f"{spec.model_name_or_path} with a LoRA adapter trained by {trained}, merged into its weights",
+           "adapter": f"A LoRA adapter for {spec.model_name_or_path}, trained with {trained}; load it with PEFT"}[kind]
+    loader = ("from peft import AutoPeftModelForCausalLM\nmodel = AutoPeftModelForCausalLM.from_pretrained(REPO)"
+              if kind == "adapter" else
+              "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(REPO)")
+    return {"model_name": spec.display_name, "what": how, "trainer": spec.trainer.upper(),
+            "base": spec.model_name_or_path, "adapter_base": _published_base(info) if kind == "adapter" else "",
+            "dataset": spec.dataset_name, "layout": layout, "settings": settings, "final": final or "| - | - |",
+            "last_loss": "" if summary["last_loss"] is None else f"{summary['last_loss']:.4f}",
+            "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
+            "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "", "loader": loader}
+
+
+if __name__ == "__main__":
+    _main(Path(sys.argv[1]), Path(sys.argv[2]), "--merge" in sys.argv[3:])
