@@ -95,6 +95,23 @@ class ChatProcess:
               max_cache_len: int = MAX_CACHE_LEN) -> ChatProcess:
         """Resolve the target, take a free core (or the ones asked for), load the model."""
         target = resolve(name, runs_dir)
+        with leases.choosing(runs_dir):  # until the chat process holds the core chosen here
+            proc, events, stderr_tail, chosen = cls._spawn(target, runs_dir, hardware, cores, max_cache_len)
+            leases.wait_held(runs_dir, hardware.backend, chosen, proc)
+        try:
+            first = events.get(timeout=LOAD_TIMEOUT_S)
+        except queue.Empty:
+            _kill(proc)
+            raise ChatError(f"the chat process did not load {target.label} within {LOAD_TIMEOUT_S} s") from None
+        if first.get("type") != "ready":
+            _kill(proc)
+            proc.wait()
+            message = first.get("message") or "\n".join(stderr_tail[-8:]) or "it exited"
+            raise ChatError(f"chat on {target.label}: {message}")
+        return cls(proc, target, first, events)
+
+    @staticmethod
+    def _spawn(target: ChatTarget, runs_dir, hardware: Hardware, cores: str | None, max_cache_len: int):
         chosen = choose_chat_cores(runs_dir, hardware, cores)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
@@ -118,17 +135,7 @@ class ChatProcess:
                  "max_cache_len": max_cache_len}
         proc.stdin.write(json.dumps(setup) + "\n")
         proc.stdin.flush()
-        try:
-            first = events.get(timeout=LOAD_TIMEOUT_S)
-        except queue.Empty:
-            _kill(proc)
-            raise ChatError(f"the chat process did not load {target.label} within {LOAD_TIMEOUT_S} s") from None
-        if first.get("type") != "ready":
-            _kill(proc)
-            proc.wait()
-            message = first.get("message") or "\n".join(stderr_tail[-8:]) or "it exited"
-            raise ChatError(f"chat on {target.label}: {message}")
-        return cls(proc, target, first, events)
+        return proc, events, stderr_tail, chosen
 
     @property
     def alive(self) -> bool:

@@ -22,6 +22,7 @@ would let a third process lock a new file of the same name while the first still
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -96,6 +97,33 @@ def acquire(runs_dir: str | Path, backend: str, cores: list[int], holder: str, k
         lease.release()
         raise
     return lease
+
+
+@contextlib.contextmanager
+def choosing(runs_dir: str | Path):
+    """Held (machine-wide, per runs folder) while a process picks free cores and starts the
+    process that will hold them, until that one holds them: two starts in the same moment
+    never pick the same cores. Only choosers take it; acquire() does not."""
+    path = Path(runs_dir).expanduser() / ".leases" / "choosing.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def wait_held(runs_dir: str | Path, backend: str, cores: list[int], proc, timeout: float = 30) -> bool:
+    """Wait until the child process `proc` (a Popen) holds all of `cores`; False if it ends
+    first or does not hold them within `timeout`."""
+    deadline, pid = time.monotonic() + timeout, proc.pid
+    while time.monotonic() < deadline and proc.poll() is None:
+        held = holders(runs_dir, backend, max(cores) + 1)
+        if all(held.get(core, {}).get("pid") == pid for core in cores):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def holders(runs_dir: str | Path, backend: str, count: int) -> dict[int, dict]:

@@ -211,6 +211,12 @@ class RunManager:
         Raises SpecError, naming the holder when a core is taken."""
         run_id = self._new_run_id(spec.display_name)
         spec = validated(spec)
+        with leases.choosing(self.runs_dir):  # until the supervisor holds the cores chosen here
+            view, supervisor, cores = self._start(run_id, spec, hardware)
+            leases.wait_held(self.runs_dir, hardware.backend, cores, supervisor)
+        return view
+
+    def _start(self, run_id: str, spec: RunSpec, hardware: Hardware) -> tuple[RunView, subprocess.Popen, list[int]]:
         spec = replace(spec, layout=replace(spec.layout, cores=self.choose_cores(spec, hardware)))
         launch = self.plan(spec, hardware, run_id)
         if launch.errors:
@@ -241,7 +247,7 @@ class RunManager:
                     {"pid": supervisor.pid, "create_time": psutil.Process(supervisor.pid).create_time()})
         # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
         threading.Thread(target=supervisor.wait, name=f"reap-{run_id}", daemon=True).start()
-        return self.view(run_id)
+        return self.view(run_id), supervisor, parse_cores(spec.layout.cores)
 
     def choose_cores(self, spec: RunSpec, hardware: Hardware) -> str:
         """The cores the run will hold: the ones asked for if all are free, else the first free

@@ -18,9 +18,8 @@ from studio_core.builtin import BUILTIN_MODEL, BUILTIN_DATASETS
 from studio_core.chat import ChatError, ChatProcess
 from studio_core.chat_worker import buckets_for
 from studio_core.hardware import cpu_hardware
-from studio_core.runs import RunManager
 from studio_core.spec import RunSpec
-from test_runs import LONG, launch_py, wait_until_final, wait_until_training
+from test_runs import LONG, launch_py, wait_until_training
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 QA = [json.loads(line)["messages"] for line in Path(BUILTIN_DATASETS["builtin:qa"]).read_text().splitlines()]
@@ -37,16 +36,9 @@ def ask(chat: ChatProcess, text: str, which: str = "tuned", **settings) -> tuple
     return pieces, done
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A full SFT run and a LoRA SFT run on the built-in question and answer set, finished."""
-    manager = RunManager(tmp_path_factory.mktemp("chat") / "runs")
-    ids = {}
-    for kind, recipe in (("full", "tiny-sft.yaml"), ("lora", "tiny-sft-lora.yaml")):
-        view = wait_until_final(manager, manager.start(RunSpec.load(RECIPES / recipe), cpu_hardware()).id)
-        assert view.live_state == "finished", view.error_text
-        ids[kind] = view.id
-    return manager, ids
+@pytest.fixture
+def runs(trained_runs):
+    return trained_runs
 
 
 @pytest.fixture

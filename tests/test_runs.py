@@ -403,3 +403,15 @@ def test_runs_on_disjoint_cores_run_side_by_side(manager):
     for view in views:
         wait_until_training(manager, view.id, steps=2)  # both are training at the same time
     assert [wait_until_final(manager, v.id).state for v in views] == ["finished", "finished"]
+
+
+def test_two_starts_in_the_same_moment_take_different_cores(manager):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        views = list(pool.map(lambda _: manager.start(tiny(*LONG), cpu_hardware()), range(2)))
+    cores = [json.loads((v.dir / "launch.json").read_text())["cores"] for v in views]
+    assert cores[0] != cores[1]
+    for view in views:
+        assert wait_until_training(manager, view.id, steps=2).live_state == "running"
+        manager.stop(view.id)

@@ -1,0 +1,181 @@
+"""Export and push: a finished run becomes a model folder with a card, and goes to the Hub.
+
+Exports are made from real runs (conftest's trained_runs) and loaded back with plain
+transformers and with peft; pushes go through the real huggingface_hub client to
+HubStandIn, a standard-library HTTP server on 127.0.0.1 standing in for the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from huggingface_hub import ModelCard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hub_standin import HubStandIn, point_hub_client_at
+from studio_core import hub
+from studio_core.builtin import BUILTIN_DATASETS
+from studio_core.export import ExportError, export_run
+
+ROOT = Path(__file__).resolve().parent.parent
+QA = [json.loads(line)["messages"] for line in Path(BUILTIN_DATASETS["builtin:qa"]).read_text().splitlines()]
+TOKEN, READ_ONLY, WRONG = "hf_alice_write_0123456789", "hf_alice_read_0123456789", "hf_wrong_0123456789"
+
+
+def answer(model, tokenizer, question: str) -> str:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        enable_thinking=False, return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=24, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def metadata(folder: Path) -> dict:
+    return yaml.safe_load((folder / "README.md").read_text().split("---")[1])
+
+
+@pytest.fixture(scope="module")
+def exports(trained_runs, tmp_path_factory):
+    """The full run exported, and the LoRA run exported as an adapter and merged."""
+    manager, ids = trained_runs
+    out = tmp_path_factory.mktemp("exports")
+    return {
+        "full": Path(export_run(manager.runs_dir / ids["full"], out / "full")["folder"]),
+        "adapter": Path(export_run(manager.runs_dir / ids["lora"], out / "adapter")["folder"]),
+        "merged": Path(export_run(manager.runs_dir / ids["lora"], out / "merged", merge=True)["folder"]),
+    }
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    tokens = {TOKEN: {"user": "alice", "orgs": ["alice-org"]},
+              READ_ONLY: {"user": "alice", "orgs": [], "role": "read"}}
+    with HubStandIn(tokens=tokens) as server:
+        point_hub_client_at(server, monkeypatch)
+        yield server
+    assert server.errors == []
+
+
+def test_full_and_merged_exports_load_and_answer_with_plain_transformers(exports):
+    question, expected = QA[0][0]["content"], QA[0][1]["content"]
+    for kind in ("full", "merged"):
+        folder = exports[kind]
+        assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md",
+                "loss.png"} <= {p.name for p in folder.iterdir()}
+        assert not (folder / "training_args.bin").exists()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert tokenizer.chat_template  # the chat template travels with the model
+        assert answer(AutoModelForCausalLM.from_pretrained(folder), tokenizer, question) == expected
+        assert metadata(folder)["library_name"] == "transformers"
+
+
+def test_adapter_export_loads_on_its_base_with_peft(exports):
+    from peft import AutoPeftModelForCausalLM
+
+    folder = exports["adapter"]
+    assert (folder / "adapter_model.safetensors").exists() and not (folder / "model.safetensors").exists()
+    model = AutoPeftModelForCausalLM.from_pretrained(folder)
+    question, expected = QA[1][0]["content"], QA[1][1]["content"]
+    assert answer(model, AutoTokenizer.from_pretrained(folder), question) == expected
+
+
+def test_the_card_says_what_was_trained_and_how(exports, trained_runs):
+    card = ModelCard.load(exports["adapter"] / "README.md")
+    assert card.data.library_name == "peft" and card.data.pipeline_tag == "text-generation"
+    assert {"trl", "sft", "lora", "trn-studio"} <= set(card.data.tags)
+    assert "trainium" not in card.data.tags  # trained on this CPU, so not tagged as Trainium
+    assert card.data.base_model is None  # builtin:tiny-qwen3 is no Hub model; the text names it
+    text = card.text
+    assert "builtin:tiny-qwen3" in text and "builtin:qa" in text and "![training loss](loss.png)" in text
+    assert "| `max_steps` | `300` |" in text and "train_loss" in text and "graph compilations" in text
+
+
+def test_bad_exports_say_what_to_change(trained_runs, exports, tmp_path):
+    manager, ids = trained_runs
+    with pytest.raises(ExportError, match="no adapter to merge"):
+        export_run(manager.runs_dir / ids["full"], tmp_path / "x", merge=True)
+    with pytest.raises(ExportError, match="not empty"):
+        export_run(manager.runs_dir / ids["full"], exports["full"])
+    with pytest.raises(ExportError, match="no saved model"):
+        export_run(manager.runs_dir / "no-such-run", tmp_path / "y")
+
+
+def test_push_arrives_byte_for_byte_in_one_private_commit(exports, standin, trained_runs):
+    folder = exports["merged"]
+    url = hub.push(folder, "alice/tiny-merged", TOKEN, "the token")
+    assert url == f"{standin.url}/alice/tiny-merged"
+    repo = standin.repos["alice/tiny-merged"]
+    assert repo["private"] and len(repo["commits"]) == 1
+    local = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert repo["files"] == local
+    assert metadata(folder)["tags"] == yaml.safe_load(repo["files"]["README.md"].decode().split("---")[1])["tags"]
+    # the token is nowhere: not in the runs folder, the export, the pushed files or any request body
+    manager, _ = trained_runs
+    for path in [*manager.runs_dir.rglob("*"), *folder.rglob("*")]:
+        assert not path.is_file() or TOKEN.encode() not in path.read_bytes(), path
+    assert all(TOKEN.encode() not in body for body in repo["files"].values())
+    assert all(TOKEN.encode() not in r.body for r in standin.requests)
+
+
+def test_push_failures_each_say_what_to_change(exports, standin):
+    folder = exports["full"]
+    with pytest.raises(hub.HubError, match="refused.*wrong or expired") as refused:
+        hub.push(folder, "alice/m", WRONG, "the token typed for this push")
+    assert WRONG not in str(refused.value)
+    with pytest.raises(hub.HubError, match="read-only"):
+        hub.push(folder, "alice/m", READ_ONLY)
+    with pytest.raises(hub.HubError, match="cannot write to 'bob'"):
+        hub.push(folder, "bob/m", TOKEN)
+    with pytest.raises(hub.HubError, match="your-name/model-name|your-name/m"):
+        hub.push(folder, "m", TOKEN)
+    hub.push(folder, "alice/m", TOKEN)
+    with pytest.raises(hub.HubError, match="already exists"):
+        hub.push(folder, "alice/m", TOKEN)
+    # a failed upload says what it left: here an existing repo keeps its files
+    standin.fail_next_commit = True
+    with pytest.raises(hub.HubError, match="keeps its files.*nothing of this export was committed"):
+        hub.push(exports["merged"], "alice/m", TOKEN, update=True)
+    assert len(standin.repos["alice/m"]["commits"]) == 1
+    hub.push(exports["merged"], "alice/m", TOKEN, update=True)  # an update is a new commit
+    assert len(standin.repos["alice/m"]["commits"]) == 2
+
+
+def test_no_network_and_no_token_are_explained(exports, standin, monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
+    with pytest.raises(hub.HubError, match="cannot reach http://127.0.0.1:9"):
+        hub.push(exports["full"], "alice/offline", TOKEN)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no saved login there
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    with pytest.raises(hub.HubError, match="no Hub token"):
+        hub.resolve_token("")
+    assert hub.resolve_token(" typed ") == ("typed", "the token typed for this push")
+
+
+def test_export_command_exports_and_pushes(trained_runs, tmp_path):
+    manager, ids = trained_runs
+    with HubStandIn(tokens={TOKEN: {"user": "alice", "orgs": []}}) as server:
+        env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+        env |= {"HF_ENDPOINT": server.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN}
+        done = subprocess.run([sys.executable, "launch.py", "export", ids["lora"], "--runs-dir",
+                               str(manager.runs_dir), "--out", str(tmp_path / "cli"), "--merge", "--push",
+                               "alice/cli-model", "--public"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert f"Pushed (public): {server.url}/alice/cli-model" in done.stdout
+        assert not server.repos["alice/cli-model"]["private"]
+        assert TOKEN not in done.stdout + done.stderr
+        env["HF_TOKEN"] = WRONG
+        again = subprocess.run([sys.executable, "launch.py", "export", ids["lora"], "--runs-dir",
+                                str(manager.runs_dir), "--out", str(tmp_path / "cli2"), "--push", "alice/x"],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 1 and "wrong or expired" in again.stderr and WRONG not in again.stderr
