@@ -39,14 +39,14 @@ def free_port() -> int:
 class App:
     """`python launch.py` on a free port over a given runs folder."""
 
-    def __init__(self, runs_dir: Path):
+    def __init__(self, runs_dir: Path, env: dict | None = None):
         self.runs_dir = runs_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(runs_dir.parent / f"app-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "launch.py", "--port", str(self.port), "--runs-dir", str(runs_dir)],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.time() + 90
         while time.time() < deadline:
             assert self.proc.poll() is None, (runs_dir.parent / f"app-{self.port}.log").read_text()
@@ -309,3 +309,45 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(browser, app):
     playwright_api.expect(base).to_contain_text("What is the name of the studio cat?")
     page.locator("#chat-unload").click()
     page.locator("#chat-status").get_by_text(re.compile(r"^Unloaded: ")).wait_for(timeout=60_000)
+
+
+def test_export_and_push_to_the_hub_from_the_page(browser, runs_dir):
+    from hub_standin import HubStandIn
+    from studio_core.hardware import cpu_hardware
+    from studio_core.spec import RunSpec
+
+    token = "hf_browser_push_token_0123456789"
+    manager = RunManager(runs_dir)
+    run = manager.start(RunSpec.load(ROOT / "recipes" / "tiny-sft.yaml").with_overrides(["max_steps=20"]),
+                        cpu_hardware())
+    with HubStandIn(tokens={token: {"user": "alice", "orgs": []}}) as standin:
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_TOKEN")}
+        server = App(runs_dir, env=env | {"HF_ENDPOINT": standin.url, "HF_HUB_DISABLE_XET": "1"})
+        try:
+            deadline = time.time() + 180
+            while manager.view(run.id).live_state != "finished":
+                assert time.time() < deadline and manager.view(run.id).live_state in ("starting", "running")
+                time.sleep(0.5)
+            page = open_page(browser, server.url)
+            page.get_by_role("tab", name="Export").click()
+            choice = page.locator("#export-run input").first
+            choice.click()
+            page.get_by_role("option", name=run.id).click()
+            playwright_api.expect(page.locator("#export-folder textarea, #export-folder input").first
+                                  ).to_have_value(re.compile(re.escape(run.id)))
+            page.locator("#export-run-button").click()
+            page.locator("#export-status").get_by_text("Exported the full model").wait_for(timeout=120_000)
+            page.locator("#push-repo input, #push-repo textarea").first.fill("alice/from-the-browser")
+            page.locator("#push-token input, #push-token textarea").first.fill(token)
+            page.locator("#push").click()
+            page.locator("#push-status").get_by_text("Pushed (private)").wait_for(timeout=120_000)
+            link = page.locator("#push-status a").first.get_attribute("href")
+            assert link == f"{standin.url}/alice/from-the-browser"
+            folder = runs_dir / "exports" / run.id
+            local = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+            assert standin.repos["alice/from-the-browser"]["files"] == local
+        finally:
+            server.kill()
+        # the typed token went nowhere: not in the runs folder (runs, exports), not in the app's log
+        for path in [*runs_dir.rglob("*"), runs_dir.parent / f"app-{server.port}.log"]:
+            assert not path.is_file() or token.encode() not in path.read_bytes(), path
