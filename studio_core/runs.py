@@ -67,6 +67,8 @@ class RunView:
     compiles: list[dict] = field(default_factory=list)  # compile_end events, with their start's reason
     compiling: dict[tuple, dict] = field(default_factory=dict)  # compile_start events not ended yet
     shapes: list[dict] = field(default_factory=list)  # shape events: batch shapes as they first came
+    checkpoints: list[dict] = field(default_factory=list)  # checkpoint events: {step, path, size_bytes}
+    hardware: list[dict] = field(default_factory=list)  # hardware events: samples of the run's processes
     spec: dict = field(default_factory=dict)
     _reader: EventReader | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # app threads share views
@@ -113,6 +115,10 @@ class RunView:
                                   "reason": start.get("reason")})
         elif kind == "shape":
             self.shapes.append(event)
+        elif kind == "checkpoint":
+            self.checkpoints.append(event)
+        elif kind == "hardware":
+            self.hardware.append(event)
         elif kind == "metrics":
             self.metrics.append(event)
         elif kind == "error":
