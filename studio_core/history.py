@@ -1,0 +1,191 @@
+"""Run history: the disk space runs take, filtering and sorting them, comparing them
+(metric curves and settings), cloning one's settings, and deleting a run with its files.
+
+Everything is read from the runs folder through the run manager, as the Runs tab and the
+command line do; nothing here imports Gradio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from studio_core import leases
+from studio_core.runs import RunManager, RunView, supervisor_alive
+from studio_core.spec import RunSpec
+
+ACTIVE_STATES = ("starting", "running")
+SORTS = ("newest first", "oldest first", "final loss")
+NOT_SET = "(not set)"
+NOT_METRICS = {"type", "time", "step", "epoch"}  # event fields that are not a logged metric
+
+
+class RunActiveError(RuntimeError):
+    """A run that cannot be deleted (or otherwise changed) while it is going."""
+
+
+# --- disk space -------------------------------------------------------------------------
+def run_size(run_dir: str | Path) -> int:
+    """Bytes the run folder takes: every file in it, links counted as links (not followed)."""
+    total = 0
+    for folder, _, files in os.walk(run_dir):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:  # a running trainer may remove a file while we walk
+                continue
+    return total
+
+
+def format_size(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+# --- filtering and sorting --------------------------------------------------------------
+def trainer_of(view: RunView) -> str:
+    return (view.spec.get("studio") or {}).get("trainer", "")
+
+
+def model_of(view: RunView) -> str:
+    return str(view.spec.get("model_name_or_path", ""))
+
+
+def final_loss(view: RunView) -> float | None:
+    """The last training loss the run logged (None before its first)."""
+    return next((m["loss"] for m in reversed(view.metrics) if "loss" in m), None)
+
+
+def filter_runs(views: list[RunView], state: str | None = None, trainer: str | None = None,
+                model: str | None = None) -> list[RunView]:
+    """The runs matching every filter given; None (or "all") matches anything."""
+    def keep(value, wanted):
+        return wanted in (None, "", "all") or value == wanted
+
+    return [v for v in views if keep(v.live_state, state) and keep(trainer_of(v), trainer)
+            and keep(model_of(v), model)]
+
+
+def sort_runs(views: list[RunView], by: str = "newest first") -> list[RunView]:
+    """By creation time, or by final loss, lowest first (runs without a loss last)."""
+    if by == "newest first":
+        return sorted(views, key=lambda v: v.created, reverse=True)
+    if by == "oldest first":
+        return sorted(views, key=lambda v: v.created)
+    if by == "final loss":
+        return sorted(views, key=lambda v: (final_loss(v) is None, final_loss(v) or 0.0, -v.created))
+    raise ValueError(f"sort by {by!r}: choose one of {', '.join(SORTS)}")
+
+
+# --- comparing --------------------------------------------------------------------------
+def flatten(data: dict, prefix: str = "") -> dict:
+    """{"studio": {"nproc": 2}} -> {"studio.nproc": 2}; lists stay values."""
+    flat = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat |= flatten(value, f"{name}.")
+        else:
+            flat[name] = value
+    return flat
+
+
+def _text(value) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+
+
+def settings_diff(specs: dict[str, dict]) -> list[list[str]]:
+    """Rows [setting, value in run 1, value in run 2, ...] for the settings whose values differ
+    between the runs (a setting one run lacks shows as "(not set)"), keys flattened with dots
+    (`studio.nproc`, `model_init_kwargs.dtype`), in the order the spec files list them."""
+    flat = {run_id: flatten(spec or {}) for run_id, spec in specs.items()}
+    keys = list(dict.fromkeys(key for values in flat.values() for key in values))
+    rows = []
+    for key in keys:
+        values = [values.get(key, NOT_SET) for values in flat.values()]
+        texts = [NOT_SET if value is NOT_SET else _text(value) for value in values]
+        if len(set(texts)) > 1:
+            rows.append([key, *texts])
+    return rows
+
+
+def metric_names(views: list[RunView]) -> list[str]:
+    """The numeric metrics every one of these runs logged, loss and learning rate first."""
+    if not views:
+        return []
+    shared = set.intersection(*({k for m in v.metrics for k, value in m.items() if k not in NOT_METRICS
+                                 and isinstance(value, (int, float)) and not isinstance(value, bool)}
+                                for v in views))
+    first = [name for name in ("loss", "learning_rate") if name in shared]
+    return first + sorted(shared - set(first))
+
+
+def metric_curves(views: list[RunView], name: str) -> list[dict]:
+    """Rows {run, step, value} of one metric for each run, to overlay in one plot."""
+    return [{"run": v.id, "step": m["step"], "value": m[name]} for v in views for m in v.metrics
+            if isinstance(m.get(name), (int, float)) and "step" in m]
+
+
+# --- cloning ----------------------------------------------------------------------------
+def clone_spec(manager: RunManager, run_id: str) -> RunSpec:
+    """The run's settings to run it again: its spec.yaml less what the planner added for this
+    machine (listed in launch.json; the planner adds it again) and less the cores the run
+    was given (a clone takes the next free ones)."""
+    view = manager.view(run_id)
+    spec = RunSpec.load(view.dir / "spec.yaml")
+    try:
+        applied = json.loads((view.dir / "launch.json").read_text()).get("applied", [])
+    except FileNotFoundError:
+        applied = []
+    args = dict(spec.args)
+    for key, *_ in applied:
+        top, _, nested = key.partition(".")
+        if not nested:
+            args.pop(top, None)
+        elif isinstance(args.get(top), dict) and nested in args[top]:
+            args[top] = {k: v for k, v in args[top].items() if k != nested}
+            if not args[top]:
+                del args[top]
+    spec.args = args
+    spec.layout.cores = None
+    return spec
+
+
+# --- deleting ---------------------------------------------------------------------------
+def delete_run(manager: RunManager, run_id: str) -> int:
+    """Delete the run's folder and everything in it; return the bytes freed. Refused (with
+    RunActiveError naming the state) while the run is starting or running. The core leases
+    in <runs dir>/.leases are not the run's files and are left alone."""
+    with leases.choosing(manager.runs_dir):  # no run starts (or resumes) while we decide
+        view = manager.view(run_id)  # KeyError for an unknown run
+        state = view.live_state
+        if state in ACTIVE_STATES:
+            raise RunActiveError(f"run {run_id} is {state}: stop it first (Stop, or "
+                                 f"`python launch.py stop {run_id}`); nothing was deleted")
+        if supervisor_alive(view.dir):
+            raise RunActiveError(f"run {run_id} is {state} but its supervisor is still ending: try again "
+                                 "in a moment; nothing was deleted")
+        size = run_size(view.dir)
+        doomed = manager.runs_dir / f".deleting-{run_id}"  # out of every listing from now on
+        view.dir.rename(doomed)
+    shutil.rmtree(doomed)
+    return size
+
+
+# --- experiment tracking ----------------------------------------------------------------
+def tracking_hint(view: RunView) -> str | None:
+    """Where to open the run's experiment tracking (TRL's report_to), or None when it has none."""
+    report_to = view.spec.get("report_to", "none")
+    targets = report_to if isinstance(report_to, list) else [report_to]
+    lines = []
+    if "tensorboard" in targets:  # transformers 5 logs to <output_dir>/runs/<date>_<host>
+        lines.append(f"TensorBoard: `tensorboard --logdir {view.dir / 'output' / 'runs'}`")
+    if "trackio" in targets:  # logged locally (TRACKIO_DIR, else ~/.cache/huggingface/trackio)
+        lines.append(f"Trackio: `trackio show --project \"{view.spec.get('project', 'huggingface')}\"`")
+    return "; ".join(lines) or None

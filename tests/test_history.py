@@ -1,0 +1,214 @@
+"""Run history on real runs: disk space, filters and sorting, metric curves and the settings
+diff, clone (the run's settings back into the Train form and out again), delete (refused
+while the run goes, allowed after it stopped, leases left alone), experiment tracking.
+
+The runs are the tiny model on the CPU through the run manager, as in test_runs.py.
+"""
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from app.train_form import form_values, report_choices, spec_from_form
+from studio_core import history
+from studio_core.events import FINAL_STATES
+from studio_core.hardware import cpu_hardware
+from studio_core.procs import kill_run_processes
+from studio_core.runs import RunManager, RunView
+from studio_core.spec import RunSpec
+from studio_core.trl_schema import trainer_fields
+from conftest import run_folders
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RUN_TIMEOUT_S = 180  # a hang guard: these runs take seconds
+
+
+def tiny(recipe: str, *overrides: str) -> RunSpec:
+    return RunSpec.load(RECIPES / recipe).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
+
+
+def wait_for(manager: RunManager, run_id: str, condition) -> RunView:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not condition(view := manager.view(run_id)):
+        assert time.monotonic() < deadline, f"run {run_id}: state {view.live_state}, step {view.step}"
+        time.sleep(0.2)
+    return view
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three finished runs: two SFT differing in learning rate, one DPO: (manager, {name: spec, view})."""
+    manager = RunManager(tmp_path_factory.mktemp("history") / "runs")
+    specs = {"sft-a": tiny("tiny-sft.yaml"), "sft-b": tiny("tiny-sft.yaml", "learning_rate=1.0e-4"),
+             "dpo": tiny("tiny-dpo.yaml", "max_steps=4", "logging_steps=2")}
+    views = {}
+    try:
+        for name, spec in specs.items():  # one at a time: the machine has two cores
+            run = manager.start(spec, cpu_hardware())
+            views[name] = wait_for(manager, run.id, lambda v: v.live_state in FINAL_STATES)
+            assert views[name].live_state == "finished", views[name].error_text
+        yield manager, specs, views
+    finally:
+        for path in run_folders(manager.runs_dir):
+            kill_run_processes(path.name)
+
+
+def test_run_size_counts_every_file(runs):
+    _, _, views = runs
+    run_dir = views["sft-a"].dir
+    size = history.run_size(run_dir)
+    assert size == sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
+    assert size > (run_dir / "output" / "model.safetensors").stat().st_size > 0
+    extra = run_dir / "notes.txt"
+    extra.write_bytes(b"x" * 1234)
+    try:
+        assert history.run_size(run_dir) == size + 1234
+    finally:
+        extra.unlink()
+    assert history.format_size(1234) == "1.2 KB" and history.format_size(999) == "999 B"
+
+
+def test_filters_and_sorts(runs):
+    manager, _, views = runs
+    every = manager.list()
+    ids = {name: view.id for name, view in views.items()}
+    assert [v.id for v in history.filter_runs(every, trainer="dpo")] == [ids["dpo"]]
+    assert {v.id for v in history.filter_runs(every, trainer="sft")} == {ids["sft-a"], ids["sft-b"]}
+    assert len(history.filter_runs(every, state="finished", model="builtin:tiny-qwen3")) == 3
+    assert history.filter_runs(every, state="running") == []
+    assert history.filter_runs(every, model="Qwen/Qwen3-0.6B") == []
+    assert len(history.filter_runs(every, "all", "all", "all")) == 3
+
+    newest = history.sort_runs(every, "newest first")
+    assert [v.id for v in newest] == [ids["dpo"], ids["sft-b"], ids["sft-a"]]
+    assert [v.id for v in history.sort_runs(every, "oldest first")] == [ids["sft-a"], ids["sft-b"], ids["dpo"]]
+    by_loss = history.sort_runs(every, "final loss")
+    losses = [history.final_loss(v) for v in by_loss]
+    assert losses == sorted(losses) and None not in losses
+    assert history.final_loss(views["dpo"]) == [m["loss"] for m in views["dpo"].metrics if "loss" in m][-1]
+    with pytest.raises(ValueError, match="choose one of"):
+        history.sort_runs(every, "size")
+
+
+def test_metric_curves_overlay_the_metrics_the_runs_share(runs):
+    _, _, views = runs
+    pair = [views["sft-a"], views["sft-b"]]
+    names = history.metric_names(pair)
+    assert names[:2] == ["loss", "learning_rate"] and "grad_norm" in names
+    assert "step" not in names and "epoch" not in names
+    rows = history.metric_curves(pair, "loss")
+    for view in pair:
+        assert [r["step"] for r in rows if r["run"] == view.id] == [1, 5, 10, 15, 20]
+        assert [r["value"] for r in rows if r["run"] == view.id] == [m["loss"] for m in view.metrics if "loss" in m]
+    # DPO logs its own metrics (rewards/...); only what all three share is offered
+    shared = history.metric_names(list(views.values()))
+    assert "loss" in shared and not any(name.startswith("rewards/") for name in shared)
+    assert any(name.startswith("rewards/") for name in history.metric_names([views["dpo"]]))
+
+
+def test_settings_diff_shows_only_the_differences(runs):
+    _, _, views = runs
+    a, b, dpo = views["sft-a"], views["sft-b"], views["dpo"]
+    rows = history.settings_diff({a.id: a.spec, b.id: b.spec})
+    assert rows == [["learning_rate", str(a.spec["learning_rate"]), "0.0001"]]
+
+    rows = {row[0]: row[1:] for row in history.settings_diff({a.id: a.spec, dpo.id: dpo.spec})}
+    assert rows["studio.trainer"] == ["sft", "dpo"]
+    assert rows["dataset_name"] == ["builtin:qa", "builtin:preference"]
+    assert rows["max_steps"] == ["20", "4"]
+    assert "model_name_or_path" not in rows and "studio.nproc" not in rows
+    only_dpo = [key for key in history.flatten(dpo.spec) if key not in history.flatten(a.spec)]
+    assert only_dpo and all(rows[key][0] == history.NOT_SET for key in only_dpo)
+
+    # the layout's keys are compared too
+    diff = history.settings_diff({"x": {"studio": {"nproc": 1, "cores": "0"}}, "y": {"studio": {"nproc": 2}}})
+    assert diff == [["studio.nproc", "1", "2"], ["studio.cores", "0", history.NOT_SET]]
+
+
+def assert_same_run(original: RunSpec, made: RunSpec) -> None:
+    """`made` is `original` as the Train form writes it: every setting of the original with its
+    value, and, for the settings the original leaves out, TRL's defaults (the form writes
+    out what its widgets hold)."""
+    defaults = trainer_fields(original.trainer)
+    added = {k: v for k, v in made.args.items() if k not in original.args}
+    assert all(v == defaults[k]["default"] for k, v in added.items()), added
+    assert made.to_dict() == original.to_dict() | added
+
+
+def test_clone_is_the_recipe_without_what_the_planner_added(runs):
+    manager, specs, views = runs
+    for name in ("sft-b", "dpo"):
+        assert "use_cpu" in views[name].spec and "disable_tqdm" in views[name].spec  # added for this machine
+        assert views[name].spec["studio"]["cores"] == "0"
+        clone = history.clone_spec(manager, views[name].id)
+        assert clone.to_dict() == specs[name].to_dict()
+        assert_same_run(clone, spec_from_form(form_values(clone)))  # through the Train form and back
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
+def test_every_recipe_goes_through_the_train_form_unchanged(recipe):
+    spec = RunSpec.load(RECIPES / recipe)
+    values = form_values(spec)
+    assert_same_run(spec, spec_from_form(values))
+    if recipe.startswith("tiny-") and "grpo" not in recipe:
+        assert values["extra"] == ""  # the widgets hold every setting of the tiny recipes
+
+
+def test_what_the_train_form_cannot_hold():
+    # reward functions only exist for GRPO: another trainer's are dropped (validation refuses them anyway)
+    sft = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["rewards=[{name: length, target: 5}]"])
+    assert spec_from_form(form_values(sft)).rewards == []
+    # keep_columns is a comma-separated box: a column name with a comma becomes two names
+    odd = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["keep_columns=['a,b']"])
+    assert spec_from_form(form_values(odd)).keep_columns == ["a", "b"]
+    # an empty split becomes the form's default
+    empty = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["dataset_train_split=''"])
+    assert spec_from_form(form_values(empty)).dataset_train_split == "train"
+
+
+def test_values_a_widget_cannot_hold_go_to_the_extra_box():
+    spec = RunSpec.load(RECIPES / "tiny-dpo.yaml").with_overrides(
+        ["save_strategy=epoch", "loss_type=[sigmoid, hinge]", "warmup_steps=0.1", "report_to=tensorboard"])
+    values = form_values(spec, trackers=["none"])
+    for key in ("save_strategy: epoch", "- hinge", "warmup_steps: 0.1", "report_to: tensorboard"):
+        assert key in values["extra"]
+    assert values["report_to"] == "none"
+    assert_same_run(spec, spec_from_form(values))
+    # with TensorBoard offered, report_to has its own widget
+    values = form_values(spec, trackers=["none", "tensorboard"])
+    assert values["report_to"] == "tensorboard" and "report_to" not in values["extra"]
+    assert spec_from_form(values).args["report_to"] == "tensorboard"
+
+
+def test_report_to_offers_what_is_installed_and_says_where_to_open_it(tmp_path):
+    installed = [name for name in ("tensorboard", "trackio") if importlib.util.find_spec(name)]
+    assert report_choices() == ["none", *installed]
+    view = RunView(tmp_path / "run")
+    view.spec = {"report_to": ["tensorboard", "trackio"], "project": "studio"}
+    hint = history.tracking_hint(view)
+    assert f"tensorboard --logdir {tmp_path / 'run' / 'output' / 'runs'}" in hint
+    assert 'trackio show --project "studio"' in hint
+    view.spec = {"report_to": "none"}
+    assert history.tracking_hint(view) is None
+
+
+def test_delete_is_refused_while_the_run_goes_and_frees_its_space_after(manager):
+    run = manager.start(tiny("tiny-sft.yaml", "max_steps=3000", "logging_steps=50"), cpu_hardware())
+    with pytest.raises(history.RunActiveError, match=r"is (starting|running): stop it first"):
+        history.delete_run(manager, run.id)
+    wait_for(manager, run.id, lambda v: v.step >= 2 or v.live_state in FINAL_STATES)
+    with pytest.raises(history.RunActiveError, match="is running: stop it first"):
+        history.delete_run(manager, run.id)
+    assert run.dir.is_dir()
+
+    assert manager.stop(run.id).live_state == "stopped"
+    size = history.run_size(run.dir)
+    leases = sorted(p.name for p in (manager.runs_dir / ".leases").iterdir())
+    assert history.delete_run(manager, run.id) == size > 0
+    assert not run.dir.exists() and run_folders(manager.runs_dir) == []
+    assert [v.id for v in manager.list()] == []
+    assert sorted(p.name for p in (manager.runs_dir / ".leases").iterdir()) == leases  # not the run's files
+    with pytest.raises(KeyError, match="no run"):
+        history.delete_run(manager, run.id)
