@@ -7,6 +7,7 @@ folded away. Labels and choices come from TRL's config classes (studio_core.trl_
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import gradio as gr
@@ -23,6 +24,19 @@ TRAINERS = {"sft": "SFT (supervised fine-tuning)", "dpo": "DPO (preference pairs
 SAMPLE_FOR_TRAINER = {"sft": "builtin:qa", "dpo": "builtin:preference", "grpo": "builtin:prompts"}
 THIS_MACHINE = "this machine"
 DEFAULT_REWARDS = "- {name: length, target: 40, weight: 1.0}\n- {name: exact_match, column: reference, weight: 1.0}\n"
+TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the form offers, when installed
+
+
+def report_choices() -> list[str]:
+    """TRL's report_to values this environment can run: none, and each tracker installed."""
+    return ["none", *[name for name in TRACKERS if importlib.util.find_spec(name) is not None]]
+
+
+def report_info(choices: list[str]) -> str:
+    if len(choices) > 1:
+        return "TRL's report_to; the Runs tab says where to open it"
+    return ("neither TensorBoard nor Trackio is installed here: `pip install tensorboard` (or trackio) "
+            "in the studio's environment, then restart the studio")
 
 
 def help_choices(trainer: str, field: str) -> list[str]:
@@ -118,7 +132,7 @@ class TrainForm:
                 w["lora_dropout"] = gr.Number(0.05, label="lora_dropout")
                 w["lora_target_modules"] = gr.Textbox("all-linear", label="lora_target_modules",
                                                       info="all-linear, or names: q_proj, v_proj")
-        with gr.Accordion("Advanced", open=False):
+        with gr.Accordion("Advanced", open=False, elem_id="advanced-box") as self.advanced_box:
             with gr.Row():
                 w["gradient_accumulation_steps"] = gr.Number(1, label="gradient_accumulation_steps", precision=0)
                 w["warmup_steps"] = gr.Number(0, label="warmup_steps", precision=0)
@@ -127,6 +141,9 @@ class TrainForm:
                 w["seed"] = gr.Number(42, label="seed", precision=0)
                 w["save_steps"] = gr.Number(0, label="save_steps", precision=0,
                                             info="a checkpoint every N steps; 0: only the final model")
+            trackers = report_choices()
+            w["report_to"] = gr.Dropdown(trackers, value="none", label="report_to (experiment tracking)",
+                                         info=report_info(trackers), elem_id="report_to")
             w["trust_remote_code"] = gr.Checkbox(False, label="trust_remote_code: run the model's own Python "
                                                  "code (only for authors you trust)")
             w["extra"] = gr.Code(label="Other TRL settings (YAML, TRL's names), e.g. `save_steps: 100`",
@@ -193,6 +210,8 @@ def spec_from_form(v: dict) -> RunSpec:
                  "lora_dropout": float(v["lora_dropout"] or 0), "lora_target_modules": targets or None}
     if v["trust_remote_code"]:
         args["trust_remote_code"] = True
+    if v.get("report_to") not in (None, "none"):
+        args["report_to"] = v["report_to"]
     args |= _yaml(v["extra"], "Other TRL settings", dict)
     rewards = _yaml(v["rewards"], "Reward functions", list) if trainer == "grpo" else []
     keep = [c.strip() for c in (v["keep_columns"] or "").split(",") if c.strip()]
@@ -214,3 +233,69 @@ def target_hardware(v: dict, detected: Hardware) -> Hardware:
         return instance_hardware(v["target"], lnc=int(v["lnc"] or 2))
     except ValueError as error:
         raise SpecError([f"Plan for: {error}"]) from error
+
+
+def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
+    """The inverse of spec_from_form: widget values (by name) that make this spec again.
+
+    Settings with a widget go into it; every other TRL setting, and any value a widget cannot
+    hold exactly (`save_strategy: epoch`, a learning rate that is not a number), goes into
+    "Other TRL settings" as YAML, which spec_from_form applies last. Settings the spec leaves
+    out take TRL's defaults, so `spec_from_form(form_values(spec))` is the same run, with
+    TRL's defaults written out for the widgets' settings. Only the widgets this trainer uses are given (the other
+    trainers' and, without use_peft, the LoRA widgets keep what they hold). The form cannot
+    hold: reward functions for a trainer other than GRPO, a column name with a comma in
+    keep_columns, an empty dataset_train_split (the form's default is "train").
+    `trackers`: the report_to choices offered (default: what is installed here)."""
+    fields, args = trainer_fields(spec.trainer), spec.args
+    trackers = report_choices() if trackers is None else trackers
+
+    def get(key):
+        return args.get(key, fields[key]["default"] if key in fields else None)
+
+    def num(key):
+        value = get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def choice(key, choices, fallback):
+        value = get(key)
+        value = value[0] if isinstance(value, list) and len(value) == 1 else value
+        return value if isinstance(value, str) and value in choices else fallback
+
+    v = {"trainer": spec.trainer, "model": spec.model_name_or_path, "dataset": spec.dataset_name,
+         "dataset_config": spec.dataset_config or "", "dataset_split": spec.dataset_train_split,
+         "run_name": spec.run_name or "",
+         "column_map": yaml.safe_dump(spec.column_map, sort_keys=False) if spec.column_map else "",
+         "keep_columns": ", ".join(map(str, spec.keep_columns or [])),
+         "nproc": spec.layout.nproc, "tp_size": spec.layout.tp_size, "fsdp_size": spec.layout.fsdp_size,
+         "cores": spec.layout.cores or "",
+         "max_steps": max(num("max_steps") or 0, 0), "num_train_epochs": num("num_train_epochs"),
+         "learning_rate": num("learning_rate"), "per_device_train_batch_size": num("per_device_train_batch_size"),
+         "logging_steps": num("logging_steps"), "gradient_accumulation_steps": num("gradient_accumulation_steps"),
+         "warmup_steps": num("warmup_steps"), "seed": num("seed"),
+         "lr_scheduler_type": choice("lr_scheduler_type", trainer_fields("sft")["lr_scheduler_type"]["choices"],
+                                     "linear"),
+         "save_steps": 0 if get("save_strategy") == "no" else num("save_steps"),
+         "use_peft": get("use_peft") is True, "trust_remote_code": get("trust_remote_code") is True,
+         "report_to": choice("report_to", trackers, "none")}
+    if spec.trainer in ("sft", "dpo"):
+        v["max_length"] = 0 if get("max_length") is None else num("max_length")
+    if spec.trainer == "dpo":
+        v |= {"beta": num("beta"), "loss_type": choice("loss_type", help_choices("dpo", "loss_type"), "sigmoid")}
+    if spec.trainer == "grpo":
+        v |= {"num_generations": num("num_generations"), "max_completion_length": num("max_completion_length"),
+              "temperature": num("temperature"),
+              "rewards": yaml.safe_dump(spec.rewards, sort_keys=False, default_flow_style=None) if spec.rewards
+              else ""}
+    if v["use_peft"]:
+        targets = get("lora_target_modules")
+        v |= {"lora_r": num("lora_r"), "lora_alpha": num("lora_alpha"), "lora_dropout": num("lora_dropout"),
+              "lora_target_modules": ", ".join(targets) if isinstance(targets, list) else str(targets or "")}
+    # What the widgets alone make; the rest (and what they make differently) goes to "extra",
+    # also values equal to TRL's default: the planner would replace a missing one with its own.
+    made = spec_from_form(v | {"extra": ""}).args
+    extra = {key: value for key, value in args.items() if key not in made or made[key] != value}
+    extra |= {key: fields[key]["default"] for key in made.keys() - args.keys()
+              if key in fields and made[key] != fields[key]["default"]}
+    v["extra"] = yaml.safe_dump(extra, sort_keys=False) if extra else ""
+    return v
