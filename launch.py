@@ -4,7 +4,8 @@
     python launch.py train RECIPE.yaml        train, with a progress bar; Ctrl-C stops the run
     python launch.py plan RECIPE.yaml         print the exact command, environment and shape forecast; runs nothing
     python launch.py runs                     list the runs in the runs folder
-    python launch.py stop RUN_ID              stop a run and every process of it
+    python launch.py stop RUN_ID [--save]     stop a run (--save: a checkpoint first, to resume from)
+    python launch.py train --resume RUN_ID    go on from the run's last checkpoint [--from-checkpoint STEP]
     python launch.py chat RUN_OR_MODEL        chat with a run's model (--prompt TEXT: ask once)
     python launch.py export RUN_ID --out DIR  a model folder with a card [--merge] [--push REPO_ID]
     python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
@@ -66,7 +67,8 @@ def parser() -> argparse.ArgumentParser:
     for name, func, help in (("train", cmd_train, "train a recipe, following it in the terminal"),
                              ("plan", cmd_plan, "print the launch a recipe would make; runs nothing")):
         sub = command(name, func, help)
-        sub.add_argument("recipe", help="a recipe YAML file (see recipes/)")
+        sub.add_argument("recipe", nargs="?" if name == "train" else None,
+                         help="a recipe YAML file (see recipes/)")
         sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a recipe key, e.g. --set max_steps=50 --set studio.nproc=2")
         sub.add_argument("--instance", choices=sorted(INSTANCES),
@@ -84,9 +86,14 @@ def parser() -> argparse.ArgumentParser:
         if name == "train":
             sub.add_argument("--detach", action="store_true",
                              help="start the run and return; it goes on in the background")
+            sub.add_argument("--resume", metavar="RUN_ID", help="go on with a run from its last checkpoint "
+                             "(instead of a recipe), in the same run folder")
+            sub.add_argument("--from-checkpoint", type=int, metavar="STEP", help="with --resume: this checkpoint")
     command("runs", cmd_runs, "list runs with their state")
     stop = command("stop", cmd_stop, "stop a run")
     stop.add_argument("run_id")
+    stop.add_argument("--save", action="store_true", help="save a checkpoint at the next step, then stop "
+                      "(resumable with train --resume)")
     chat = command("chat", cmd_chat, "chat with a run's model (or any model) in the terminal")
     chat.add_argument("target", help="a run id (its model or LoRA adapter), or a model: builtin:tiny-qwen3, "
                       "a Hub id, a local folder")
@@ -157,10 +164,17 @@ def cmd_plan(args) -> int:
 
 
 def cmd_train(args) -> int:
-    spec = load_spec(args)
     manager = RunManager(args.runs_dir)
-    view = manager.start(spec, hardware_for(args))
-    print(f"Run {view.id} started; its folder: {view.dir}")
+    if args.resume:
+        if args.recipe or args.set:
+            raise SpecError(["--resume goes on with the run's own settings: give no recipe and no --set"])
+        view = manager.resume(args.resume, hardware_for(args), step=args.from_checkpoint)
+        print(f"Run {view.id} resumed from step {view.step}; its folder: {view.dir}")
+    elif not args.recipe:
+        raise SpecError(["give a recipe (e.g. recipes/tiny-sft.yaml), or --resume RUN_ID"])
+    else:
+        view = manager.start(load_spec(args), hardware_for(args))
+        print(f"Run {view.id} started; its folder: {view.dir}")
     if args.detach:
         return 0
 
@@ -233,9 +247,24 @@ def cmd_runs(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    view = RunManager(args.runs_dir).stop(args.run_id)
+    manager = RunManager(args.runs_dir)
+    if args.save:
+        manager.stop_and_save(args.run_id)
+        view = follow_to_end(manager, args.run_id)
+        point = view.resume_point()
+        print(f"Run {view.id}: {view.live_state}" + (f"; resume it from step {point['step']} with "
+                                                     f"`launch.py train --resume {view.id}`" if point else ""))
+        return 0
+    view = manager.stop(args.run_id)
     print(f"Run {view.id}: {view.live_state}")
     return 0
+
+
+def follow_to_end(manager: RunManager, run_id: str, timeout: float = 600) -> RunView:
+    deadline = time.monotonic() + timeout
+    while (view := manager.view(run_id)).live_state not in FINAL_STATES and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return view
 
 
 def cmd_chat(args) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from studio_core import leases, sources
+from studio_core.checkpoints import RESUME_ENV, clear_control, list_checkpoints, request_save_and_stop
 from studio_core.events import FINAL_STATES, EventReader, append_event
 from studio_core.hardware import Hardware
 from studio_core.layout import format_cores, parse_cores, pick_cores
@@ -67,7 +68,7 @@ class RunView:
     compiles: list[dict] = field(default_factory=list)  # compile_end events, with their start's reason
     compiling: dict[tuple, dict] = field(default_factory=dict)  # compile_start events not ended yet
     shapes: list[dict] = field(default_factory=list)  # shape events: batch shapes as they first came
-    checkpoints: list[dict] = field(default_factory=list)  # checkpoint events: {step, path, size_bytes}
+    checkpoints: list[dict] = field(default_factory=list)  # checkpoint events: {step, folder, size_bytes}
     hardware: list[dict] = field(default_factory=list)  # hardware events: samples of the run's processes
     spec: dict = field(default_factory=dict)
     _reader: EventReader | None = None
@@ -117,6 +118,9 @@ class RunView:
             self.shapes.append(event)
         elif kind == "checkpoint":
             self.checkpoints.append(event)
+        elif kind == "resume":  # a new attempt from a checkpoint: what came after it is replaced
+            self.metrics = [m for m in self.metrics if m.get("step", 0) <= event["step"]]
+            self.step, self.progress_times, self.ended, self.exit_code = event["step"], [], None, None
         elif kind == "hardware":
             self.hardware.append(event)
         elif kind == "metrics":
@@ -156,6 +160,11 @@ class RunView:
         if s1 <= s0:
             return None
         return (t1 - t0) / (s1 - s0) * (self.max_steps - s1)
+
+    def resume_point(self) -> dict | None:
+        """The checkpoint a resume would go on from (the last one on disk), or None."""
+        found = list_checkpoints(self.dir)
+        return found[-1] if found else None
 
     def compile_seconds(self) -> float:
         """Time spent compiling so far, the compilations still running included."""
@@ -229,31 +238,58 @@ class RunManager:
             raise SpecError(launch.errors)
         tmp = self.runs_dir / f".creating-{run_id}"
         tmp.mkdir()
-        launch.spec.save(tmp / "spec.yaml")
-        (tmp / "launch.json").write_text(json.dumps({
-            "argv": launch.argv, "env": launch.env, "hardware": hardware.to_dict(),
-            "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
-            "cores": parse_cores(spec.layout.cores),
-        }, indent=2, default=str))
+        _write_launch(tmp, launch, hardware)
         append_event(tmp / "events.jsonl", "status", state="starting")
         for warning in launch.warnings:
             append_event(tmp / "events.jsonl", "log", message=f"warning: {warning}")
         run_dir = self.runs_dir / run_id
         tmp.rename(run_dir)
-        log = open(run_dir / "train.log", "ab")
-        try:
-            supervisor = subprocess.Popen(
-                [sys.executable, "-m", "studio_core.supervisor", str(run_dir)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, env={**os.environ, **launch.env}, cwd=run_dir,
-            )
-        finally:
-            log.close()
-        _write_json(run_dir / "supervisor.json",
-                    {"pid": supervisor.pid, "create_time": psutil.Process(supervisor.pid).create_time()})
-        # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
-        threading.Thread(target=supervisor.wait, name=f"reap-{run_id}", daemon=True).start()
-        return self.view(run_id), supervisor, parse_cores(spec.layout.cores)
+        return self.view(run_id), _start_supervisor(run_dir, launch.env), parse_cores(spec.layout.cores)
+
+    def resume(self, run_id: str, hardware: Hardware, step: int | None = None) -> RunView:
+        """Go on from the run's last checkpoint (or the one at `step`), in the same run folder:
+        model, optimizer, scheduler and RNG states come back, the step count goes on, and the
+        new events append to the run's own (after a `resume` event)."""
+        view = self.view(run_id)
+        if view.live_state in ("starting", "running"):
+            raise SpecError([f"run {run_id} is {view.live_state}: stop it (or stop and save) first"])
+        found = list_checkpoints(view.dir)
+        if not found:
+            raise SpecError([f"run {run_id} saved no checkpoint, so it cannot be resumed: train with save_steps "
+                             "(a checkpoint every N steps), or use Stop and save"])
+        chosen = found[-1] if step is None else next((c for c in found if c["step"] == step), None)
+        if chosen is None:
+            raise SpecError([f"run {run_id} has no checkpoint at step {step}; it has steps "
+                             f"{', '.join(str(c['step']) for c in found)}"])
+        spec = RunSpec.load(view.dir / "spec.yaml")
+        with leases.choosing(self.runs_dir):
+            count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+            held = leases.holders(self.runs_dir, hardware.backend, count)
+            if spec.layout.cores and set(parse_cores(spec.layout.cores)) & set(held):
+                spec = replace(spec, layout=replace(spec.layout, cores=None))  # its cores are taken: next free
+            spec = replace(spec, layout=replace(spec.layout, cores=self.choose_cores(spec, hardware)))
+            launch = self.plan(spec, hardware, run_id)
+            if launch.errors:
+                raise SpecError(launch.errors)
+            launch.env[RESUME_ENV] = chosen["path"]
+            clear_control(view.dir)
+            _write_launch(view.dir, launch, hardware)
+            append_event(view.dir / "events.jsonl", "resume", step=chosen["step"], checkpoint=chosen["path"])
+            append_event(view.dir / "events.jsonl", "status", state="starting")
+            supervisor = _start_supervisor(view.dir, launch.env)
+            leases.wait_held(self.runs_dir, hardware.backend, parse_cores(spec.layout.cores), supervisor)
+        return self.view(run_id)
+
+    def stop_and_save(self, run_id: str) -> RunView:
+        """Ask the run to save a checkpoint at its next step and stop; it ends as "stopped",
+        resumable from that checkpoint. Returns at once: the run stops by itself."""
+        view = self.view(run_id)
+        if view.live_state not in ("starting", "running"):
+            raise SpecError([f"run {run_id} is {view.live_state}: there is nothing to stop"])
+        request_save_and_stop(view.dir)
+        append_event(view.dir / "events.jsonl", "log", message="stop and save: asked for a checkpoint at the "
+                     "next step, then a stop")
+        return view
 
     def choose_cores(self, spec: RunSpec, hardware: Hardware) -> str:
         """The cores the run will hold: the ones asked for if all are free, else the first free
@@ -318,6 +354,33 @@ class RunManager:
         if left:
             raise RuntimeError(f"processes of run {run_id} survived SIGKILL: {[p.pid for p in left]}")
         return self.view(run_id)
+
+
+def _write_launch(folder: Path, launch: Plan, hardware: Hardware) -> None:
+    """spec.yaml (the resolved spec) and launch.json (what will run, and why)."""
+    launch.spec.save(folder / "spec.yaml")
+    (folder / "launch.json").write_text(json.dumps({
+        "argv": launch.argv, "env": launch.env, "hardware": hardware.to_dict(),
+        "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
+        "cores": parse_cores(launch.spec.layout.cores),
+    }, indent=2, default=str))
+
+
+def _start_supervisor(run_dir: Path, env: dict) -> subprocess.Popen:
+    log = open(run_dir / "train.log", "ab")
+    try:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "studio_core.supervisor", str(run_dir)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, env={**os.environ, **env}, cwd=run_dir,
+        )
+    finally:
+        log.close()
+    _write_json(run_dir / "supervisor.json",
+                {"pid": supervisor.pid, "create_time": psutil.Process(supervisor.pid).create_time()})
+    # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
+    threading.Thread(target=supervisor.wait, name=f"reap-{run_dir.name}", daemon=True).start()
+    return supervisor
 
 
 def supervisor_process(run_dir: Path) -> psutil.Process | None:

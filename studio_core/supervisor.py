@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from studio_core import leases
-from studio_core.events import append_event, read_events
+from studio_core.events import EventReader, append_event
+from studio_core.monitor import SAMPLE_EVERY_S, RunMonitor
 from studio_core.procs import kill_run_processes
 
 GRACE_S = 10
@@ -33,6 +34,8 @@ LOG_TAIL_LINES = 60
 def main(run_dir: Path) -> int:
     launch = json.loads((run_dir / "launch.json").read_text())
     events = run_dir / "events.jsonl"
+    this_attempt = EventReader(events)
+    this_attempt.read_new()  # a resumed run's folder holds earlier attempts' events: skip them
     stop_requested_at: float | None = None
     backend, cores = launch["hardware"]["backend"], launch["cores"]
     try:  # held until this process ends, after every process of the run has
@@ -48,6 +51,9 @@ def main(run_dir: Path) -> int:
     torchrun = subprocess.Popen(launch["argv"], stdin=subprocess.DEVNULL, cwd=run_dir,
                                 env={**os.environ, **launch["env"]})
     append_event(events, "log", message=f"torchrun started (pid {torchrun.pid})")
+    monitor: RunMonitor | None = RunMonitor(backend, cores, torchrun.pid)  # hardware events, every ~2 s
+    append_event(events, "log", message=monitor.describe())
+    next_sample = time.monotonic() + SAMPLE_EVERY_S
 
     def on_stop(signum, frame):
         nonlocal stop_requested_at
@@ -63,20 +69,32 @@ def main(run_dir: Path) -> int:
         except subprocess.TimeoutExpired:
             if stop_requested_at and time.monotonic() - stop_requested_at > GRACE_S:
                 torchrun.kill()
+        if monitor is not None and time.monotonic() >= next_sample:
+            next_sample += SAMPLE_EVERY_S
+            try:
+                append_event(events, "hardware", **monitor.sample())
+            except Exception as failed:  # sampling must never cost the run its final status
+                append_event(events, "log", message=f"hardware sampling stopped: {failed!r}")
+                monitor.stop()
+                monitor = None
+    if monitor is not None:
+        monitor.stop()  # before the leftover check below: neuron-monitor carries the run's marker too
     stop_requested = stop_requested_at is not None
     left = kill_run_processes(os.environ["STUDIO_RUN_ID"])  # ranks torchrun did not reap
     if left:
         append_event(events, "log", message=f"processes that survived SIGKILL: {[p.pid for p in left]}")
 
     lease.release()
-    if stop_requested:
+    attempt = this_attempt.read_new()
+    saved_stop = any(e["type"] == "saved_stop" for e in attempt)
+    if stop_requested or (code == 0 and saved_stop):  # stopped, by signal or with a checkpoint as asked
         append_event(events, "status", state="stopped", exit_code=code)
     elif code == 0:
         append_event(events, "status", state="finished", exit_code=0)
     else:
         tail = _log_tail(run_dir / "train.log")
         cause = root_cause(tail)
-        worker_error = any(e["type"] == "error" for e in read_events(events))
+        worker_error = any(e["type"] == "error" for e in attempt)
         if cause and "killed" in cause:
             # A killed rank leaves only the others' knock-on errors ("connection reset"):
             # say what really happened, as the last error, which is the one shown.

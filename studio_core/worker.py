@@ -21,6 +21,7 @@ from pathlib import Path
 
 from studio_core import sources
 from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+from studio_core.checkpoints import RESUME_ENV, download_with_progress, stop_and_save_callback
 from studio_core.compile_watch import CompileWatch, ShapeWatch
 from studio_core.data_check import prepare_dataset
 from studio_core.events import append_event
@@ -61,6 +62,8 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
     model_path = spec.model_name_or_path
     if model_path == BUILTIN_MODEL:
         model_path = str(ensure_tiny_model())
+    elif RANK == 0 and sources.HUB_ID.match(model_path) and not Path(model_path).exists():
+        download_with_progress(model_path, events)
     model_args = trl.ModelConfig(model_name_or_path=model_path,
                                  **{k: v for k, v in args.items() if k in model_fields})
     config_args = {k: v for k, v in args.items() if k not in model_fields | script_fields}
@@ -113,15 +116,26 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             append_event(events, "metrics", **{"step": state.global_step, "epoch": state.epoch, **(logs or {})})
 
+        def on_save(self, args, state, control, **kwargs):
+            path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            append_event(events, "checkpoint", step=state.global_step, folder=str(path), size_bytes=size)
+
         def on_train_end(self, args, state, control, **kwargs):
             self.compiles.report_backend_metrics()
 
+    stop_and_save = stop_and_save_callback(run_dir, RANK, int(os.environ.get("WORLD_SIZE", "1")))
     trainer = getattr(trl, trainer_name)(
         model=model_path, args=config, train_dataset=dataset,
         peft_config=trl.get_peft_config(model_args),
-        callbacks=[EventCallback()] if RANK == 0 else [], **trainer_kwargs,
+        callbacks=[*([EventCallback()] if RANK == 0 else []), stop_and_save], **trainer_kwargs,
     )
-    trainer.train()
+    resume_from = os.environ.get(RESUME_ENV) or None  # set by RunManager.resume
+    trainer.train(resume_from_checkpoint=resume_from)
+    if stop_and_save.stopped_at is not None:  # stopped as asked, with a checkpoint: resumable
+        if RANK == 0:
+            append_event(events, "saved_stop", step=stop_and_save.stopped_at)
+        return
     trainer.save_model(config.output_dir)
     if RANK == 0:
         kind = "adapter" if model_args.use_peft else "full"

@@ -1,0 +1,106 @@
+"""Checkpoints: listing them, "stop and save", and the first download of a Hub model.
+
+TRL's trainers save checkpoints to RUN_DIR/output/checkpoint-<step> (TRL's save
+settings: save_strategy, save_steps, save_total_limit). Resuming from one restores the
+model, optimizer, scheduler and RNG states, and the step count goes on (studio_core.runs
+RunManager.resume).
+
+"Stop and save" is a request file, RUN_DIR/control.json, that every rank reads at each
+step end. Rank 0 answers it with the step at which all ranks stop: the next one with a
+single process, two steps on with several, so that every rank (they are at most a step
+apart, held together by the gradient all-reduce) reads the answer before that step ends.
+There they all save a checkpoint and stop.
+
+No torch or transformers import at module level: the web app lists checkpoints too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from studio_core.events import append_event
+
+CONTROL = "control.json"
+RESUME_ENV = "STUDIO_RESUME_FROM"  # set by RunManager.resume: the checkpoint folder the worker goes on from
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+DOWNLOAD_EVENT_EVERY_S = 1.0
+
+
+def list_checkpoints(run_dir: Path) -> list[dict]:
+    """The run's complete checkpoints, oldest first: {step, path, size_bytes}."""
+    found = []
+    for path in (Path(run_dir) / "output").glob("checkpoint-*"):
+        match = CHECKPOINT.match(path.name)
+        if match and (path / "trainer_state.json").exists():  # written last: the checkpoint is whole
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            found.append({"step": int(match.group(1)), "path": str(path), "size_bytes": size})
+    return sorted(found, key=lambda c: c["step"])
+
+
+def request_save_and_stop(run_dir: Path) -> None:
+    _write_control(Path(run_dir), {"save_and_stop": True, "asked": time.time()})
+
+
+def clear_control(run_dir: Path) -> None:
+    (Path(run_dir) / CONTROL).unlink(missing_ok=True)
+
+
+def _write_control(run_dir: Path, data: dict) -> None:
+    tmp = run_dir / f".{CONTROL}.tmp"
+    tmp.write_text(json.dumps(data))
+    tmp.replace(run_dir / CONTROL)
+
+
+def stop_and_save_callback(run_dir: Path, rank: int, world_size: int):
+    """A TrainerCallback, on every rank, that carries out a save-and-stop request."""
+    from transformers import TrainerCallback
+
+    control_file = run_dir / CONTROL
+
+    class StopAndSave(TrainerCallback):
+        stopped_at: int | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            try:
+                request = json.loads(control_file.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                return  # no request (or one being written: read again at the next step)
+            if not request.get("save_and_stop"):
+                return
+            if "stop_at" not in request:
+                if rank != 0:
+                    return
+                request["stop_at"] = state.global_step + (0 if world_size == 1 else 2)
+                _write_control(run_dir, request)
+            if state.global_step >= request["stop_at"]:
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped_at = state.global_step
+
+    return StopAndSave()
+
+
+def download_with_progress(name: str, events: Path) -> None:
+    """The first use of a Hub model: download it with `download` events for the run's page."""
+    from huggingface_hub import snapshot_download, try_to_load_from_cache
+    from tqdm.auto import tqdm
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # already on this machine
+    last = [0.0]
+
+    class Progress(tqdm):
+        def update(self, n=1):
+            shown = super().update(n)
+            finished = self.total and self.n >= self.total
+            if self.unit == "B" and self.total and (finished or time.time() - last[0] > DOWNLOAD_EVENT_EVERY_S):
+                last[0] = time.time()
+                append_event(events, "download", model=name, done_bytes=int(self.n), total_bytes=int(self.total))
+            return shown
+
+    append_event(events, "log", message=f"downloading {name} from the Hub (first use)")
+    snapshot_download(name, tqdm_class=Progress,
+                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"])
