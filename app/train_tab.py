@@ -60,7 +60,7 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
     return "\n".join(lines), preview, fix
 
 
-def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
+def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainForm:
     gr.Markdown(f"**Hardware:** {hardware.describe()}")
     suggested_fix = gr.State({})
     with gr.Row():
@@ -71,6 +71,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
                 preview_btn = gr.Button("Preview command", elem_id="preview")
                 start_btn = gr.Button("Start", variant="primary", elem_id="start")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+            with gr.Row():
+                stop_save_btn = gr.Button("Stop and save", elem_id="stop-save")
+                resume_btn = gr.Button("Resume", elem_id="resume")
             export_btn = gr.Button("Export launch script", elem_id="export")
             message = gr.Markdown("", elem_id="train-message")
             exports = gr.File(label="Launch scripts", file_count="multiple", visible=False, elem_id="exports")
@@ -167,6 +170,24 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
         view = manager.stop(run_id)
         return f"Run `{run_id}` is {view.live_state}; none of its processes is left."
 
+    def on_stop_and_save(run_id):
+        if not run_id:
+            return "No run to stop."
+        try:
+            manager.stop_and_save(run_id)
+        except SpecError as error:
+            return "**Not stopped:** " + "; ".join(error.problems)
+        return f"Run `{run_id}` saves a checkpoint at its next step, then stops; Resume goes on from there."
+
+    def on_resume(run_id):
+        if not run_id:
+            return "No run to resume: start one, or open one in the Runs tab."
+        try:
+            view = manager.resume(run_id, hardware)
+        except SpecError as error:
+            return "**Not resumed:** " + "; ".join(error.problems)
+        return f"Run `{run_id}` resumed from step {view.step}."
+
     form.upload.upload(on_upload, form.upload, w["dataset"])
     w["trainer"].change(on_trainer, [w["trainer"], w["dataset"]],
                         [form.dpo_group, form.grpo_group, w["dataset"], w["max_length"]])
@@ -182,5 +203,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> None:
     form.layout_box.expand(on_layout, inputs, form.core_map, show_progress="hidden")
     start_btn.click(on_start, inputs, [message, plan_box, selected])
     stop_btn.click(on_stop, selected, message)
+    stop_save_btn.click(on_stop_and_save, selected, message)
+    resume_btn.click(on_resume, selected, message)
     timer = gr.Timer(1.0)
     timer.tick(lambda run_id: run_panel.render(manager, run_id), selected, panel, show_progress="hidden")
+    return form

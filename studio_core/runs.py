@@ -70,6 +70,7 @@ class RunView:
     shapes: list[dict] = field(default_factory=list)  # shape events: batch shapes as they first came
     checkpoints: list[dict] = field(default_factory=list)  # checkpoint events: {step, folder, size_bytes}
     hardware: list[dict] = field(default_factory=list)  # hardware events: samples of the run's processes
+    download: dict | None = None  # the latest download event: a Hub model's first use
     spec: dict = field(default_factory=dict)
     _reader: EventReader | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # app threads share views
@@ -123,6 +124,8 @@ class RunView:
             self.step, self.progress_times, self.ended, self.exit_code = event["step"], [], None, None
         elif kind == "hardware":
             self.hardware.append(event)
+        elif kind == "download":
+            self.download = event
         elif kind == "metrics":
             self.metrics.append(event)
         elif kind == "error":

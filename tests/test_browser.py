@@ -351,3 +351,24 @@ def test_export_and_push_to_the_hub_from_the_page(browser, runs_dir):
         # the typed token went nowhere: not in the runs folder (runs, exports), not in the app's log
         for path in [*runs_dir.rglob("*"), runs_dir.parent / f"app-{server.port}.log"]:
             assert not path.is_file() or token.encode() not in path.read_bytes(), path
+
+
+def test_stop_and_save_then_resume_from_the_page(browser, app):
+    page = open_page(browser, app.url)
+    set_number(page, "max_steps", 100_000)
+    set_number(page, "logging_steps", 50)
+    page.locator("#start").click()
+    page.get_by_text("RUNNING").first.wait_for(timeout=120_000)
+    page.locator("#stop-save").click()
+    page.get_by_text("STOPPED").first.wait_for(timeout=120_000)
+    resume_point = page.locator(".resume-point")
+    playwright_api.expect(resume_point).to_contain_text("Can resume from step")
+    step = int(re.search(r"step (\d+)", resume_point.inner_text()).group(1))
+    page.locator("#resume").click()
+    page.locator("#train-message").get_by_text(f"resumed from step {step}").wait_for(timeout=60_000)
+    page.get_by_text("RUNNING").first.wait_for(timeout=120_000)
+    progress = page.locator(".run-progress").first
+    playwright_api.expect(progress).not_to_have_attribute("data-step", str(step), timeout=60_000)
+    assert int(progress.get_attribute("data-step")) > step  # the step count goes on
+    page.locator("#stop").click()
+    page.get_by_text("STOPPED").first.wait_for(timeout=60_000)
