@@ -14,6 +14,7 @@ import time
 import gradio as gr
 import pandas as pd
 
+from app import hardware_panel
 from studio_core.runs import RunManager, RunView, late_compile_text
 
 LOG_TAIL_BYTES = 12_000
@@ -30,27 +31,29 @@ def make_panel() -> list[gr.Component]:
     with gr.Row():
         loss = gr.LinePlot(x="step", y="loss", title="Loss", height=260)
         lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
+    hardware = hardware_panel.make_widgets()  # shown under the loss; their values come last
     log = gr.Textbox(label="Log (tail of train.log)", lines=12, max_lines=12, autoscroll=True,
                      interactive=False, elem_classes="run-log")
     with gr.Accordion("Settings the studio applied, and why", open=False):
         applied = gr.Markdown("")
-    return [status, progress, compiles, error, loss, lr, log, applied]
+    return [status, progress, compiles, error, loss, lr, log, applied, *hardware]
 
 
 def render(manager: RunManager, run_id: str | None) -> list:
     """The values for `make_panel()`'s widgets for this run."""
     if not run_id:
         return ["No run selected.", "", "", gr.update(visible=False), _frame("loss"), _frame("learning_rate"),
-                "", ""]
+                "", "", *hardware_panel.empty()]
     try:
         view = manager.view(run_id)
     except KeyError:
         return [f"Run `{run_id}` not found in {manager.runs_dir}.", "", "", gr.update(visible=False),
-                _frame("loss"), _frame("learning_rate"), "", ""]
+                _frame("loss"), _frame("learning_rate"), "", "", *hardware_panel.empty()]
     error = _error_text(view)
     return [status_markdown(view), progress_html(view), compiles_html(view),
             gr.update(value=error, visible=bool(error)),
-            _frame("loss", view), _frame("learning_rate", view), log_tail(view), applied_markdown(view)]
+            _frame("loss", view), _frame("learning_rate", view), log_tail(view), applied_markdown(view),
+            *hardware_panel.render(view)]
 
 
 def status_markdown(view: RunView) -> str:

@@ -1,0 +1,105 @@
+"""The run page's hardware plots: CPU and memory of the run's processes, NeuronCore
+utilisation and device memory, CUDA memory, and a line saying what is monitored and what
+is not available (and why).
+
+Everything comes from the run's `hardware` events (written by its supervisor through
+studio_core.monitor), which RunView keeps in `view.hardware`. The run panel places these
+widgets and puts `render(view)`'s values after its own.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+import pandas as pd
+
+from studio_core.monitor import SAMPLE_EVERY_S
+from studio_core.runs import RunView
+
+MAX_POINTS = 600  # per plot: a long run's samples are thinned to this many, evenly
+MB = 1e6
+
+
+def make_widgets() -> list[gr.Component]:
+    """Create the widgets in the current Blocks context, in the order `render` fills them."""
+    note = gr.Markdown("", elem_classes="run-hardware")
+    with gr.Row():
+        cpu = gr.LinePlot(x="seconds", y="cpu_percent", title="CPU of the run's processes (%, 100 = one core)",
+                          x_title="seconds since start", height=220)
+        rss = gr.LinePlot(x="seconds", y="rss_mb", title="Memory of the run's processes (RSS, MB)",
+                          x_title="seconds since start", height=220)
+    with gr.Row():
+        neuron_util = gr.LinePlot(x="seconds", y="utilization", color="core", title="NeuronCore utilisation (%)",
+                                  x_title="seconds since start", height=220, visible=False)
+        neuron_mem = gr.LinePlot(x="seconds", y="memory_mb", color="core", title="NeuronCore device memory (MB)",
+                                 x_title="seconds since start", height=220, visible=False)
+        cuda_mem = gr.LinePlot(x="seconds", y="cuda_mb", title="CUDA memory of the run's processes (MB)",
+                               x_title="seconds since start", height=220, visible=False)
+    return [note, cpu, rss, neuron_util, neuron_mem, cuda_mem]
+
+
+def empty() -> list:
+    """The values when no run is shown."""
+    return ["", _process_frame([], "cpu_percent"), _process_frame([], "rss_mb"),
+            gr.update(value=_core_frame([], "utilization"), visible=False),
+            gr.update(value=_core_frame([], "memory_mb"), visible=False),
+            gr.update(value=_process_frame([], "cuda_mb"), visible=False)]
+
+
+def render(view: RunView) -> list:
+    """The values for `make_widgets()`'s widgets for this run."""
+    samples = _thin(view.hardware)
+    neuron = [s for s in samples if "neuron" in s]
+    cuda = [s for s in samples if "cuda_mem_bytes" in s]
+    return [note_markdown(view),
+            _process_frame(samples, "cpu_percent", view.created),
+            _process_frame(samples, "rss_mb", view.created),
+            gr.update(value=_core_frame(neuron, "utilization", view.created), visible=bool(neuron)),
+            gr.update(value=_core_frame(neuron, "memory_mb", view.created), visible=bool(neuron)),
+            gr.update(value=_process_frame(cuda, "cuda_mb", view.created), visible=bool(cuda))]
+
+
+def note_markdown(view: RunView) -> str:
+    """What the plots cover, the latest sample, and each source that is not available."""
+    if not view.hardware:
+        if view.live_state in ("starting", "running"):
+            return f"Hardware: no sample yet (the run's supervisor samples every {SAMPLE_EVERY_S:g} s)."
+        return "Hardware: this run has no hardware samples (runs started before hardware monitoring have none)."
+    sources = next((e["sources"] for e in reversed(view.hardware) if "sources" in e), {})
+    last = view.hardware[-1]
+    now = (f"{last['processes']} process(es), CPU {last['cpu_percent']:.0f} %, "
+           f"RSS {last['rss_bytes'] / MB:,.0f} MB")
+    if "cuda_mem_bytes" in last:
+        now += f", CUDA memory {last['cuda_mem_bytes'] / MB:,.0f} MB"
+    cores = (last.get("neuron") or {}).get("cores")
+    if cores is not None:
+        now += ", " + (", ".join(f"NeuronCore {c}: {d.get('utilization', 0):.0f} %" for c, d in cores.items())
+                       or "no NeuronCore of the run active yet")
+    lines = [f"**Hardware** ({'last sample' if view.ended is None else 'at the end'}): {now}."]
+    if sources.get("monitored"):
+        lines.append("Monitored: " + "; ".join(sources["monitored"]) + ".")
+    if sources.get("unavailable"):
+        lines.append("Not available: " + "; ".join(sources["unavailable"]) + ".")
+    for error in (last.get("neuron") or {}).get("errors", []):
+        lines.append(f"neuron-monitor reports: {error}")
+    return "  \n".join(lines)
+
+
+def _thin(samples: list[dict]) -> list[dict]:
+    stride = max(1, -(-len(samples) // MAX_POINTS))
+    return samples[::stride]
+
+
+def _process_frame(samples: list[dict], column: str, start: float = 0.0) -> pd.DataFrame:
+    value = {"cpu_percent": lambda s: s["cpu_percent"], "rss_mb": lambda s: s["rss_bytes"] / MB,
+             "cuda_mb": lambda s: s["cuda_mem_bytes"] / MB}[column]
+    rows = [(s["time"] - start, value(s)) for s in samples]
+    return pd.DataFrame(rows, columns=["seconds", column], dtype=float)
+
+
+def _core_frame(samples: list[dict], column: str, start: float = 0.0) -> pd.DataFrame:
+    """One row per sample and core of the run: seconds, value, core (the plots' colour)."""
+    key, scale = {"utilization": ("utilization", 1.0), "memory_mb": ("memory_bytes", 1 / MB)}[column]
+    rows = [(s["time"] - start, data[key] * scale, f"core {core}")
+            for s in samples for core, data in s["neuron"].get("cores", {}).items() if key in data]
+    frame = pd.DataFrame(rows, columns=["seconds", column, "core"])
+    return frame.astype({"seconds": float, column: float})
