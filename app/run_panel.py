@@ -15,9 +15,11 @@ import gradio as gr
 import pandas as pd
 
 from app import hardware_panel
+from studio_core.checkpoints import list_checkpoints
 from studio_core.runs import RunManager, RunView, late_compile_text
 
 LOG_TAIL_BYTES = 12_000
+MB = 2 ** 20
 STATE_COLOURS = {"starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
                  "failed": "#dc322f", "stopped": "#6c71c4"}
 
@@ -82,10 +84,29 @@ def progress_html(view: RunView) -> str:
         label += f" · ETA {format_seconds(eta)} (compilation left out)"
     elif view.live_state == "starting":
         label = "starting: loading the model and data, building the trainer ..."
+    download = view.download
+    if download and view.live_state == "starting" and download["done_bytes"] < download["total_bytes"]:
+        label = (f"downloading {download['model']} (first use): {download['done_bytes'] / MB:,.0f} of "
+                 f"{download['total_bytes'] / MB:,.0f} MB")
     return (f"<div class='run-progress' data-step='{view.step}' data-total='{total}'>"
             f"<div style='background:#eee8d5;border-radius:4px;height:14px'>"
             f"<div style='background:#268bd2;width:{fraction * 100:.1f}%;height:14px;border-radius:4px'></div>"
-            f"</div><div style='font-size:0.9em;margin-top:4px'>{html.escape(label)}</div></div>")
+            f"</div><div style='font-size:0.9em;margin-top:4px'>{html.escape(label)}</div></div>"
+            + checkpoints_html(view))
+
+
+def checkpoints_html(view: RunView) -> str:
+    """The run's checkpoints with step and size, and whether (and from where) it can resume."""
+    found = list_checkpoints(view.dir)
+    parts = []
+    if found:
+        listed = ", ".join(f"step {c['step']} ({c['size_bytes'] / MB:,.1f} MB)" for c in found)
+        parts.append(f"<div class='checkpoint-list' data-count='{len(found)}'>Checkpoints: {listed}</div>")
+    if view.live_state in ("stopped", "failed"):
+        parts.append(f"<div class='resume-point'>Can resume from step {found[-1]['step']} (Resume).</div>"
+                     if found else "<div class='resume-point'>Cannot resume: no checkpoint was saved (set "
+                     "save_steps, or use Stop and save next time).</div>")
+    return f"<div style='font-size:0.85em;margin-top:4px'>{''.join(parts)}</div>" if parts else ""
 
 
 def compiles_html(view: RunView) -> str:

@@ -83,6 +83,7 @@ class HubStandIn:
             ("POST", r"/api/validate-yaml", lambda request: {"errors": [], "warnings": []}),
             ("POST", rf"/api/models/{REPO}/preupload/(?P<rev>[^/]+)", self._preupload),
             ("POST", rf"/api/models/{REPO}/commit/(?P<rev>[^/]+)", self._commit),
+            ("GET", rf"/api/models/{REPO}/tree/(?P<rev>[^/?]+)", self._tree),
             ("GET", rf"/api/models/{REPO}(?:/revision/(?P<rev>[^/]+))?", self._model_info),
             ("POST", rf"/{REPO}\.git/info/lfs/objects/batch", self._lfs_batch),
             ("PUT", r"/lfs/upload/(?P<oid>[0-9a-f]{64})", self._lfs_put),
@@ -273,6 +274,18 @@ class HubStandIn:
         siblings = [{"rfilename": path} for path in sorted(files)]
         return {"id": repo, "modelId": repo, "author": repo.split("/")[0], "sha": _head(target, rev),
                 "private": target["private"], "siblings": siblings, "tags": []}
+
+    def _tree(self, request, repo: str, rev: str):
+        """The files of a revision, as snapshot_download lists them (recursive, flat)."""
+        target = self._repo(request, repo)
+        files = self._check_rev(target, rev)
+        entries = []
+        for path, data in sorted(files.items()):
+            entry = {"type": "file", "path": path, "size": len(data), "oid": git_blob_sha1(data)}
+            if path in target["lfs_paths"]:
+                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            entries.append(entry)
+        return entries
 
     def _resolve(self, request, repo: str, rev: str, path: str):
         target = self._repo(request, repo)
