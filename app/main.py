@@ -31,14 +31,15 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
     with gr.Blocks(title="Trainium fine-tuning studio") as demo:
         gr.Markdown("# Trainium fine-tuning studio")
         selected = gr.State(None)  # the run this page's Train tab follows
-        with gr.Tab("Train", elem_id="tab-train"):
-            train_tab.build(manager, hardware, selected)
-        with gr.Tab("Runs", elem_id="tab-runs"):
-            runs_tab.build(manager)
-            cache_panel.build(manager, hardware.backend)
-        with gr.Tab("Chat", elem_id="tab-chat"):
-            chat_tab.build(manager, hardware)
-        with gr.Tab("Export", elem_id="tab-export"):
-            export_tab.build(manager)
+        with gr.Tabs() as tabs:
+            with gr.Tab("Train", id="train", elem_id="tab-train"):
+                form = train_tab.build(manager, hardware, selected)
+            with gr.Tab("Runs", id="runs", elem_id="tab-runs"):
+                runs_tab.build(manager, form, tabs, train_tab_id="train")
+                cache_panel.build(manager, hardware.backend)
+            with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
+                chat_tab.build(manager, hardware)
+            with gr.Tab("Export", id="export", elem_id="tab-export"):
+                export_tab.build(manager)
         demo.load(lambda: latest_active_run(manager), None, selected)
     return demo

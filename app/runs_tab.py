@@ -1,55 +1,154 @@
-"""The Runs tab: every run in the runs folder, and one opened with its plots and log."""
+"""The Runs tab: every run in the runs folder (filtered, sorted, with the disk space each
+takes), runs compared, and one opened with its plots and log, to clone into the Train tab
+or delete.
+"""
 
 from __future__ import annotations
 
 import gradio as gr
 import pandas as pd
 
-from app import run_panel
-from studio_core.runs import RunManager
+from app import compare, run_panel
+from app.train_form import TrainForm, form_values
+from studio_core import history
+from studio_core.runs import RunManager, RunView
 
-COLUMNS = ["run", "state", "trainer", "model", "dataset", "started", "duration", "steps", "final loss"]
+COLUMNS = ["run", "state", "trainer", "model", "dataset", "started", "duration", "steps", "final loss", "size"]
+ALL = "all"
+STATES = ["starting", "running", "finished", "failed", "stopped"]
+TRAINERS = ["sft", "dpo", "grpo"]
 
 
-def runs_table(manager: RunManager) -> pd.DataFrame:
+def runs_table(views: list[RunView], state: str = ALL, trainer: str = ALL, model: str = ALL,
+               sort: str = "newest first") -> pd.DataFrame:
     rows = []
-    for view in manager.list():
-        spec = view.spec
-        loss = next((m["loss"] for m in reversed(view.metrics) if "loss" in m), None)
+    for view in history.sort_runs(history.filter_runs(views, state, trainer, model), sort):
+        loss = history.final_loss(view)
         duration = view.duration()
-        rows.append([view.id, view.live_state, spec.get("studio", {}).get("trainer", ""),
-                     spec.get("model_name_or_path", ""), spec.get("dataset_name", ""),
-                     run_panel.format_time(view.created),
+        rows.append([view.id, view.live_state, history.trainer_of(view), history.model_of(view),
+                     view.spec.get("dataset_name", ""), run_panel.format_time(view.created),
                      run_panel.format_seconds(duration) if duration is not None else "",
-                     f"{view.step}/{view.max_steps or '?'}", "" if loss is None else round(loss, 4)])
+                     f"{view.step}/{view.max_steps or '?'}", "" if loss is None else round(loss, 4),
+                     history.format_size(history.run_size(view.dir))])
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def build(manager: RunManager) -> tuple[gr.Dataframe, gr.Dropdown, gr.Timer]:
+def run_info(manager: RunManager, run_id: str | None) -> str:
+    """The opened run's disk space and where its experiment tracking opens."""
+    if not run_id:
+        return ""
+    try:
+        view = manager.view(run_id)
+    except KeyError:
+        return ""
+    lines = [f"**Disk:** {history.format_size(history.run_size(view.dir))} in `{view.dir}`"]
+    hint = history.tracking_hint(view)
+    lines.append(f"**Experiment tracking:** {hint}" if hint else "**Experiment tracking:** none (report_to)")
+    return "  \n".join(lines)
+
+
+def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | None = None,
+          train_tab_id: str = "train") -> tuple[gr.Dataframe, gr.Dropdown, gr.Timer]:
+    """`form` and `tabs`: the Train tab's form and the app's tabs, for "Clone into Train tab"."""
     with gr.Row():
         refresh = gr.Button("Refresh", scale=0)
+        state = gr.Dropdown([ALL, *STATES], value=ALL, label="State", elem_id="filter-state")
+        trainer = gr.Dropdown([ALL, *TRAINERS], value=ALL, label="Trainer", elem_id="filter-trainer")
+        model = gr.Dropdown([ALL], value=ALL, label="Model", elem_id="filter-model")
+        sort = gr.Dropdown(list(history.SORTS), value="newest first", label="Sort", elem_id="sort-runs")
+    table = gr.Dataframe(runs_table(manager.list()), headers=COLUMNS, interactive=False, elem_id="runs-table")
+    picked = compare.build(manager)
+    with gr.Row():
         opened = gr.Dropdown([], label="Open run", allow_custom_value=False, elem_id="open-run", scale=3)
-    table = gr.Dataframe(runs_table(manager), headers=COLUMNS, interactive=False, elem_id="runs-table")
+        clone = gr.Button("Clone into Train tab", scale=1, elem_id="clone-run", visible=form is not None)
+        delete = gr.Button("Delete run", variant="stop", scale=1, elem_id="delete-run")
+        confirm = gr.Button("", variant="stop", scale=2, visible=False, elem_id="confirm-delete")
+        cancel = gr.Button("Cancel", scale=0, visible=False, elem_id="cancel-delete")
+    message = gr.Markdown("", elem_id="runs-message")
+    info = gr.Markdown("", elem_id="run-info")
+    pending = gr.State(None)  # the run the confirm button deletes
     panel = run_panel.make_panel()
     with gr.Accordion("Spec (spec.yaml: the recipe with the applied defaults)", open=False):
         spec_code = gr.Code(language="yaml", lines=16)
+    filters = [state, trainer, model, sort]
 
-    def on_refresh(current):
-        frame = runs_table(manager)
-        ids = frame["run"].tolist()
-        return frame, gr.update(choices=ids, value=current if current in ids else None)
+    def on_refresh(current, state_, trainer_, model_, sort_):
+        views = manager.list()
+        frame = runs_table(views, state_, trainer_, model_, sort_)
+        ids = [v.id for v in views]
+        models = [ALL, *sorted({history.model_of(v) for v in views})]
+        return (frame, gr.update(choices=ids, value=current if current in ids else None),
+                gr.update(choices=models, value=model_ if model_ in models else ALL), gr.update(choices=ids))
 
     def on_open(run_id):
         spec_text = (manager.runs_dir / run_id / "spec.yaml").read_text() if run_id else ""
-        return [*run_panel.render(manager, run_id), spec_text]
+        return [*run_panel.render(manager, run_id), spec_text, run_info(manager, run_id)]
 
     def on_select(frame: pd.DataFrame, event: gr.SelectData):
         return frame.iloc[event.index[0]]["run"]
 
-    refresh.click(on_refresh, opened, [table, opened])
+    hide_confirm = (gr.update(visible=True), gr.update(visible=False), gr.update(visible=False))
+
+    def on_delete(run_id):
+        if not run_id:
+            return "Open a run first.", None, *hide_confirm
+        try:
+            view = manager.view(run_id)
+        except KeyError as error:
+            return str(error).strip("'\""), None, *hide_confirm
+        if view.live_state in history.ACTIVE_STATES:
+            return (f"Run `{run_id}` is {view.live_state}: stop it before deleting it.", None, *hide_confirm)
+        size = history.format_size(history.run_size(view.dir))
+        return ("", run_id, gr.update(visible=False),
+                gr.update(value=f"Really delete {run_id}? Frees {size}", visible=True), gr.update(visible=True))
+
+    def on_confirm(run_id):
+        try:
+            freed = history.delete_run(manager, run_id)
+        except (history.RunActiveError, KeyError) as error:
+            return str(error).strip("'\""), None, *hide_confirm
+        return f"Deleted run `{run_id}` and its files: {history.format_size(freed)} freed.", None, *hide_confirm
+
+    refresh_io = ([opened, *filters], [table, opened, model, picked])
+    refresh.click(on_refresh, *refresh_io)
+    for widget in filters:
+        widget.change(on_refresh, *refresh_io)
     table.select(on_select, table, opened)
-    opened.change(on_open, opened, [*panel, spec_code])
+    opened.change(on_open, opened, [*panel, spec_code, info])
+    opened.change(lambda: ("", None, *hide_confirm), None, [message, pending, delete, confirm, cancel])
+    delete.click(on_delete, opened, [message, pending, delete, confirm, cancel])
+    cancel.click(lambda: ("", None, *hide_confirm), None, [message, pending, delete, confirm, cancel])
+    confirm.click(on_confirm, pending, [message, pending, delete, confirm, cancel]).then(on_refresh, *refresh_io)
+    if form is not None:
+        _wire_clone(manager, form, tabs, train_tab_id, clone, opened, message)
     timer = gr.Timer(2.0)
     timer.tick(lambda run_id: run_panel.render(manager, run_id), opened, panel, show_progress="hidden")
-    timer.tick(on_refresh, opened, [table, opened], show_progress="hidden")
+    timer.tick(on_refresh, *refresh_io, show_progress="hidden")
     return table, opened, timer
+
+
+def _wire_clone(manager: RunManager, form: TrainForm, tabs: gr.Tabs | None, train_tab_id: str,
+                button: gr.Button, opened: gr.Dropdown, message: gr.Markdown) -> None:
+    """"Clone into Train tab": the run's settings (less what the planner added for this
+    machine, and its cores) fill the Train form, and the page switches to it."""
+    names = list(form.widgets)
+    outputs = [*form.widgets.values(), form.dpo_group, form.grpo_group, form.advanced_box, message]
+    outputs += [tabs] if tabs is not None else []
+
+    def on_clone(run_id):
+        unchanged = [gr.update()] * len(outputs)
+        if not run_id:
+            return unchanged[:len(names) + 3] + ["Open a run first."] + unchanged[len(names) + 4:]
+        try:
+            values = form_values(history.clone_spec(manager, run_id))
+        except KeyError as error:
+            return unchanged[:len(names) + 3] + [str(error).strip("'\"")] + unchanged[len(names) + 4:]
+        trainer, extra = values["trainer"], bool(values["extra"])
+        note = (f"Loaded run `{run_id}`'s settings into the Train tab"
+                + (" (some are in Advanced: Other TRL settings)" if extra else "") + ".")
+        return [*[gr.update(value=values[n]) if n in values else gr.update() for n in names],
+                gr.update(visible=trainer == "dpo"), gr.update(visible=trainer == "grpo"),
+                gr.update(open=True) if extra else gr.update(), note,
+                *([gr.Tabs(selected=train_tab_id)] if tabs is not None else [])]
+
+    button.click(on_clone, opened, outputs)
