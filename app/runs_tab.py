@@ -115,10 +115,16 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
         widget.change(on_refresh, *refresh_io)
     table.select(on_select, table, opened)
     opened.change(on_open, opened, [*panel, spec_code, info])
-    opened.change(lambda: ("", None, *hide_confirm), None, [message, pending, delete, confirm, cancel])
-    delete.click(on_delete, opened, [message, pending, delete, confirm, cancel])
-    cancel.click(lambda: ("", None, *hide_confirm), None, [message, pending, delete, confirm, cancel])
-    confirm.click(on_confirm, pending, [message, pending, delete, confirm, cancel]).then(on_refresh, *refresh_io)
+    # One queue for these, in the order they were asked: a Delete clicked right after another
+    # run was opened is answered after that opening's reset, not hidden by it.
+    in_order = {"concurrency_id": "delete-run", "concurrency_limit": 1}
+    confirm_io = [message, pending, delete, confirm, cancel]
+    # another run opened: no pending deletion (a deleted run closing keeps its message)
+    opened.change(lambda run_id: (gr.update() if run_id is None else "", None, *hide_confirm), opened,
+                  confirm_io, **in_order)
+    delete.click(on_delete, opened, confirm_io, **in_order)
+    cancel.click(lambda: ("", None, *hide_confirm), None, confirm_io, **in_order)
+    confirm.click(on_confirm, pending, confirm_io, **in_order).then(on_refresh, *refresh_io)
     if form is not None:
         _wire_clone(manager, form, tabs, train_tab_id, clone, opened, message)
     timer = gr.Timer(2.0)

@@ -89,6 +89,8 @@ def test_compare_clone_and_delete_runs(browser, app, tmp_path):  # noqa: F811 (f
     # delete: asked once, with the space it frees, then gone from the page and the disk
     page.get_by_role("tab", name="Runs").click()
     pick(page, "open-run", a)
+    expect(page.locator("#run-info")).to_contain_text(f"{a}", timeout=SLOW)  # its disk space and folder
+    expect(page.locator("#run-info")).to_contain_text("KB")
     page.locator("#delete-run").click()
     confirm = page.locator("#confirm-delete")
     expect(confirm).to_contain_text(f"Really delete {a}? Frees", timeout=SLOW)
@@ -98,3 +100,4 @@ def test_compare_clone_and_delete_runs(browser, app, tmp_path):  # noqa: F811 (f
     expect(table).not_to_contain_text(a, timeout=SLOW)
     assert not (app.runs_dir / a).exists() and (app.runs_dir / b).is_dir()
     expect(page.locator("#delete-run")).to_be_visible(timeout=SLOW)
+    expect(page.locator("#runs-message")).to_contain_text("freed")  # still there once the table refreshed
