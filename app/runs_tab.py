@@ -138,23 +138,22 @@ def _wire_clone(manager: RunManager, form: TrainForm, tabs: gr.Tabs | None, trai
     """"Clone into Train tab": the run's settings (less what the planner added for this
     machine, and its cores) fill the Train form, and the page switches to it."""
     names = list(form.widgets)
-    outputs = [*form.widgets.values(), form.dpo_group, form.grpo_group, form.advanced_box, message]
+    outputs = [message, *form.widgets.values(), form.dpo_group, form.grpo_group, form.advanced_box]
     outputs += [tabs] if tabs is not None else []
 
     def on_clone(run_id):
-        unchanged = [gr.update()] * len(outputs)
         if not run_id:
-            return unchanged[:len(names) + 3] + ["Open a run first."] + unchanged[len(names) + 4:]
+            return ["Open a run first.", *[gr.update()] * (len(outputs) - 1)]
         try:
             values = form_values(history.clone_spec(manager, run_id))
-        except KeyError as error:
-            return unchanged[:len(names) + 3] + [str(error).strip("'\"")] + unchanged[len(names) + 4:]
+        except KeyError as error:  # deleted since it was opened
+            return [str(error).strip("'\""), *[gr.update()] * (len(outputs) - 1)]
         trainer, extra = values["trainer"], bool(values["extra"])
         note = (f"Loaded run `{run_id}`'s settings into the Train tab"
                 + (" (some are in Advanced: Other TRL settings)" if extra else "") + ".")
-        return [*[gr.update(value=values[n]) if n in values else gr.update() for n in names],
+        return [note, *[gr.update(value=values[n]) if n in values else gr.update() for n in names],
                 gr.update(visible=trainer == "dpo"), gr.update(visible=trainer == "grpo"),
-                gr.update(open=True) if extra else gr.update(), note,
+                gr.update(open=True) if extra else gr.update(),
                 *([gr.Tabs(selected=train_tab_id)] if tabs is not None else [])]
 
     button.click(on_clone, opened, outputs)
