@@ -189,7 +189,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         return f"Run `{run_id}` resumed from step {view.step}."
 
     form.upload.upload(on_upload, form.upload, w["dataset"])
-    w["trainer"].change(on_trainer, [w["trainer"], w["dataset"]],
+    w["trainer"].input(on_trainer, [w["trainer"], w["dataset"]],
                         [form.dpo_group, form.grpo_group, w["dataset"], w["max_length"]])
     form.check_button.click(on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
     form.fix_button.click(on_fix, suggested_fix, w["column_map"]).then(

@@ -275,6 +275,9 @@ class RunManager:
             if launch.errors:
                 raise SpecError(launch.errors)
             launch.env[RESUME_ENV] = chosen["path"]
+            # the spec is the resolved one, so this plan applies nothing new: keep the first list
+            first = json.loads((view.dir / "launch.json").read_text())
+            launch = replace(launch, applied=[tuple(entry) for entry in first.get("applied", [])])
             clear_control(view.dir)
             _write_launch(view.dir, launch, hardware)
             append_event(view.dir / "events.jsonl", "resume", step=chosen["step"], checkpoint=chosen["path"])
