@@ -236,11 +236,9 @@ class _Epoch:
             del self.seen[:]
             try:
                 self.trainer.compute_loss(self.trainer.model, batch)
-            except _Seen:
-                pass  # the pre-hook has read the shape and stopped the forward: nothing else to run
-            if not self.seen:
                 raise RuntimeError("the trainer's loss code did not call the model for a batch")
-            self.read.append(self.seen[0])
+            except _Seen:  # the pre-hook has read the shape and stopped the forward
+                self.read.append(self.seen[0])
         return self.read[index]
 
     def finish(self) -> None:

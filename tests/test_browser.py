@@ -96,6 +96,14 @@ def open_page(browser, url):
     return page
 
 
+def wait_until_finished(manager: RunManager, run_id: str, timeout: float = 180) -> None:
+    """A run started outside the page, trained to its end before the page uses it."""
+    deadline = time.time() + timeout
+    while (state := manager.view(run_id).live_state) != "finished":
+        assert time.time() < deadline and state in ("starting", "running"), f"run {run_id}: {state}"
+        time.sleep(0.5)
+
+
 def set_number(page, elem_id: str, value) -> None:
     box = page.locator(f"#{elem_id} input").first
     box.fill(str(value))
@@ -287,10 +295,7 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(browser, app):
 
     manager = RunManager(app.runs_dir)
     run = manager.start(RunSpec.load(ROOT / "recipes" / "tiny-sft.yaml"), cpu_hardware())
-    deadline = time.time() + 180
-    while manager.view(run.id).live_state != "finished":
-        assert time.time() < deadline and manager.view(run.id).live_state in ("starting", "running")
-        time.sleep(0.5)
+    wait_until_finished(manager, run.id)
 
     page = open_page(browser, app.url)
     page.get_by_role("tab", name="Chat").click()
@@ -324,10 +329,7 @@ def test_export_and_push_to_the_hub_from_the_page(browser, runs_dir):
         env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_TOKEN")}
         server = App(runs_dir, env=env | {"HF_ENDPOINT": standin.url, "HF_HUB_DISABLE_XET": "1"})
         try:
-            deadline = time.time() + 180
-            while manager.view(run.id).live_state != "finished":
-                assert time.time() < deadline and manager.view(run.id).live_state in ("starting", "running")
-                time.sleep(0.5)
+            wait_until_finished(manager, run.id)
             page = open_page(browser, server.url)
             page.get_by_role("tab", name="Export").click()
             choice = page.locator("#export-run input").first
