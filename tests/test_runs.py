@@ -399,10 +399,11 @@ def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manag
 
 
 def test_runs_on_disjoint_cores_run_side_by_side(manager):
-    views = [manager.start(tiny("max_steps=40", f"studio.cores={core}"), cpu_hardware()) for core in (0, 1)]
+    views = [manager.start(tiny(*LONG, f"studio.cores={core}"), cpu_hardware()) for core in (0, 1)]
     for view in views:
-        wait_until_training(manager, view.id, steps=2)  # both are training at the same time
-    assert [wait_until_final(manager, v.id).state for v in views] == ["finished", "finished"]
+        wait_until_training(manager, view.id, steps=2)
+    assert [manager.view(v.id).live_state for v in views] == ["running", "running"]  # at the same time
+    assert [manager.stop(v.id).state for v in views] == ["stopped", "stopped"]
 
 
 def test_two_starts_in_the_same_moment_take_different_cores(manager):
