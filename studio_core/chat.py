@@ -29,7 +29,6 @@ from pathlib import Path
 from studio_core import leases
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.hardware import Hardware
-from studio_core.layout import parse_cores, pick_cores
 from studio_core.worker import OUTPUT_INFO
 
 MAX_CACHE_LEN = 1024  # the static cache's fixed length: prompt bucket + answer must fit
@@ -196,23 +195,13 @@ class ChatProcess:
 
 def choose_chat_cores(runs_dir: str | Path, hardware: Hardware, cores: str | None) -> list[int]:
     """The chat's core: the one asked for if free, else the first free one."""
-    count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
-    held = leases.holders(runs_dir, hardware.backend, count)
-    if cores:
-        try:
-            wanted = parse_cores(cores)
-        except ValueError as error:
-            raise ChatError(f"cores: {error}") from error
-        busy = [f"core {c} is held by {leases.describe(held[c])}" for c in wanted if c in held]
-        if busy:
-            raise ChatError(f"cores: {'; '.join(busy)}: choose a free core, or stop what holds it first")
-        return wanted
-    block = pick_cores(1, set(range(count)) - set(held), hardware)
-    if block is None:
-        holding = sorted({leases.describe(info) for info in held.values()})
-        raise ChatError(f"no free {hardware.backend} core for the chat: all {count} are held "
-                        f"({'; '.join(holding)}); stop one of them first")
-    return block
+    try:
+        return leases.choose(runs_dir, hardware, 1, cores or None)
+    except leases.NoFreeCores as none:
+        raise ChatError(f"no free {hardware.backend} core for the chat: all {none.count} are held "
+                        f"({none.holding}); stop one of them first") from none
+    except ValueError as error:
+        raise ChatError(f"cores: {error}") from error
 
 
 def _read_events(stream, events: queue.Queue) -> None:

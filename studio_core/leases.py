@@ -29,6 +29,8 @@ import os
 import time
 from pathlib import Path
 
+from studio_core.layout import parse_cores, pick_cores
+
 BACKENDS = ("neuron", "cuda", "cpu")
 KINDS = ("run", "chat", "export")
 # A probe (holders) holds a shared lock for microseconds; acquire retries this long
@@ -112,6 +114,33 @@ def choosing(runs_dir: str | Path):
         yield
     finally:
         os.close(fd)
+
+
+class NoFreeCores(ValueError):
+    """No valid block of free cores is left; `holding` names who holds the others."""
+
+    def __init__(self, count: int, held: dict[int, dict]):
+        self.count, self.held = count, held
+        self.holding = "; ".join(sorted({describe(info) for info in held.values()}))
+        super().__init__(f"{len(held)} of {count} are held ({self.holding})")
+
+
+def choose(runs_dir: str | Path, hardware, nproc: int, cores: str | None) -> list[int]:
+    """The cores a run or chat will hold: `cores` if all are free (ValueError naming the
+    holders if not), else the first free valid block of `nproc` (NoFreeCores if none).
+    Call it inside choosing(), so no other start takes them before their holder does."""
+    count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+    held = holders(runs_dir, hardware.backend, count)
+    if cores is not None:
+        wanted = parse_cores(cores)
+        busy = [f"core {c} is held by {describe(held[c])}" for c in wanted if c in held]
+        if busy:
+            raise ValueError(f"{'; '.join(busy)}: choose free cores, or stop what holds them first")
+        return wanted
+    block = pick_cores(nproc, set(range(count)) - set(held), hardware)
+    if block is None:
+        raise NoFreeCores(count, held)
+    return block
 
 
 def wait_held(runs_dir: str | Path, backend: str, cores: list[int], proc, timeout: float = 30) -> bool:

@@ -30,7 +30,7 @@ from studio_core import leases, sources
 from studio_core.checkpoints import RESUME_ENV, clear_control, list_checkpoints, request_save_and_stop
 from studio_core.events import FINAL_STATES, EventReader, append_event
 from studio_core.hardware import Hardware
-from studio_core.layout import format_cores, parse_cores, pick_cores
+from studio_core.layout import format_cores, parse_cores
 from studio_core.plan import Plan, plan
 from studio_core.procs import kill_run_processes
 from studio_core.spec import RunSpec, SpecError, validated, with_absolute_paths
@@ -300,25 +300,13 @@ class RunManager:
     def choose_cores(self, spec: RunSpec, hardware: Hardware) -> str:
         """The cores the run will hold: the ones asked for if all are free, else the first free
         valid block ("next free"). On the CPU backend these are CPU cores the run is pinned to."""
-        count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
-        held = leases.holders(self.runs_dir, hardware.backend, count)
-        if spec.layout.cores is not None:
-            try:
-                wanted = parse_cores(spec.layout.cores)
-            except ValueError as error:
-                raise SpecError([f"studio.cores: {error}"]) from error
-            busy = [f"core {c} is held by {leases.describe(held[c])}" for c in wanted if c in held]
-            if busy:
-                raise SpecError([f"studio.cores: {'; '.join(busy)}: choose free cores, or stop what holds "
-                                 "them first"])
-            return spec.layout.cores
-        block = pick_cores(spec.layout.nproc, set(range(count)) - set(held), hardware)
-        if block is None:
-            holding = sorted({leases.describe(info) for info in held.values()})
+        try:
+            return format_cores(leases.choose(self.runs_dir, hardware, spec.layout.nproc, spec.layout.cores))
+        except leases.NoFreeCores as none:
             raise SpecError([f"studio.nproc: no {spec.layout.nproc} free {hardware.backend} cores in a valid "
-                             f"block; {len(held)} of {count} are held ({'; '.join(holding)}): wait for or stop "
-                             "one of them, or ask for fewer processes"])
-        return format_cores(block)
+                             f"block; {none}: wait for or stop one of them, or ask for fewer processes"]) from none
+        except ValueError as error:
+            raise SpecError([f"studio.cores: {error}"]) from error
 
     def _new_run_id(self, name: str) -> str:
         """`<time>-<name>-<6 hex>`: the suffix keeps ids unique across runs folders too, which
