@@ -14,9 +14,9 @@ import gradio as gr
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.chat import ChatError, ChatProcess
 from studio_core.hardware import Hardware
+from studio_core.history import runs_with_a_model
 from studio_core.layout import format_cores
 from studio_core.runs import RunManager
-from studio_core.worker import OUTPUT_INFO
 
 
 class ChatHolder:
@@ -51,7 +51,7 @@ class ChatHolder:
 
 def chat_targets(manager: RunManager) -> list[str]:
     """Finished runs with a saved model, newest first, then the built-in model."""
-    return [v.id for v in manager.list() if (v.dir / "output" / OUTPUT_INFO).exists()] + [BUILTIN_MODEL]
+    return [*runs_with_a_model(manager), BUILTIN_MODEL]
 
 
 def shapes_text(done: dict) -> str:

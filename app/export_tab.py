@@ -14,17 +14,13 @@ import gradio as gr
 
 from studio_core import hub
 from studio_core.export import ExportError, export_run, read_output_info
+from studio_core.history import runs_with_a_model
 from studio_core.runs import RunManager
-from studio_core.worker import OUTPUT_INFO
-
-
-def finished_runs(manager: RunManager) -> list[str]:
-    return [v.id for v in manager.list() if (v.dir / "output" / OUTPUT_INFO).exists()]
 
 
 def build(manager: RunManager) -> None:
     with gr.Row():
-        run = gr.Dropdown(finished_runs(manager), value=None, label="Finished run", scale=3, elem_id="export-run")
+        run = gr.Dropdown(runs_with_a_model(manager), value=None, label="Finished run", scale=3, elem_id="export-run")
         folder = gr.Textbox(label="Export folder", scale=3, elem_id="export-folder",
                             info="a new or empty folder; default: exports/<run> in the runs folder")
         merge = gr.Checkbox(False, label="Merge the LoRA adapter into its base", interactive=False,
@@ -76,6 +72,6 @@ def build(manager: RunManager) -> None:
         return f"Pushed ({'private' if is_private else 'public'}): [{url}]({url})"
 
     run.change(on_run, run, [merge, folder])
-    run.focus(lambda: gr.update(choices=finished_runs(manager)), None, run)
+    run.focus(lambda: gr.update(choices=runs_with_a_model(manager)), None, run)
     export.click(on_export, [run, folder, merge], [status, files, exported])
     push.click(on_push, [exported, repo, private, update, token], pushed)

@@ -15,6 +15,7 @@ from pathlib import Path
 from studio_core import leases
 from studio_core.runs import RunManager, RunView, supervisor_alive
 from studio_core.spec import RunSpec
+from studio_core.worker import OUTPUT_INFO
 
 ACTIVE_STATES = ("starting", "running")
 SORTS = ("newest first", "oldest first", "final loss")
@@ -189,3 +190,9 @@ def tracking_hint(view: RunView) -> str | None:
     if "trackio" in targets:  # logged locally (TRACKIO_DIR, else ~/.cache/huggingface/trackio)
         lines.append(f"Trackio: `trackio show --project \"{view.spec.get('project', 'huggingface')}\"`")
     return "; ".join(lines) or None
+
+
+def runs_with_a_model(manager: RunManager) -> list[str]:
+    """The runs that saved a model or adapter (finished runs), newest first: what chat and
+    export can use."""
+    return [v.id for v in manager.list() if (v.dir / "output" / OUTPUT_INFO).exists()]
