@@ -199,8 +199,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
     preview_btn.click(on_preview, inputs, [message, plan_box])
     export_btn.click(on_export, inputs, [message, exports])
     for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc"):
-        w[name].change(on_layout, inputs, form.core_map, show_progress="hidden")
-    form.layout_box.expand(on_layout, inputs, form.core_map, show_progress="hidden")
+        w[name].change(on_layout, inputs, form.core_map, show_progress="hidden", concurrency_id="core-map")
+    # one queue for every redraw, so an older one (the accordion opening) never lands after a newer one
+    form.layout_box.expand(on_layout, inputs, form.core_map, show_progress="hidden", concurrency_id="core-map")
     start_btn.click(on_start, inputs, [message, plan_box, selected])
     stop_btn.click(on_stop, selected, message)
     stop_save_btn.click(on_stop_and_save, selected, message)

@@ -236,8 +236,9 @@ def test_a_dataset_that_does_not_fit_gets_a_one_click_fix(browser, app, tmp_path
 def test_a_two_process_layout_from_the_page(browser, app):
     page = open_page(browser, app.url)
     page.get_by_text("Layout: processes, parallelism, cores").click()
-    set_number(page, "nproc", 2)
     core_map = page.locator("#core-map")
+    core_map.locator(".core").first.wait_for()  # drawn for the opened accordion before nproc changes
+    set_number(page, "nproc", 2)
     # the map is redrawn by the server: allow for a machine busy with another test worker's run
     playwright_api.expect(core_map.locator(".core[data-state='r1']")).to_have_count(1, timeout=30_000)
     playwright_api.expect(core_map).to_contain_text("2 of 2 CPU cores for this run", timeout=30_000)
