@@ -9,11 +9,10 @@ dict), so every rule here is checked on a machine without Trainium.
 
 Which core sets work. The Neuron runtime wants a contiguous, increasing set, and TRL's
 Trainium guide adds that on a trn2.3xlarge only `0,1`, `2,3` and `0-3` set up collectives
-(`1,2` fails). The rule taken from that: a multi-core set has a power-of-two size and starts
-on a multiple of its size, up to one row of the Trn2 4x4 chip torus (4 chips: 16 cores at
-LNC=2); a bigger set starts on a row boundary, so half a trn2.48xlarge is 0-31, 16-47 or
-32-63 but not 8-39. Beyond the TRL guide's three sets this is an ASSUMPTION, not a measured
-fact, and Trn3 (whose chips meet through a switch, not a torus) gets the same rule.
+(`1,2` fails). The rule taken from that (../shared/notes/neuron.md): a multi-core set has
+a power-of-two size and starts on a multiple of its size, so half a trn2.48xlarge is 0-31 or
+32-63, not 16-47. Beyond the TRL guide's three sets this rule is not measured here, and
+Trn3 gets the same rule.
 
 Ranks and cores: torchrun's ranks take the visible cores in order, and Transformers puts
 TP innermost in its mesh (see `tp_groups`), so each TP group is a run of consecutive cores.
@@ -26,7 +25,6 @@ import re
 
 from studio_core.hardware import MAX_TORCH_DEVICES, Hardware
 
-TORUS_ROW_CHIPS = 4  # a Trn2 trn2.48xlarge is a 4x4 torus of chips (Neuron "Trn2 Architecture")
 _PART = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
 
 
@@ -69,17 +67,9 @@ def _show(cores: list[int]) -> str:
     return ",".join(map(str, cores)) if plain else format_cores(cores)
 
 
-def _cores_per_chip(hardware: Hardware) -> int:
-    return max(1, hardware.devices // hardware.chips) if hardware.chips else max(1, hardware.devices)
-
-
-def _alignment(size: int, hardware: Hardware) -> int:
-    return min(size, TORUS_ROW_CHIPS * _cores_per_chip(hardware))
-
-
 def _blocks_near(size: int, start: int, hardware: Hardware) -> list[str]:
     """Valid sets of `size` cores around `start` (else the first ones), to suggest instead."""
-    step = _alignment(size, hardware)
+    step = size
     base = max(0, start) // step * step
     near = [s for s in (base, base + step) if s + size <= hardware.devices]
     near = near or [s for s in range(0, hardware.devices - size + 1, step)][:2]
@@ -117,11 +107,9 @@ def check_core_set(cores: list[int], hardware: Hardware) -> list[str]:
                    for n in (lower, upper) if n <= hardware.devices]
         return problems + [f"{shown} is {size} cores: a multi-core set must be 2, 4, 8, ... cores "
                            f"(collectives fail otherwise); use {' or '.join(options)}"]
-    step = _alignment(size, hardware)
-    if start % step:
+    if start % size:
         fix = _blocks_near(size, start, hardware)
-        where = f"a multiple of {step}" if step == size else f"a multiple of {step}, a row of {TORUS_ROW_CHIPS} chips"
-        return problems + [f"{shown} is not aligned (it must start at {where}): use {' or '.join(fix)}"]
+        return problems + [f"{shown} is not aligned (it must start at a multiple of {size}): use {' or '.join(fix)}"]
     return problems
 
 
@@ -219,6 +207,17 @@ def pick_cores(nproc: int, free: set[int], hardware: Hardware) -> list[int] | No
         if free.issuperset(block) and (hardware.backend != "neuron" or not check_core_set(block, hardware)):
             return block
     return None
+
+
+def mesh_sizes(tp_size: int, fsdp_size: int, world_size: int) -> dict[str, int]:
+    """DistributedConfig's sizes for a run of `world_size` processes: one TP x FSDP mesh per
+    node, and on several nodes (the exported Slurm script) each node is one replica
+    (dp_replicate_size = nodes: HSDP, FSDP inside a node, gradients averaged across nodes)."""
+    per_node = tp_size * fsdp_size
+    if world_size % per_node:
+        raise ValueError(f"{world_size} processes cannot hold whole TP {tp_size} x FSDP {fsdp_size} meshes: run "
+                         f"a multiple of {per_node} processes")
+    return {"tp_size": tp_size, "fsdp_size": fsdp_size, "dp_replicate_size": world_size // per_node}
 
 
 def tp_groups(nproc: int, tp_size: int) -> list[list[int]]:

@@ -8,7 +8,8 @@ a trn2.48xlarge (the TorchNeuron blog's Qwen3-8B run).
 import pytest
 
 from studio_core.hardware import Hardware, instance_hardware
-from studio_core.layout import check_core_set, check_layout, format_cores, parse_cores, pick_cores, tp_groups
+from studio_core.layout import (check_core_set, check_layout, format_cores, mesh_sizes, parse_cores, pick_cores,
+                                 tp_groups)
 
 TRN2_3XL = instance_hardware("trn2.3xlarge")
 TRN2_3XL_LNC1 = instance_hardware("trn2.3xlarge", lnc=1)
@@ -83,12 +84,11 @@ def test_format_cores_round_trips(cores, text):
     (TRN2_3XL_LNC1, "0-7", None),
     (TRN2_3XL_LNC1, "4-7", None),
     (TRN2_3XL_LNC1, "2-5", "not aligned"),
-    # half a trn2.48xlarge: whole rows of the 4x4 chip torus
+    # half a trn2.48xlarge: aligned to its own size (neuron.md), so 0-31 or 32-63
     (TRN2_48XL, "0-31", None),
-    (TRN2_48XL, "16-47", None),
     (TRN2_48XL, "32-63", None),
-    (TRN2_48XL, "8-39", "8-39 is not aligned (it must start at a multiple of 16, a row of 4 chips): "
-                        "use 0-31 or 16-47"),
+    (TRN2_48XL, "16-47", "16-47 is not aligned (it must start at a multiple of 32): use 0-31 or 32-63"),
+    (TRN2_48XL, "8-39", "8-39 is not aligned (it must start at a multiple of 32): use 0-31 or 32-63"),
     (TRN2_48XL, "0-63", None),
     (TRN2_48XL, "4-7", None),  # one chip
     (TRN2_48XL, "2-5", "not aligned"),  # two half chips
@@ -125,7 +125,8 @@ def test_check_core_set_lists_duplicates_and_empty():
     (3, 1, 1, None, TRN2_3XL, None, "studio.nproc: 3 NeuronCores cannot run collectives together"),
     # seed: TP 4 x FSDP 8 = 32 processes on half a trn2.48xlarge
     (32, 4, 8, "0-31", TRN2_48XL, QWEN3_8B, None),
-    (32, 4, 8, "16-47", TRN2_48XL, QWEN3_8B, None),
+    (32, 4, 8, "32-63", TRN2_48XL, QWEN3_8B, None),
+    (32, 4, 8, "16-47", TRN2_48XL, QWEN3_8B, "studio.cores: 16-47 is not aligned"),
     (32, 4, 8, "8-39", TRN2_48XL, QWEN3_8B, "studio.cores: 8-39 is not aligned"),
     (64, 4, 16, "0-63", TRN2_48XL, QWEN3_8B, None),
     (32, 4, 8, None, TRN3_48XL, QWEN3_8B, None),
@@ -196,7 +197,7 @@ ALL_3XL, ALL_48XL = set(range(4)), set(range(64))
     (3, ALL_3XL, TRN2_3XL, None),
     (8, ALL_3XL, TRN2_3XL, None),
     (32, ALL_48XL, TRN2_48XL, list(range(0, 32))),
-    (32, ALL_48XL - set(range(16)), TRN2_48XL, list(range(16, 48))),
+    (32, ALL_48XL - set(range(16)), TRN2_48XL, list(range(32, 64))),
     (32, ALL_48XL - {20}, TRN2_48XL, list(range(32, 64))),
     (32, ALL_48XL - {20, 40}, TRN2_48XL, None),
     (4, ALL_48XL - set(range(0, 64, 4)), TRN2_48XL, None),  # a core busy on every chip
@@ -247,3 +248,18 @@ def test_tp_groups_match_transformers_device_mesh(nproc, tp):
         assert mesh.get_mesh("tp").mesh.tolist() == tp_groups(nproc, tp)[0]  # rank 0's own group
     finally:
         dist.destroy_process_group()
+
+
+# --- mesh_sizes: one TP x FSDP mesh per node, replicated across nodes --------------------
+@pytest.mark.parametrize("tp, fsdp, world, replicas", [
+    (4, 8, 32, 1),  # the seed layout on half a trn2.48xlarge
+    (4, 8, 128, 4),  # the Slurm script on 4 nodes
+    (2, 1, 2, 1),
+])
+def test_mesh_sizes(tp, fsdp, world, replicas):
+    assert mesh_sizes(tp, fsdp, world) == {"tp_size": tp, "fsdp_size": fsdp, "dp_replicate_size": replicas}
+
+
+def test_mesh_sizes_refuses_a_world_of_partial_meshes():
+    with pytest.raises(ValueError, match="run a multiple of 32 processes"):
+        mesh_sizes(4, 8, 48)
