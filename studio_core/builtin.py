@@ -45,6 +45,9 @@ BUILTIN_DATASETS: dict[str, Path] = {
 # The tokenizer is trained on these (conversational "messages") samples.
 CORPUS_DATASETS = ("builtin:chat", "builtin:qa")
 _SEED = 0
+# The tiny model's shape, known without building it (the layout check reads its heads)
+TINY_ARCHITECTURE = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 # Serialises builds within one process: seeding torch's global RNG is not thread-safe.
 _BUILD_LOCK = threading.Lock()
 _VOCAB_SIZE = 1000
@@ -161,12 +164,7 @@ def _build(folder: Path) -> None:
     eos_id, pad_id = tokenizer.convert_tokens_to_ids([_EOS, _PAD])
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **{k: v for k, v in TINY_ARCHITECTURE.items() if k != "architectures"},
         tie_word_embeddings=True,
         max_position_embeddings=1024,
         bos_token_id=pad_id,
