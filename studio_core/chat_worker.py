@@ -169,7 +169,7 @@ def main() -> int:
     setup = json.loads(sys.stdin.readline())
     try:
         lease = leases.acquire(setup["runs_dir"], setup["backend"], setup["cores"],
-                               holder=f"chat {setup['label']}", kind="chat")
+                               holder=setup["label"], kind="chat")
     except leases.CoresBusy as error:
         emit("error", message=str(error))
         return 2

@@ -208,7 +208,7 @@ def describe(info: dict) -> str:
     if not info.get("holder"):
         return "another process (it has not said who it is yet)"
     kind, holder = info.get("kind") or "", info["holder"]
-    name = holder if holder.startswith(f"{kind}-") else f"{kind} {holder}".strip()
+    name = holder if holder.startswith((f"{kind}-", f"{kind} ")) else f"{kind} {holder}".strip()
     return f"{name} (pid {info['pid']})" if info.get("pid") else name
 
 
