@@ -14,11 +14,12 @@ import gradio as gr
 
 from studio_core import hub
 from studio_core.export import ExportError, export_run, read_output_info
+from studio_core.hardware import Hardware
 from studio_core.history import runs_with_a_model
 from studio_core.runs import RunManager
 
 
-def build(manager: RunManager) -> None:
+def build(manager: RunManager, hardware: Hardware) -> None:
     with gr.Row():
         run = gr.Dropdown(runs_with_a_model(manager), value=None, label="Finished run", scale=3, elem_id="export-run")
         folder = gr.Textbox(label="Export folder", scale=3, elem_id="export-folder",
@@ -54,7 +55,8 @@ def build(manager: RunManager) -> None:
             return "**Pick a finished run.**", "", None
         progress(0, desc="exporting (loading, saving, writing the card)")
         try:
-            result = export_run(manager.runs_dir / run_id, out or manager.runs_dir / "exports" / run_id, merge_it)
+            result = export_run(manager.runs_dir / run_id, out or manager.runs_dir / "exports" / run_id, merge_it,
+                                hardware=hardware)
         except ExportError as error:
             return f"**Not exported:** {error}", "", None
         listing = "\n".join(f"- `{name}`" for name in result["files"])

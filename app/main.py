@@ -40,6 +40,6 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat_tab.build(manager, hardware)
             with gr.Tab("Export", id="export", elem_id="tab-export"):
-                export_tab.build(manager)
+                export_tab.build(manager, hardware)
         demo.load(lambda: latest_active_run(manager), None, selected)
     return demo

@@ -11,7 +11,10 @@ metrics, the compilations, the plot. Nothing else from the run folder is copied 
 training_args.bin, not the log), and no token is ever involved: pushing is studio_core.hub.
 
 Loading and merging need torch, so the export runs in a child process; export_run is the
-app's and the CLI's way in.
+app's and the CLI's way in. The export works on the host CPU on every backend. On the CPU
+backend, where runs and chats lease CPU cores, it leases one too (kind "export") and is
+pinned to it: a held core it asks for is refused naming the holder, and a run cannot take
+the export's core. On Neuron and CUDA it takes no NeuronCore or GPU, so it holds no lease.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from studio_core import leases
 from studio_core.events import read_events
+from studio_core.hardware import Hardware
 from studio_core.sources import HUB_ID
 from studio_core.spec import RunSpec
 from studio_core.worker import OUTPUT_INFO
@@ -35,8 +40,10 @@ class ExportError(ValueError):
     """The export cannot be made; the message says what to change."""
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False) -> dict:
-    """Export in a child process; returns its summary {folder, kind, files}."""
+def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, hardware: Hardware | None = None,
+               cores: str | None = None) -> dict:
+    """Export in a child process; returns its summary {folder, kind, files, cores}. With a CPU
+    `hardware`, the child holds one CPU core (`cores`, or the first free one) while it works."""
     run_dir, out_dir = Path(run_dir).expanduser(), Path(out_dir).expanduser()
     info = read_output_info(run_dir)
     if merge and info["kind"] != "adapter":
@@ -46,13 +53,36 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False) ->
         raise ExportError(f"{out_dir} is not empty: choose a new folder (nothing is overwritten)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-m", "studio_core.export", str(run_dir), str(out_dir),
-                           *(["--merge"] if merge else [])], capture_output=True, text=True, env=env,
-                          timeout=TIMEOUT_S)
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+    argv = [sys.executable, "-m", "studio_core.export", str(run_dir), str(out_dir), *(["--merge"] if merge else [])]
+    if hardware is None or hardware.backend != "cpu":
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+        return _result(done.returncode, done.stdout, done.stderr, out_dir)
+    runs_dir = run_dir.parent
+    with leases.choosing(runs_dir):  # until the child holds the core chosen here
+        try:
+            chosen = leases.choose(runs_dir, hardware, 1, cores or None)
+        except leases.NoFreeCores as none:
+            raise ExportError(f"no free CPU core for the export: all {none.count} are held ({none.holding}); "
+                              "wait for one of them, or stop it") from none
+        except ValueError as error:
+            raise ExportError(f"cores: {error}") from error
+        child = subprocess.Popen([*argv, "--cores", ",".join(map(str, chosen))], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env)
+        leases.wait_held(runs_dir, hardware.backend, chosen, child)
+    try:
+        stdout, stderr = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return _result(child.returncode, stdout, stderr, out_dir)
+
+
+def _result(returncode: int, stdout: str, stderr: str, out_dir: Path) -> dict:
+    if returncode != 0:
+        tail = "\n".join(stderr.strip().splitlines()[-8:])
         raise ExportError(f"the export failed (nothing usable in {out_dir}): {tail}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def read_output_info(run_dir: Path) -> dict:
@@ -93,7 +123,22 @@ def card_data(summary: dict, kind: str, base_license: str | None):
                          pipeline_tag="text-generation", tags=tags, model_name=spec.display_name)
 
 
-def _main(run_dir: Path, out_dir: Path, merge: bool) -> None:
+def _main(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) -> None:
+    if cores is None:
+        return _export(run_dir, out_dir, merge, None)
+    try:
+        lease = leases.acquire(run_dir.parent, "cpu", cores, holder=f"export {run_dir.name}", kind="export")
+    except leases.CoresBusy as error:
+        sys.exit(f"CoresBusy: {error}")
+    with lease:
+        os.sched_setaffinity(0, cores)
+        import torch
+
+        torch.set_num_threads(len(cores))
+        _export(run_dir, out_dir, merge, cores)
+
+
+def _export(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) -> None:
     import shutil
 
     import torch
@@ -131,7 +176,7 @@ def _main(run_dir: Path, out_dir: Path, merge: bool) -> None:
     card.save(out_dir / "README.md")
     shutil.copy(output / OUTPUT_INFO, out_dir / OUTPUT_INFO)
     files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())
-    print(json.dumps({"folder": str(out_dir), "kind": kind, "files": files}))
+    print(json.dumps({"folder": str(out_dir), "kind": kind, "files": files, "cores": cores}))
 
 
 def _published_base(info: dict) -> str:
@@ -195,4 +240,6 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
 
 
 if __name__ == "__main__":
-    _main(Path(sys.argv[1]), Path(sys.argv[2]), "--merge" in sys.argv[3:])
+    flags = sys.argv[3:]
+    held = [int(c) for c in flags[flags.index("--cores") + 1].split(",")] if "--cores" in flags else None
+    _main(Path(sys.argv[1]), Path(sys.argv[2]), "--merge" in flags, held)

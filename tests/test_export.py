@@ -20,9 +20,10 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hub_standin import HubStandIn, point_hub_client_at
-from studio_core import hub
+from studio_core import hub, leases
 from studio_core.builtin import BUILTIN_DATASETS
 from studio_core.export import ExportError, export_run
+from studio_core.hardware import Hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 QA = [json.loads(line)["messages"] for line in Path(BUILTIN_DATASETS["builtin:qa"]).read_text().splitlines()]
@@ -105,6 +106,20 @@ def test_bad_exports_say_what_to_change(trained_runs, exports, tmp_path):
         export_run(manager.runs_dir / ids["full"], exports["full"])
     with pytest.raises(ExportError, match="no saved model"):
         export_run(manager.runs_dir / "no-such-run", tmp_path / "y")
+
+
+def test_on_the_cpu_backend_an_export_holds_a_core_of_its_own(trained_runs, tmp_path):
+    """A held core is refused naming its holder, before anything is written; without a core
+    named, the export takes the next free one and works pinned to it."""
+    manager, ids = trained_runs
+    cpu = Hardware(backend="cpu", devices=2, cpu_count=2)
+    with leases.acquire(manager.runs_dir, "cpu", [0], holder="20261130-000000-busy-1a2b3c", kind="run"):
+        with pytest.raises(ExportError, match="core 0 is held by run 20261130-000000-busy-1a2b3c"):
+            export_run(manager.runs_dir / ids["full"], tmp_path / "refused", hardware=cpu, cores="0")
+        assert not (tmp_path / "refused").exists()
+        result = export_run(manager.runs_dir / ids["full"], tmp_path / "pinned", hardware=cpu)
+    assert result["cores"] == [1] and "model.safetensors" in result["files"]
+    assert leases.free_cores(manager.runs_dir, "cpu", 2) == {0, 1}  # the export gave its core back
 
 
 def test_push_arrives_byte_for_byte_in_one_private_commit(exports, standin, trained_runs):
