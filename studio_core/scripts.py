@@ -33,6 +33,14 @@ def _header(plan: Plan, run_dir: str) -> list[str]:
     ]
 
 
+def _mesh_note(plan: Plan) -> list[str]:
+    layout = plan.spec.layout
+    if layout.tp_size == 1 and layout.fsdp_size == 1:
+        return []
+    return [f"# Each node runs one TP {layout.tp_size} x FSDP {layout.fsdp_size} mesh; the worker replicates it "
+            "across nodes (DistributedConfig dp_replicate_size = the number of nodes: HSDP)."]
+
+
 def _python(plan: Plan) -> str:
     return shlex.quote(plan.argv[0])
 
@@ -63,6 +71,8 @@ def slurm_script(plan: Plan, nodes: int, run_dir: str = "./studio-run") -> str:
         "#SBATCH --exclusive",
         f"# Exported from the studio: {nodes} node(s) x {nproc} process(es); the first node hosts",
         "# the c10d rendezvous. Submit with: sbatch THIS_FILE",
+        "# RUN_DIR and this repository must be on a filesystem every node sees (e.g. FSx for Lustre).",
+        *_mesh_note(plan),
         *_header(plan, run_dir),
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"srun {_python(plan)} -m torch.distributed.run --nnodes=\"$SLURM_NNODES\" --nproc-per-node={nproc} \\",

@@ -37,6 +37,7 @@ def test_scripts_for_a_trainium_layout_carry_the_plans_environment(tmp_path):
         assert "--nproc-per-node=32" in script
     slurm = slurm_script(launch, nodes=4)
     assert "#SBATCH --nodes=4" in slurm and "--rdzv-backend=c10d" in slurm and '--nnodes="$SLURM_NNODES"' in slurm
+    assert "dp_replicate_size = the number of nodes" in slurm  # what the worker's mesh_sizes does
 
 
 def test_the_exported_script_runs_the_same_training(tmp_path):
