@@ -247,3 +247,31 @@ def test_a_tp_fsdp_layout_shows_the_distributed_config_it_passes():
     assert ("model_init_kwargs.distributed_config", "DistributedConfig(tp_size=4, fsdp_size=8)") in [
         (key, value) for key, value, _ in launch.applied]
     assert launch.env["NEURON_RT_VISIBLE_CORES"] == "0-31" and "--nproc-per-node=32" in launch.argv
+
+
+# --- GRPO on Neuron: generation defaults, and the overrides known to hurt --------------
+GRPO = Path(__file__).parent.parent / "recipes" / "tiny-grpo.yaml"
+
+
+def test_grpo_on_neuron_generates_with_a_static_cache_a_bf16_model_and_no_vllm():
+    bare = RunSpec.from_dict({k: v for k, v in RunSpec.load(GRPO).to_dict().items() if k != "cache_implementation"})
+    launch = plan(bare, TRN2_3XL)
+    applied = applied_keys(launch)
+    assert applied["cache_implementation"] == "static" and applied["use_vllm"] is False
+    assert applied["model_init_kwargs.dtype"] == "bfloat16" and applied["bf16"] is True
+    assert launch.spec.args["model_init_kwargs"]["dtype"] == "bfloat16" and launch.warnings == []
+    on_cpu = applied_keys(plan(bare, CPU8))  # none of it is forced where it does not matter
+    assert "cache_implementation" not in on_cpu and "model_init_kwargs.dtype" not in on_cpu
+
+
+@pytest.mark.parametrize("overrides, warning", [
+    (["cache_implementation=dynamic"], "cache_implementation: 'dynamic' makes every generated token a new shape"),
+    (["model_init_kwargs={dtype: float32}"], "model_init_kwargs.dtype: 'float32' with the static cache fails"),
+    (["use_vllm=true"], "use_vllm: the recipe's True cannot run on neuron; using False"),
+    (["pad_to_multiple_of=null"], "pad_to_multiple_of: null compiles a graph for every batch length"),
+    (["dataloader_drop_last=false"], "the last, smaller batch one more compilation"),
+])
+def test_grpo_overrides_known_to_hurt_on_neuron_are_kept_with_what_they_cost(overrides, warning):
+    launch = plan(RunSpec.load(GRPO).with_overrides(overrides), TRN2_3XL)
+    assert any(warning in w for w in launch.warnings), launch.warnings
+    assert plan(RunSpec.load(GRPO).with_overrides(overrides), CPU8).warnings == []  # only Neuron pays
