@@ -398,12 +398,15 @@ def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manag
     assert wait_until_final(manager, again.id).state == "finished"
 
 
-def test_runs_on_disjoint_cores_run_side_by_side(manager):
-    views = [manager.start(tiny(*LONG, f"studio.cores={core}"), cpu_hardware()) for core in (0, 1)]
-    for view in views:
-        wait_until_training(manager, view.id, steps=2)
-    assert [manager.view(v.id).live_state for v in views] == ["running", "running"]  # at the same time
-    assert [manager.stop(v.id).state for v in views] == ["stopped", "stopped"]
+def test_runs_on_disjoint_cores_run_side_by_side_and_both_finish(manager):
+    views = [manager.start(tiny("max_steps=400", "logging_steps=50", f"studio.cores={core}"), cpu_hardware())
+             for core in (0, 1)]
+    ended = [wait_until_final(manager, view.id) for view in views]
+    assert [v.live_state for v in ended] == ["finished", "finished"], [v.error_text for v in ended]
+    (a_first, a_last), (b_first, b_last) = [  # the span of each run's training steps, from its events
+        (min(times), max(times)) for times in
+        ([e["time"] for e in read_events(v.dir / "events.jsonl") if e["type"] == "progress"] for v in ended)]
+    assert a_first < b_last and b_first < a_last  # they trained at the same time
 
 
 def test_two_starts_in_the_same_moment_take_different_cores(manager):
