@@ -6,7 +6,8 @@ import pytest
 import trl
 import yaml
 
-from studio_core.spec import read_yaml
+from studio_core import data_check
+from studio_core.spec import RunSpec, read_yaml
 from studio_core.trl_schema import TRAINER_CONFIGS
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
@@ -40,3 +41,14 @@ def test_recipe_loads_into_trl_cli_parser(recipe, tmp_path):
         if key == "lora_target_modules" and value == ["all-linear"]:
             value = "all-linear"  # ModelConfig unwraps a one-element list
         assert got == value, f"{recipe.name}: {key} became {got!r}"
+
+
+def test_ultrachat_recipe_keeps_only_the_chats():
+    # HuggingFaceH4/ultrachat_200k (train_sft) has a string `prompt` beside `messages`: as it is,
+    # TRL would read prompts; the recipe keeps `messages`, as the TorchNeuron announcement does.
+    spec = RunSpec.load(RECIPES[0].parent / "qwen3-8b-sft-tp4-fsdp8.yaml")
+    chat = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    record = {"prompt": "Hi.", "prompt_id": "8f2c", "messages": chat}
+    assert data_check.fit_problems(data_check.detect([record]), "sft")
+    kept = data_check.detect(data_check.apply_column_map([record], spec.column_map, spec.keep_columns))
+    assert kept.type == "language_modeling" and data_check.fit_problems(kept, "sft") == []
