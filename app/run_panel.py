@@ -29,7 +29,7 @@ def make_panel() -> list[gr.Component]:
     status = gr.Markdown("No run selected.", elem_classes="run-status")
     progress = gr.HTML("")
     compiles = gr.HTML("", elem_classes="run-compiles")
-    error = gr.Code(label="Error", visible=False, language=None, lines=8)
+    error = gr.Code(label="Error", visible=False, language=None, lines=8, elem_classes="run-error")
     with gr.Row():
         loss = gr.LinePlot(x="step", y="loss", title="Loss", height=260)
         lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
@@ -86,8 +86,10 @@ def progress_html(view: RunView) -> str:
         label = "starting: loading the model and data, building the trainer ..."
     download = view.download
     if download and view.live_state == "starting" and download["done_bytes"] < download["total_bytes"]:
-        label = (f"downloading {download['model']} (first use): {download['done_bytes'] / MB:,.0f} of "
-                 f"{download['total_bytes'] / MB:,.0f} MB")
+        what = download.get("model") or f"dataset {download.get('dataset')}"
+        fraction = download["done_bytes"] / download["total_bytes"]  # the bar shows the download meanwhile
+        label = (f"downloading {what} (first use): {download['done_bytes'] / MB:,.1f} of "
+                 f"{download['total_bytes'] / MB:,.1f} MB")
     return (f"<div class='run-progress' data-step='{view.step}' data-total='{total}'>"
             f"<div style='background:#eee8d5;border-radius:4px;height:14px'>"
             f"<div style='background:#268bd2;width:{fraction * 100:.1f}%;height:14px;border-radius:4px'></div>"

@@ -17,7 +17,7 @@ from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.hardware import INSTANCES, Hardware, instance_hardware
 from studio_core.sources import cached_models
 from studio_core.spec import Layout, RunSpec, SpecError, check_args
-from studio_core.trl_schema import trainer_fields
+from studio_core.trl_schema import TRAINER_CONFIGS, trainer_fields
 
 TRAINERS = {"sft": "SFT (supervised fine-tuning)", "dpo": "DPO (preference pairs)",
             "grpo": "GRPO (online RL with reward functions)"}
@@ -25,6 +25,9 @@ SAMPLE_FOR_TRAINER = {"sft": "builtin:qa", "dpo": "builtin:preference", "grpo": 
 THIS_MACHINE = "this machine"
 DEFAULT_REWARDS = "- {name: length, target: 40, weight: 1.0}\n- {name: exact_match, column: reference, weight: 1.0}\n"
 TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the form offers, when installed
+# The form's starting values suit the built-in tiny model: from random weights, it learns its
+# facts in seconds at this rate. Any other model starts at TRL's default for the trainer.
+TINY_LEARNING_RATE = 2e-3
 
 
 def report_choices() -> list[str]:
@@ -37,6 +40,25 @@ def report_info(choices: list[str]) -> str:
         return "TRL's report_to; the Runs tab says where to open it"
     return ("neither TensorBoard nor Trackio is installed here: `pip install tensorboard` (or trackio) "
             "in the studio's environment, then restart the studio")
+
+
+def learning_rate_start(trainer: str, model: str) -> float:
+    """The form's starting learning rate: the tiny model's, or TRL's default for the trainer."""
+    if (model or "").strip() == BUILTIN_MODEL:
+        return TINY_LEARNING_RATE
+    return trainer_fields(trainer)["learning_rate"]["default"]
+
+
+def learning_rate_info(trainer: str, model: str, own: bool = False) -> str:
+    """Where the learning rate shown comes from, and TRL's default for the trainer."""
+    trl_default = f"TRL's default for {trainer.upper()} ({TRAINER_CONFIGS[trainer]}) is " \
+                  f"{trainer_fields(trainer)['learning_rate']['default']:g}"
+    if own:
+        return f"your value; {trl_default}"
+    if (model or "").strip() == BUILTIN_MODEL:
+        return (f"{TINY_LEARNING_RATE:g} and the other starting values suit the built-in tiny model (seconds "
+                f"on a CPU); {trl_default}, set when you pick another model")
+    return f"{trl_default}; the built-in tiny model starts at {TINY_LEARNING_RATE:g}"
 
 
 def help_choices(trainer: str, field: str) -> list[str]:
@@ -83,7 +105,8 @@ class TrainForm:
             w["max_steps"] = gr.Number(300, label="max_steps", precision=0, info="0: train by epochs",
                                        elem_id="max_steps")
             w["num_train_epochs"] = gr.Number(3, label="num_train_epochs", info="used when max_steps is 0")
-            w["learning_rate"] = gr.Number(2e-3, label="learning_rate", elem_id="learning_rate")
+            w["learning_rate"] = gr.Number(learning_rate_start("sft", BUILTIN_MODEL), label="learning_rate",
+                                           info=learning_rate_info("sft", BUILTIN_MODEL), elem_id="learning_rate")
         with gr.Row():
             w["per_device_train_batch_size"] = gr.Number(4, label="per_device_train_batch_size", precision=0,
                                                          elem_id="batch_size")

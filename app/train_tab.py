@@ -17,8 +17,8 @@ import yaml
 
 from app import forecast_panel, run_panel
 from app.core_map import core_map_html
-from app.train_form import (SAMPLE_FOR_TRAINER, THIS_MACHINE, TrainForm, check_extra, spec_from_form,
-                            target_hardware)
+from app.train_form import (SAMPLE_FOR_TRAINER, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra,
+                            learning_rate_info, learning_rate_start, spec_from_form, target_hardware)
 from studio_core import data_check, leases, sources
 from studio_core.layout import check_layout, parse_cores, pick_cores
 from studio_core.scripts import launch_script, slurm_script
@@ -33,7 +33,8 @@ def problems_markdown(error: SpecError) -> str:
 
 
 def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
-    """What the pre-launch check sees in a local dataset: rows, type, fit, suggested fix."""
+    """What the pre-launch check sees in a local dataset: rows, type, fit, bad records further
+    on, and the suggested fix as data (data_check.suggest_fix) for the page to apply."""
     path = sources.dataset_file(spec.dataset_name)
     if path is None:
         return ("Hub datasets and dataset folders are checked when the run loads them "
@@ -42,27 +43,51 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
         rows = data_check.read_rows(path, 5)
     except (OSError, ValueError) as error:
         return f"**Cannot read the dataset:** {error}", None, {}
-    mapped = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
-    kind = data_check.detect(mapped)
+    text_field = spec.args.get("dataset_text_field", "text")
+    fix = data_check.suggest_fix(rows, spec.trainer, spec.column_map, spec.keep_columns, text_field)
+    try:
+        mapped = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
+    except ValueError as error:  # the column map or keep-columns do not fit this dataset
+        lines = [f"**Column map or kept columns do not fit this dataset:** {error}"]
+        return "\n".join(lines + [describe_fix(fix)] * bool(fix)), None, fix
+    kind = data_check.detect(mapped, text_field)
     problems = data_check.fit_problems(kind, spec.trainer)
     lines = [f"**Detected:** {kind.description} ({kind.type}, {kind.format}); columns: "
              f"{', '.join(kind.columns)}"]
-    fix = {}
     if problems:
         lines += ["**Does not fit this trainer:**", *[f"- {p}" for p in problems]]
-        suggestion = data_check.suggest_column_map(list(rows[0]), spec.trainer) if rows else {}
-        if suggestion:
-            fix = suggestion
-            lines.append(f"Suggested fix: rename {', '.join(f'`{a}` to `{b}`' for a, b in suggestion.items())}.")
+        lines += [describe_fix(fix)] * bool(fix)
+    elif bad := data_check.scan_file(path, spec.column_map, spec.keep_columns, text_field):
+        lines += ["**Records to fix before training:**", *[f"- {p}" for p in bad]]
     else:
         lines.append(f"**Fits {spec.trainer.upper()}.**")
     preview = pd.DataFrame([{k: str(v)[:200] for k, v in row.items()} for row in mapped])
     return "\n".join(lines), preview, fix
 
 
+def describe_fix(fix: dict) -> str:
+    """data_check.suggest_fix's data, in words."""
+    parts = []
+    if "column_map" in fix:
+        renames = ", ".join(f"`{old}` to `{new}`" for old, new in fix["column_map"].items())
+        parts.append(f"rename {renames}" if renames else "clear the column map")
+    if "keep_columns" in fix:
+        keep = ", ".join(f"`{c}`" for c in fix["keep_columns"])
+        parts.append(f"keep only {keep}" if keep else "keep every column")
+    return f"**Suggested fix:** {'; '.join(parts)} (Apply the suggested fix does it)."
+
+
+def fix_values(fix: dict) -> tuple:
+    """The column-map and keep-columns widget values a suggested fix sets (gr.update() for neither)."""
+    column_map, keep = fix.get("column_map"), fix.get("keep_columns")
+    map_text = yaml.safe_dump(column_map, sort_keys=False) if column_map else ""
+    return (gr.update() if column_map is None else map_text, gr.update() if keep is None else ", ".join(keep))
+
+
 def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainForm:
     gr.Markdown(f"**Hardware:** {hardware.describe()}")
     suggested_fix = gr.State({})
+    lr_start = gr.State(TINY_LEARNING_RATE)  # the learning rate the form last set by itself
     with gr.Row():
         with gr.Column(scale=3):
             form = TrainForm(hardware)
@@ -98,6 +123,13 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         return (gr.update(visible=trainer == "dpo"), gr.update(visible=trainer == "grpo"),
                 gr.update(value=sample), gr.update(interactive=trainer != "grpo"))
 
+    def on_starting_values(trainer, model, learning_rate, start):
+        # A value other than the one the form set is the user's own (typed, or a cloned run's): kept.
+        if learning_rate != start:
+            return gr.update(info=learning_rate_info(trainer, model, own=True)), start
+        value = learning_rate_start(trainer, model)
+        return gr.update(value=value, info=learning_rate_info(trainer, model)), value
+
     def on_check(values):
         try:
             spec = spec_from_form(form.named(values))
@@ -107,13 +139,11 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         return (text, gr.update(value=preview, visible=preview is not None), fix,
                 gr.update(visible=bool(fix)))
 
-    def on_fix(fix):
-        return yaml.safe_dump(fix, sort_keys=False)
-
     def on_preview(values):
         try:
             v = form.named(values)
-            launch = manager.plan(spec_from_form(v), target_hardware(v, hardware))
+            target = target_hardware(v, hardware)
+            launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware)
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
         return "", gr.update(value=launch.describe(), visible=True)
@@ -121,7 +151,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
     def on_export(values):
         try:
             v = form.named(values)
-            launch = manager.plan(spec_from_form(v), target_hardware(v, hardware))
+            target = target_hardware(v, hardware)
+            launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware)
             if launch.errors:
                 raise SpecError(launch.errors)
         except SpecError as error:
@@ -191,8 +222,11 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
     form.upload.upload(on_upload, form.upload, w["dataset"])
     w["trainer"].input(on_trainer, [w["trainer"], w["dataset"]],
                         [form.dpo_group, form.grpo_group, w["dataset"], w["max_length"]])
+    for picked in (w["trainer"].input, w["model"].input):  # the user's picks only, not a clone's
+        picked(on_starting_values, [w["trainer"], w["model"], w["learning_rate"], lr_start],
+               [w["learning_rate"], lr_start], show_progress="hidden")
     form.check_button.click(on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
-    form.fix_button.click(on_fix, suggested_fix, w["column_map"]).then(
+    form.fix_button.click(fix_values, suggested_fix, [w["column_map"], w["keep_columns"]]).then(
         on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
     for name in ("extra", "trainer"):
         w[name].change(check_extra, [w["trainer"], w["extra"]], form.extra_check, show_progress="hidden")

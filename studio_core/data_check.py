@@ -6,8 +6,10 @@ and its *format* by its values: strings ("standard") or lists of {role, content}
 ("conversational"). `read_rows` reads a file's first records, `detect` names their type and
 format as TRL does, and `fit_problems` says what to change for a trainer, in the studio's terms:
 `studio.column_map` (rename) and `studio.keep_columns` (keep only these, after renaming), which
-`prepare_dataset` applies in the worker as `apply_column_map` does here. This runs in the web
-app's process: stdlib and pyarrow only, never `datasets`, torch or trl.
+`prepare_dataset` applies in the worker as `apply_column_map` does here; `suggest_fix` gives
+those keys as data, for the page to apply in one click. `scan_file` reads a whole local file
+(up to SCAN_LIMIT records) for the malformed records and empty values TRL would stop at mid-run.
+This runs in the web app's process: stdlib and pyarrow only, never `datasets`, torch or trl.
 """
 
 from __future__ import annotations
@@ -60,31 +62,51 @@ class DatasetKind:
 
 def read_rows(path: Path, n: int = 5) -> list[dict]:
     """The first `n` records of a .jsonl/.json/.csv/.parquet file (ValueError saying what is wrong)."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path} is empty")
-    if suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
-        except (OSError, pa.ArrowException) as error:
-            raise ValueError(f"{path} is not a readable Parquet file ({error})") from error
-        rows = batch.to_pylist() if batch is not None else []
-    elif suffix == ".csv":
-        rows = _read_csv(path, n)
-    elif suffix in (".jsonl", ".json"):
-        rows = _read_json(path, n)
-    else:
-        raise ValueError(f"{path}: {suffix or 'this'} files are not read; use .jsonl, .json, .csv or .parquet")
+    rows = []
+    for _, record in _records(Path(path), batch_size=n):
+        if isinstance(record, ValueError):
+            raise record
+        rows.append(record)
+        if len(rows) == n:
+            break
     if not rows:
         raise ValueError(f"{path} has no records")
     return rows
 
 
-def _read_csv(path: Path, n: int) -> list[dict]:
+def _records(path: Path, batch_size: int = 1024, columns: list[str] | None = None):
+    """Each record of the file in order, as (where, record), `where` being e.g. "line 7" or "row 7".
+
+    A record that cannot be read comes as (where, ValueError), and the next ones follow; a file
+    that cannot be read on raises ValueError. `columns`: the only ones read from Parquet."""
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        yield from _parquet_records(path, batch_size, columns)
+    elif suffix == ".csv":
+        yield from _csv_records(path)
+    elif suffix in (".jsonl", ".json"):
+        yield from _json_records(path)
+    else:
+        raise ValueError(f"{path}: {suffix or 'this'} files are not read; use .jsonl, .json, .csv or .parquet")
+
+
+def _parquet_records(path: Path, batch_size: int, columns: list[str] | None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    number = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=columns):
+            for record in batch.to_pylist():
+                number += 1
+                yield f"row {number}", record
+    except (OSError, pa.ArrowException) as error:
+        raise ValueError(f"{path} is not a readable Parquet file ({error})") from error
+
+
+def _csv_records(path: Path):
     with path.open(newline="", encoding="utf-8-sig") as handle:
         reader = csv.reader(handle)
         header = next(reader, [])
@@ -95,16 +117,16 @@ def _read_csv(path: Path, n: int) -> list[dict]:
         if odd:
             raise ValueError(f"{path}: line 1 does not look like a header row ({odd[0]!r} is not a column "
                              "name); a CSV file needs a first line naming the columns, e.g. prompt,completion")
-        rows = []
-        for values in reader:
-            if len(values) > len(header):
-                raise ValueError(f"{path}: line {reader.line_num} has {len(values)} fields but the header "
-                                 f"names {len(header)} columns")
-            if values:  # an empty field is a missing value, as `datasets` (pandas) reads CSV
-                rows.append({name: value or None for name, value in zip(header, values + [""] * len(header))})
-            if len(rows) == n:
-                break
-    return rows
+        try:
+            for values in reader:
+                where = f"line {reader.line_num}"
+                if len(values) > len(header):
+                    yield where, ValueError(f"{path}: {where} has {len(values)} fields but the header "
+                                            f"names {len(header)} columns")
+                elif values:  # an empty field is a missing value, as `datasets` (pandas) reads CSV
+                    yield where, {name: value or None for name, value in zip(header, values + [""] * len(header))}
+        except csv.Error as error:
+            raise ValueError(f"{path}: line {reader.line_num} is not valid CSV ({error})") from error
 
 
 def _not_a_name(name: str) -> bool:
@@ -114,62 +136,65 @@ def _not_a_name(name: str) -> bool:
             or text.endswith((".", "?", "!")) or len(text.split()) > 4)
 
 
-def _read_json(path: Path, n: int) -> list[dict]:
+def _json_records(path: Path):
     # As `datasets` reads .json and .jsonl alike: a file starting with "[" is one list of
     # records (of strings: a `text` column), anything else is JSON objects one after another.
     with path.open(encoding="utf-8-sig") as handle:
-        records: list[tuple[int, object]] = []
+        seen = False
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            if not records and line.lstrip().startswith("["):
+            if not seen and line.lstrip().startswith("["):
                 handle.seek(0)
-                ((_, data),) = _objects(handle.read(), path, 1)
+                _, data = next(_objects(handle.read(), path))
                 as_text = bool(data) and isinstance(data[0], str)
-                return [_record({"text": r} if as_text else r, path, f"record {i + 1} of the list")
-                        for i, r in enumerate(data[:n])]
+                for i, record in enumerate(data):
+                    where = f"record {i + 1} of the list"
+                    yield where, _record({"text": record} if as_text else record, path, where)
+                return
             try:
-                records.append((number, json.loads(line)))
+                record = json.loads(line)
             except json.JSONDecodeError as error:
-                if records:
-                    raise _bad_json(path, number, error) from error
+                if seen:
+                    yield f"line {number}", _bad_json(path, number, error)
+                    continue
                 handle.seek(0)  # not one object per line: maybe pretty-printed objects
-                records = _objects(handle.read(), path, n)
-                break
-            if len(records) == n:
-                break
-    if not records:
+                for start, value in _objects(handle.read(), path):
+                    yield f"line {start}", _record(value, path, f"line {start}")
+                return
+            seen = True
+            yield f"line {number}", _record(record, path, f"line {number}")
+    if not seen:
         raise ValueError(f"{path} is empty")
-    return [_record(record, path, f"line {number}") for number, record in records]
 
 
-def _objects(text: str, path: Path, n: int) -> list[tuple[int, object]]:
-    """The first n JSON values in text, each with the line it starts on."""
-    decoder, values, pos = json.JSONDecoder(), [], 0
-    while len(values) < n:
+def _objects(text: str, path: Path):
+    """The JSON values in text, one after another, each with the line it starts on."""
+    decoder, pos, line, counted = json.JSONDecoder(), 0, 1, 0
+    while True:
         while pos < len(text) and text[pos].isspace():
             pos += 1
         if pos == len(text):
-            break
+            return
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as error:
             raise _bad_json(path, error.lineno, error) from error
-        values.append((text.count("\n", 0, pos) + 1, value))
+        line, counted = line + text.count("\n", counted, pos), pos
+        yield line, value
         pos = end
-    return values
 
 
 def _bad_json(path: Path, line: int, error: json.JSONDecodeError) -> ValueError:
     return ValueError(f"{path}: line {line} is not valid JSON ({error.msg} at column {error.colno})")
 
 
-def _record(record, path: Path, where: str) -> dict:
+def _record(record, path: Path, where: str) -> dict | ValueError:
     if not isinstance(record, dict):
         kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
             type(record), "null")
-        raise ValueError(f"{path}: {where} is a JSON {kind}, not an object; each record must be an object "
-                         'naming its columns, e.g. {"prompt": "...", "completion": "..."}')
+        return ValueError(f"{path}: {where} is a JSON {kind}, not an object; each record must be an object "
+                          'naming its columns, e.g. {"prompt": "...", "completion": "..."}')
     return record
 
 
@@ -219,13 +244,24 @@ def fit_problems(kind: DatasetKind, trainer: str, extra_columns_ok: set[str] = f
     if kind.format not in ("conversational", "standard"):
         problems.append(f"dataset: {kind.description}; TRL needs every one of {_names(kind.used)} in one "
                         "format, all plain text or all lists of {role, content} messages, in every record")
-    surplus = [c for c in kind.columns
-               if c not in kind.used and c not in extra_columns_ok and c not in TRL_EXTRAS]
-    if surplus and trainer != "grpo":  # GRPO hands other columns to the reward functions
+    surplus = _surplus(kind, trainer, extra_columns_ok)
+    if surplus:
+        keep = ", ".join(_wanted(kind))
         problems.append(f"dataset: {trainer.upper()} would not use {_names(surplus)}, since TRL reads this as "
-                        f"{kind.description}; keep only {', '.join(kind.used)} with studio.keep_columns: "
-                        f"[{', '.join(kind.used)}]")
+                        f"{kind.description}; keep only {keep} with studio.keep_columns: [{keep}]")
     return problems
+
+
+def _surplus(kind: DatasetKind, trainer: str, extra_columns_ok=frozenset()) -> list[str]:
+    """Columns the trainer would not read (GRPO hands any other column to the reward functions)."""
+    if trainer == "grpo":
+        return []
+    return [c for c in kind.columns if c not in kind.used and c not in extra_columns_ok and c not in TRL_EXTRAS]
+
+
+def _wanted(kind: DatasetKind) -> list[str]:
+    """The columns TRL reads from data of this kind: its type's own, and TRL's extras present."""
+    return [*kind.used, *(c for c in kind.columns if c in TRL_EXTRAS)]
 
 
 def _mismatch(kind: DatasetKind, trainer: str) -> str:
@@ -340,3 +376,113 @@ def suggest_column_map(columns: list[str], trainer: str) -> dict[str, str]:
     else:
         done = False
     return mapping if done else {}
+
+
+def suggest_fix(rows: list[dict], trainer: str, column_map: dict | None = None,
+                keep_columns: list | None = None, text_field: str = "text") -> dict:
+    """The studio keys to change so that these records' columns fit `trainer`, as data a UI
+    applies as is: {"column_map": {old: new}} and/or {"keep_columns": [...]} (an empty one: clear
+    it). {} when the columns fit already or no fix is sure; values in the wrong format are not
+    fixed by keys. A valid `column_map` of the user's is built on, not thrown away."""
+    if trainer not in TRAINER_NEEDS or not rows:
+        return {}
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    if not check_mapping(columns, column_map, keep_columns) and _fits(
+            detect(apply_column_map(rows, column_map, keep_columns), text_field), trainer):
+        return {}
+    own = {} if check_mapping(columns, column_map, None) else dict(column_map or {})
+    more = suggest_column_map([own.get(c, c) for c in columns], trainer)
+    mapping = {old: more.get(new, new) for old, new in own.items()}
+    mapping |= {c: new for c, new in more.items() if c not in own.values()}
+    mapping = {old: new for old, new in mapping.items() if old != new}
+    if check_mapping(columns, mapping, None):
+        return {}
+    keep = []
+    for _ in range(3):  # a rename, then at most two narrowings (e.g. leave out `rejected`, then surplus)
+        kind = detect(apply_column_map(rows, mapping, keep), text_field)
+        if _fits(kind, trainer):
+            return ({"column_map": mapping} if mapping != (column_map or {}) else {}) | (
+                {"keep_columns": keep} if keep != (keep_columns or []) else {})
+        keep = _columns_to_keep(kind, trainer, text_field)
+        if not keep:
+            return {}
+    return {}
+
+
+def _fits(kind: DatasetKind, trainer: str) -> bool:
+    """True when the trainer reads every column of data of this kind (formats aside)."""
+    return kind.type in TRAINER_NEEDS[trainer] and not _surplus(kind, trainer)
+
+
+def _columns_to_keep(kind: DatasetKind, trainer: str, text_field: str) -> list[str]:
+    """The columns to keep so that TRL reads this data as a type the trainer takes; [] if none."""
+    if kind.type in TRAINER_NEEDS[trainer]:
+        return _wanted(kind)
+    extras = [c for c in kind.columns if c in TRL_EXTRAS]
+    lm = [c for c in ("messages", text_field) if c in kind.columns]
+    if trainer == "sft" and lm:  # e.g. a stray `prompt` beside `messages`
+        return [lm[0], *extras]
+    accepted = {c for t in TRAINER_NEEDS[trainer] for c in TYPE_COLUMNS[t]}
+    blocking = [c for c in kind.used if c not in accepted]  # e.g. `chosen`, `rejected` for GRPO
+    return [c for c in kind.columns if c not in blocking] if blocking else []
+
+
+# --- the whole file, before launch -----------------------------------------------------------
+
+SCAN_LIMIT = 100_000  # records the pre-launch scan reads at most
+
+
+def scan_file(path: Path, column_map: dict | None = None, keep_columns: list | None = None,
+              text_field: str = "text", limit: int = SCAN_LIMIT, most: int = 5) -> list[str]:
+    """Each record of a local file (the first `limit`) where the trainer will read it: the columns
+    TRL reads from data of the type and format of the first rows (after the column map and
+    keep-columns, which `check_mapping` has passed). The first `most` bad records by line (or
+    row) and column, then how many more; [] if none. Mid-run, `datasets` or TRL would fail on
+    such a record with their own error, or train on it."""
+    path, renamed = Path(path), {new: old for old, new in (column_map or {}).items()}
+    problems, bad, read = [], 0, 0
+    try:
+        kind = detect(apply_column_map(read_rows(path), column_map, keep_columns), text_field)
+        columns = {renamed.get(c, c): c for c in kind.used}  # name in the file -> name TRL sees
+        for where, record in _records(path, columns=list(columns)):
+            if read == limit:
+                break
+            read += 1
+            problem = str(record) if isinstance(record, ValueError) else _record_problem(record, columns, kind)
+            bad += bool(problem)
+            if problem and bad <= most:
+                problems.append(f"dataset: {problem}" if isinstance(record, ValueError)
+                                else f"dataset: {path}: {where}: {problem}")
+    except ValueError as error:  # the file cannot be read past here
+        problems.append(f"dataset: {error}")
+    if bad > most:
+        problems.append(f"dataset: {path}: {bad - most} more bad records in the first {read:,}; "
+                        "fix or remove each of them")
+    return problems
+
+
+def _record_problem(record: dict, columns: dict[str, str], kind: DatasetKind) -> str:
+    for column, name in columns.items():
+        value = record.get(column)
+        problem = ("is missing; every record needs one" if value is None else "" if name == "label"
+                   else _value_problem(value, kind.formats.get(name, "")))
+        if problem:
+            return f"`{column}` {problem}"
+    return ""
+
+
+def _value_problem(value, fmt: str) -> str:
+    """What is wrong with one value TRL reads, `fmt` being the format of the first rows; "" if nothing."""
+    want = {"standard": "text", "conversational": "a list of {role, content} messages"}.get(
+        fmt, "text or a list of {role, content} messages")
+    if isinstance(value, (str, list)) and not value:
+        return f"is empty; it needs {want}"
+    if isinstance(value, str):
+        return "" if fmt != "conversational" else ("is text, but the first rows hold lists of {role, content} "
+                                                   "messages; use one format throughout")
+    if isinstance(value, list):
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and ("content" in m or "tool_calls" in m)
+                   for m in value):
+            return "is not a list of {role, content} messages"
+        return "" if fmt != "standard" else "holds messages, but the first rows hold text; use one format throughout"
+    return f"is a {type(value).__name__}; it needs {want}"

@@ -70,7 +70,7 @@ class RunView:
     shapes: list[dict] = field(default_factory=list)  # shape events: batch shapes as they first came
     checkpoints: list[dict] = field(default_factory=list)  # checkpoint events: {step, folder, size_bytes}
     hardware: list[dict] = field(default_factory=list)  # hardware events: samples of the run's processes
-    download: dict | None = None  # the latest download event: a Hub model's first use
+    download: dict | None = None  # the latest download event: a Hub model's (`model`) or dataset's (`dataset`)
     spec: dict = field(default_factory=dict)
     _reader: EventReader | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # app threads share views
@@ -218,11 +218,22 @@ class RunManager:
         self._lock = threading.Lock()  # the web app reads runs from several threads
 
     # --- starting ----------------------------------------------------------------------
-    def plan(self, spec: RunSpec, hardware: Hardware, run_id: str = "<run id>") -> Plan:
+    def plan(self, spec: RunSpec, hardware: Hardware, run_id: str = "<run id>", this_machine: bool = False) -> Plan:
+        """The plan of a launch. With `this_machine` (a preview of Start here, now) the cores are
+        the ones Start would take at this moment: the asked-for ones if free (else SpecError
+        naming their holder), or the next free block, so the preview shows the exact environment."""
         spec = with_absolute_paths(validated(spec))
+        chosen = None
+        if this_machine:
+            chosen = self.choose_cores(spec, hardware)
+            spec = replace(spec, layout=replace(spec.layout, cores=chosen))
         run_dir = self.runs_dir / run_id
-        return plan(spec, hardware, run_dir=run_dir, run_id=run_id, compile_cache=compile_cache_root(),
-                    model_config=sources.model_config(spec.model_name_or_path))
+        launch = plan(spec, hardware, run_dir=run_dir, run_id=run_id, compile_cache=compile_cache_root(),
+                      model_config=sources.model_config(spec.model_name_or_path))
+        if chosen and not launch.errors:
+            launch.applied.insert(0, ("studio.cores", chosen, "free on this machine now; Start takes the cores "
+                                      "that are free when it is clicked (next free, when none are named)"))
+        return launch
 
     def start(self, spec: RunSpec, hardware: Hardware) -> RunView:
         """Validate, reserve cores, plan, write the run folder, start its supervisor.

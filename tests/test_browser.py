@@ -7,6 +7,7 @@ chromium); the tests are skipped, saying so, where it is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -158,6 +159,25 @@ def test_bad_input_is_refused_in_the_page_and_launches_nothing(browser, app):
     assert run_folders(app.runs_dir) == []
     # the form keeps what the user typed, so they can correct it
     assert page.locator("#dataset input").first.input_value() == "/no/such/data.jsonl"
+
+
+def test_a_failed_run_shows_failed_its_exit_code_and_the_error(browser, app, tmp_path):
+    """A model folder whose config.json is fine (so it passes the checks) but whose weights are
+    cut short: the worker fails loading it, and the page says so."""
+    from test_runs import broken_model
+
+    page = open_page(browser, app.url)
+    model = page.locator("#model input").first
+    model.fill(str(broken_model(tmp_path)))
+    model.press("Enter")
+    page.locator("#start").click()
+    page.get_by_text("FAILED").first.wait_for(timeout=120_000)
+    [view] = RunManager(app.runs_dir).list()
+    assert view.live_state == "failed" and view.exit_code not in (0, None)
+    playwright_api.expect(page.locator(".run-status").first).to_contain_text(f"exit code {view.exit_code}")
+    error = page.locator(".run-error").first
+    playwright_api.expect(error).to_contain_text(view.error_text.splitlines()[0][:60])
+    playwright_api.expect(error).to_contain_text("Traceback")
 
 
 def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser(browser, runs_dir):
@@ -376,3 +396,49 @@ def test_stop_and_save_then_resume_from_the_page(browser, app):
     assert int(progress.get_attribute("data-step")) > step  # the step count goes on
     page.locator("#stop").click()
     page.get_by_text("STOPPED").first.wait_for(timeout=60_000)
+
+
+def test_a_stray_prompt_beside_messages_gets_a_one_click_keep_columns_fix(browser, app, tmp_path):
+    # As HuggingFaceH4/ultrachat_200k: a string `prompt` beside `messages` makes TRL read prompts
+    chat = [{"role": "user", "content": "What colour is the mascot?"}, {"role": "assistant", "content": "Teal."}]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": chat[0]["content"], "messages": chat}) + "\n" for _ in range(8)))
+    page = open_page(browser, app.url)
+    dataset = page.locator("#dataset input").first
+    dataset.fill(str(data))
+    dataset.press("Enter")
+    page.get_by_text("Dataset: upload, Hub options").click()
+    page.locator("#check-dataset").click()
+    report = page.locator("#data-report")
+    playwright_api.expect(report).to_contain_text("Does not fit this trainer")
+    playwright_api.expect(report).to_contain_text("prompt beside messages")
+    playwright_api.expect(report).to_contain_text("Suggested fix: keep only messages")
+    page.locator("#apply-fix").click()
+    keep = page.locator("#keep_columns textarea, #keep_columns input").first
+    playwright_api.expect(keep).to_have_value("messages")
+    playwright_api.expect(report).to_contain_text("Fits SFT")
+    page.locator("#check-dataset").click()  # and checked again by hand: clean, nothing left to apply
+    playwright_api.expect(report).to_contain_text("Fits SFT")
+    playwright_api.expect(page.locator("#apply-fix")).to_be_hidden()
+    assert "Does not fit" not in report.inner_text()
+
+
+def test_learning_rate_starts_at_trls_default_for_another_model_unless_typed(browser, app):
+    from studio_core.trl_schema import trainer_fields
+
+    def shown(trainer_text: str) -> float:
+        playwright_api.expect(box).to_contain_text(trainer_text)
+        return float(page.locator("#learning_rate input").first.input_value())
+
+    page = open_page(browser, app.url)
+    box = page.locator("#learning_rate")
+    assert shown("suit the built-in tiny model") == 2e-3  # seconds on a CPU
+    model = page.locator("#model input").first
+    model.fill("Qwen/Qwen3-0.6B")
+    model.press("Enter")
+    assert shown("TRL's default for SFT (SFTConfig) is 2e-05;") == trainer_fields("sft")["learning_rate"]["default"]
+    page.get_by_label("DPO (preference pairs)").check()
+    assert shown("TRL's default for DPO (DPOConfig) is 1e-06;") == trainer_fields("dpo")["learning_rate"]["default"]
+    set_number(page, "learning_rate", 5e-5)  # the user's own value stays
+    page.get_by_label("GRPO (online RL with reward functions)").check()
+    assert shown("your value; TRL's default for GRPO (GRPOConfig) is 1e-06") == 5e-5

@@ -21,7 +21,9 @@ from studio_core.data_check import (
     fit_problems,
     prepare_dataset,
     read_rows,
+    scan_file,
     suggest_column_map,
+    suggest_fix,
 )
 
 DATA = Path(__file__).parent.parent / "studio_core" / "data"
@@ -356,6 +358,44 @@ def test_suggest_column_map(columns, trainer, expected):
     assert suggest_column_map(columns, trainer) == expected
 
 
+@pytest.mark.parametrize(("trainer", "record", "column_map", "keep", "expected"), [
+    # a stray string `prompt` beside `messages` (HuggingFaceH4/ultrachat_200k)
+    ("sft", {"prompt": "What colour?", "prompt_id": "a1", "messages": [USER, GOOD]}, None, None,
+     {"keep_columns": ["messages"]}),
+    ("sft", {"question": "q", "answer": "a"}, None, None,
+     {"column_map": {"question": "prompt", "answer": "completion"}}),
+    ("sft", {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}, None, None,  # both keys
+     {"column_map": {"chosen": "completion"}, "keep_columns": ["prompt", "completion"]}),
+    ("sft", {"prompt": "q", "completion": "a", "id": 3}, None, None, {"keep_columns": ["prompt", "completion"]}),
+    ("sft", {"messages": [USER, GOOD], "tools": "[]", "id": 3}, None, None, {"keep_columns": ["messages", "tools"]}),
+    ("grpo", {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}, None, None, {"keep_columns": ["prompt"]}),
+    ("dpo", {"prompt": "q", "better": "a", "worse": "b", "score": 1}, None, None,
+     {"column_map": {"better": "chosen", "worse": "rejected"}, "keep_columns": ["prompt", "chosen", "rejected"]}),
+    # the user's own valid map is built on; a map or keep list that does not fit is replaced
+    ("sft", {"q": "q", "answer": "a"}, {"q": "prompt"}, None, {"column_map": {"q": "prompt", "answer": "completion"}}),
+    ("sft", {"messages": [USER, GOOD]}, {"query": "prompt"}, None, {"column_map": {}}),
+    ("sft", {"messages": [USER, GOOD], "prompt": "q"}, None, ["prompt", "messages"], {"keep_columns": ["messages"]}),
+    ("sft", {"messages": [USER, GOOD], "prompt": "q"}, None, ["id"], {"keep_columns": ["messages"]}),
+])
+def test_suggest_fix_gives_the_keys_that_make_it_fit(trainer, record, column_map, keep, expected):
+    fix = suggest_fix([record], trainer, column_map, keep)
+    assert fix == expected
+    fixed = detect(apply_column_map([record], fix.get("column_map", column_map), fix.get("keep_columns", keep)))
+    assert fit_problems(fixed, trainer) == []
+
+
+@pytest.mark.parametrize(("trainer", "record", "column_map", "keep"), [
+    ("sft", {"messages": [USER, GOOD]}, None, None),  # fits already
+    ("sft", {"question": "q", "answer": "a"}, {"question": "prompt", "answer": "completion"}, None),
+    ("grpo", {"messages": [USER, GOOD]}, None, None),  # no sure fix: which part is the prompt?
+    ("dpo", {"prompt": "q", "completion": "a"}, None, None),
+    ("sft", {"prompt": "q", "completion": [GOOD]}, None, None),  # a format problem: no key fixes it
+    ("ppo", {"text": "x"}, None, None),
+])
+def test_suggest_fix_offers_nothing_it_cannot_stand_behind(trainer, record, column_map, keep):
+    assert suggest_fix([record], trainer, column_map, keep) == {}
+
+
 # --- built-in samples ----------------------------------------------------------------------
 
 def _qa_answers() -> set[str]:
@@ -406,3 +446,84 @@ def test_import_stays_light():
 def test_grpo_takes_prompt_completion_data_like_trl_lib_tldr():
     # TRL's Trainium guide trains GRPO on trl-lib/tldr: the completion goes to the rewards
     assert fit_problems(detect([{"prompt": "post", "completion": "summary"}]), "grpo") == []
+
+
+# --- the whole file, before launch ---------------------------------------------------------
+
+def chats(n: int, bad: dict[int, object] | None = None) -> list[dict]:
+    """n conversational SFT records; `bad` puts other `messages` values at these 1-based rows."""
+    return [{"messages": (bad or {}).get(i, [USER, GOOD])} for i in range(1, n + 1)]
+
+
+def test_a_good_file_scans_clean(tmp_path):
+    assert scan_file(write(tmp_path / "data.jsonl", chats(300))) == []
+    assert scan_file(write(tmp_path / "data.parquet", chats(300))) == []
+    assert scan_file(write(tmp_path / "data.csv", [{"prompt": "q", "completion": "a"}] * 300)) == []
+
+
+def test_bad_records_deep_in_a_jsonl_are_named_by_line_and_column(tmp_path):
+    path = write(tmp_path / "data.jsonl", chats(100, {50: [], 70: [{"from": "human", "value": "hi"}],
+                                                      80: "The studio mascot is teal."}))
+    assert scan_file(path) == [
+        f"dataset: {path}: line 50: `messages` is empty; it needs a list of {{role, content}} messages",
+        f"dataset: {path}: line 70: `messages` is not a list of {{role, content}} messages",
+        f"dataset: {path}: line 80: `messages` is text, but the first rows hold lists of {{role, content}} "
+        "messages; use one format throughout"]
+
+
+def test_malformed_lines_and_missing_columns_later_in_a_jsonl(tmp_path):
+    path = write(tmp_path / "data.jsonl", chats(40))
+    lines = path.read_text().splitlines()
+    lines[19], lines[29], lines[34] = '{"messages": [', "[1, 2]", '{"text": "no messages here"}'
+    path.write_text("\n".join(lines) + "\n")
+    problems = scan_file(path)
+    assert len(problems) == 3
+    assert f"{path}: line 20 is not valid JSON" in problems[0]
+    assert f"{path}: line 30 is a JSON list, not an object" in problems[1]
+    assert problems[2] == f"dataset: {path}: line 35: `messages` is missing; every record needs one"
+
+
+def test_csv_missing_value(tmp_path):
+    rows = [{"prompt": "q", "completion": "a"}] * 40
+    rows[29] = {"prompt": "q", "completion": ""}  # the 30th record: line 31, after the header
+    path = write(tmp_path / "data.csv", rows)
+    assert scan_file(path) == [f"dataset: {path}: line 31: `completion` is missing; every record needs one"]
+
+
+def test_parquet_null(tmp_path):
+    rows = [{"prompt": "q", "completion": "a"} for _ in range(3000)]  # more than one batch
+    rows[2500]["prompt"] = None
+    path = write(tmp_path / "data.parquet", rows)
+    assert scan_file(path) == [f"dataset: {path}: row 2501: `prompt` is missing; every record needs one"]
+
+
+def test_columns_are_named_as_in_the_file(tmp_path):
+    rows = [{"question": "q", "answer": "a", "id": i} for i in range(10)]
+    rows[6]["answer"] = ""
+    path = write(tmp_path / "data.jsonl", rows)
+    problems = scan_file(path, column_map={"question": "prompt", "answer": "completion"})
+    assert problems == [f"dataset: {path}: line 7: `answer` is empty; it needs text"]
+
+
+def test_the_first_few_then_how_many_more_within_the_limit(tmp_path):
+    path = write(tmp_path / "data.jsonl", chats(60, {i: [] for i in range(11, 61)}))
+    problems = scan_file(path, most=3)
+    assert [p.split(": ")[2] for p in problems[:3]] == ["line 11", "line 12", "line 13"]
+    assert problems[3] == f"dataset: {path}: 47 more bad records in the first 60; fix or remove each of them"
+    assert scan_file(path, limit=10) == []  # bounded: only the first 10 records are read
+
+
+def test_a_file_that_breaks_off_is_reported(tmp_path):
+    path = tmp_path / "pretty.json"
+    path.write_text("".join(json.dumps(r, indent=2) + "\n" for r in chats(8)) + '{"messages": [\n')
+    problems = scan_file(path)
+    assert len(problems) == 1 and f"{path}: line " in problems[0] and "is not valid JSON" in problems[0]
+
+
+def test_the_scan_reads_the_data_as_the_trainer_will(tmp_path):
+    # with keep_columns: [messages] a stray `prompt` is not read, so only `messages` is checked
+    rows = [{"prompt": "q" if i != 3 else "", "messages": [USER, GOOD] if i != 9 else []} for i in range(1, 13)]
+    path = write(tmp_path / "data.jsonl", rows)
+    assert [p.split(": ")[2:4] for p in scan_file(path)] == [["line 3", "`prompt` is empty; it needs text"]]
+    assert [p.split(": ")[2:4] for p in scan_file(path, keep_columns=["messages"])] == [
+        ["line 9", "`messages` is empty; it needs a list of {role, content} messages"]]

@@ -215,3 +215,23 @@ def test_core_map_probes_never_make_a_start_fail(tmp_path):
             acquire(tmp_path, "neuron", [0, 1, 2, 3], RUN_A, "run").release()
     finally:
         kill(prober)
+
+
+def test_a_preview_on_this_machine_shows_the_cores_start_would_take(tmp_path, spawn):
+    """The plan of a launch here and now: next free cores (and their thread count on CPU), and
+    held cores refused naming the holder, as Start would; for another instance, none of that."""
+    from studio_core.hardware import Hardware, instance_hardware
+    from studio_core.runs import RunManager
+    from studio_core.spec import RunSpec, SpecError
+
+    spawn([0], RUN_A, backend="cpu")
+    manager, cpu = RunManager(tmp_path), Hardware(backend="cpu", devices=2, cpu_count=2)
+    spec = RunSpec.load(REPO / "recipes" / "tiny-sft.yaml")
+    launch = manager.plan(spec, cpu, this_machine=True)
+    assert launch.spec.layout.cores == "1" and launch.env["OMP_NUM_THREADS"] == "1"
+    assert launch.applied[0][:2] == ("studio.cores", "1")
+    with pytest.raises(SpecError, match=f"core 0 is held by run {RUN_A}"):
+        manager.plan(spec.with_overrides(["studio.cores='0'"]), cpu, this_machine=True)
+    elsewhere = manager.plan(spec, instance_hardware("trn2.3xlarge"))  # leases here say nothing there
+    assert elsewhere.env["NEURON_RT_VISIBLE_CORES"] == "0" and "studio.cores" not in dict(
+        (key, value) for key, value, _ in elsewhere.applied)

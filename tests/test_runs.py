@@ -103,19 +103,24 @@ def launch_py(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.Complete
                           text=True, timeout=timeout, check=False)
 
 
-def broken_dataset(folder: Path) -> Path:
-    """A JSONL whose first records are fine (the pre-launch check reads only the first few, so
-    validation passes) but whose 20th is not JSON, so `datasets` fails in the worker."""
-    good = json.dumps({"messages": [{"role": "user", "content": "Hi?"},
-                                    {"role": "assistant", "content": "Hello."}]})
-    path = folder / "broken.jsonl"
-    path.write_text(f"{good}\n" * 19 + "{\"messages\": [oops\n" + f"{good}\n")
+def broken_model(folder: Path) -> Path:
+    """A copy of the tiny model whose weights file is cut short: the pre-launch check reads
+    only config.json, so validation passes, and loading the weights fails in the worker."""
+    import shutil
+
+    from studio_core.builtin import ensure_tiny_model
+
+    path = folder / "broken-model"
+    shutil.copytree(ensure_tiny_model(), path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
     return path
 
 
 def test_a_malformed_line_among_the_first_rows_is_refused_before_launch(manager, tmp_path):
     path = tmp_path / "early.jsonl"
-    path.write_text(broken_dataset(tmp_path).read_text().splitlines()[0] + "\n{oops\n")
+    good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    path.write_text(json.dumps(good) + "\n{oops\n")
     with pytest.raises(SpecError) as refused:
         manager.start(tiny(f"dataset_name={path}"), cpu_hardware())
     assert "line 2 is not valid JSON" in str(refused.value)
@@ -201,7 +206,7 @@ def test_stop_after_the_supervisor_died_still_ends_every_process(manager):
 
 
 def test_worker_exception_is_surfaced(manager, tmp_path):
-    spec = tiny(f"dataset_name={broken_dataset(tmp_path)}")
+    spec = tiny(f"model_name_or_path={broken_model(tmp_path)}")
     view = manager.start(spec, cpu_hardware())
     view = wait_until_final(manager, view.id)
     assert view.state == "failed"
@@ -307,7 +312,7 @@ def test_cli_bad_set_says_what_to_change_and_starts_nothing(tmp_path):
 def test_cli_train_reports_a_failed_run(tmp_path):
     runs_dir = tmp_path / "runs"
     done = launch_py("train", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu",
-                     "--set", f"dataset_name={broken_dataset(tmp_path)}")
+                     "--set", f"model_name_or_path={broken_model(tmp_path)}")
     assert done.returncode == 1
     (run_dir,) = run_folders(runs_dir)
     error = RunManager(runs_dir).view(run_dir.name).error_text
