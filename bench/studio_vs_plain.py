@@ -13,7 +13,8 @@ The run: the built-in tiny Qwen3 model and Q&A set, recipes/tiny-sft.yaml with m
 (--max-steps, default 600) and the CPU settings the studio's planner applies. (A) the studio:
 RunManager(tmp).start(spec, cpu_hardware()), waited on until `finished`. (B) bench/plain_sft.py,
 a plain TRL SFTTrainer script under `torchrun --standalone --nproc-per-node=1`, given the SFTConfig
-keyword arguments studio_core/worker.py builds from the studio's resolved spec. After one uncounted
+keyword arguments studio_core/worker.py builds from the studio's resolved spec, pinned (taskset) to
+the core the studio's run takes and with its OMP_NUM_THREADS, so both train on the same resources. After one uncounted
 20-step warm-up of each, A and B alternate, A B A B ..., for --rounds rounds (default 3).
 
 1. Speed. Both sides take time.time() in the trainer's on_step_end (the studio's `progress` events,
@@ -132,16 +133,18 @@ def run_studio(manager: RunManager, spec: RunSpec) -> dict:
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=1"]
 
 
-def run_plain(work: Path, name: str, config_file: Path) -> dict:
+def run_plain(work: Path, name: str, config_file: Path, studio_env: dict, cores: str) -> dict:
+    """Pinned to the cores the studio's run takes, with the studio's thread count: like for like."""
     out_dir, log_path = work / name, work / f"{name}.log"
-    argv = [*TORCHRUN, str(PLAIN_SCRIPT), "--model", str(ensure_tiny_model()),
+    argv = ["taskset", "-c", cores, *TORCHRUN, str(PLAIN_SCRIPT), "--model", str(ensure_tiny_model()),
             "--dataset", str(BUILTIN_DATASETS["builtin:qa"]), "--config", str(config_file),
             "--output-dir", str(out_dir)]
     load, noise = os.getloadavg()[0], Noise()
     with open(log_path, "wb") as log:
         t0 = time.time()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=work, start_new_session=True)
+                                cwd=work, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS=studio_env["OMP_NUM_THREADS"]))
     PROCS.groups.append(proc)
     try:
         code = proc.wait(timeout=RUN_TIMEOUT_S)
@@ -185,7 +188,7 @@ def measure(work: Path, args, report: dict) -> None:
     def planned(max_steps: int, file_name: str):
         """The spec, and the file with the SFTConfig kwargs the worker would build from its plan."""
         spec = bench_spec(max_steps)
-        resolved = manager.plan(spec, cpu_hardware())
+        resolved = manager.plan(spec, cpu_hardware(), this_machine=True)  # the cores a start takes now
         (work / file_name).write_text(json.dumps(plain_sft_kwargs(resolved.spec), indent=2))
         return spec, work / file_name, resolved
 
@@ -197,7 +200,7 @@ def measure(work: Path, args, report: dict) -> None:
         "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
         "python": platform.python_version(), "studio_env": resolved.env,
         "studio_applied": [[k, v] for k, v, _ in resolved.applied],
-        "sft_kwargs_both": sft_kwargs, "plain_argv": [*TORCHRUN, "bench/plain_sft.py", "..."],
+        "sft_kwargs_both": sft_kwargs, "plain_argv": ["taskset", "-c", resolved.spec.layout.cores, *TORCHRUN, "bench/plain_sft.py", "..."],
         "bench_env_OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
     }
     print(f"[bench] work folder {work}; SFTConfig values for both: {json.dumps(sft_kwargs)}", flush=True)
@@ -206,7 +209,8 @@ def measure(work: Path, args, report: dict) -> None:
     warm_spec, warm_file, _ = planned(WARMUP_STEPS, "sft_kwargs_warmup.json")
     print(f"[bench] warm-up (uncounted): studio {WARMUP_STEPS} steps, plain {WARMUP_STEPS} steps", flush=True)
     run_studio(manager, warm_spec)
-    run_plain(work, "plain-warmup", warm_file)
+    cores = resolved.spec.layout.cores
+    run_plain(work, "plain-warmup", warm_file, resolved.env, cores)
 
     runs, clean, round_no = [], 0, 0
     report["runs"] = runs  # filled as rounds end: a failed bench still reports the rounds it made
@@ -215,7 +219,8 @@ def measure(work: Path, args, report: dict) -> None:
         pair = []
         for kind in ("studio", "plain"):
             gate = wait_quiet(QUIET_WAIT_S, QUIET_CORES)
-            row = run_studio(manager, spec) if kind == "studio" else run_plain(work, f"plain-{round_no}", config_file)
+            row = run_studio(manager, spec) if kind == "studio" else run_plain(work, f"plain-{round_no}", config_file,
+                                                                               resolved.env, cores)
             row["round"], row["quiet_gate"] = round_no, gate
             pair.append(row)
             print(f"[bench] round {round_no} {kind:6}: {row['steps_per_s']:.2f} steps/s, "
@@ -252,6 +257,7 @@ def summarize(all_runs: list[dict]) -> dict:
     out["added_startup_s_per_round"] = [p["studio"]["startup_s"] - p["plain"]["startup_s"] for p in pairs.values()]
     out["added_wall_s"] = studio["wall_s"] - plain["wall_s"]
     out["ratio_per_round"] = [p["studio"]["steps_per_s"] / p["plain"]["steps_per_s"] for p in pairs.values()]
+    out["median_ratio_per_round"] = statistics.median(out["ratio_per_round"])
     return out
 
 
@@ -281,7 +287,8 @@ def print_report(report: dict) -> None:
         print(f"\nsteps/s studio/plain (medians over rounds {summary['rounds_used']}): "
               f"{summary['ratio_steps_per_s']:.3f} (target >= {TARGET_RATIO}) "
               f"{ok(summary['ratio_steps_per_s'] >= TARGET_RATIO)}; per round "
-              f"{', '.join(f'{x:.3f}' for x in summary['ratio_per_round'])}; by 1/median step "
+              f"{', '.join(f'{x:.3f}' for x in summary['ratio_per_round'])} (median "
+              f"{summary['median_ratio_per_round']:.3f}); by 1/median step "
               f"{summary['ratio_median_step_rate']:.3f}; by the trainer's figure "
               f"{summary['ratio_trainer_steps_per_s']:.3f}")
         print(f"added start-up, launch -> end of step 1 (median studio - median plain): "
