@@ -130,6 +130,13 @@ def test_detect_falls_back_to_torch_when_neuron_ls_is_missing(fake_neuron):
     assert hardware.chip_memory_gib is None
 
 
+def test_detect_reads_lnc_from_the_environment_without_neuron_ls(fake_neuron, monkeypatch):
+    """LNC=1: the 4 visible cores are 4 physical cores, half a Trn2 chip."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    hardware = detect_hardware()
+    assert (hardware.backend, hardware.devices, hardware.chips, hardware.lnc) == ("neuron", 4, 1, 1)
+
+
 @pytest.mark.parametrize("stdout, code", [("unknown option --json-output", 2), ("not json", 0)])
 def test_detect_falls_back_to_torch_when_neuron_ls_fails(fake_neuron, caplog, stdout, code):
     fake_neuron(stdout, code)
