@@ -115,6 +115,7 @@ def parser() -> argparse.ArgumentParser:
                         help="a private repo (the default)")
     export.add_argument("--public", dest="private", action="store_false", help="a public repo")
     export.add_argument("--update", action="store_true", help="push as a new commit to a repo that exists")
+    export.add_argument("--cores", help="on the CPU backend, the CPU core the export holds (default: next free)")
     cache = command("cache", cmd_cache, "show the compile cache's folder, size and entries, or clear it")
     cache.add_argument("--backend", choices=compile_cache.BACKENDS,
                        help="whose cache (default: this machine's backend)")
@@ -144,7 +145,7 @@ def load_spec(args) -> RunSpec:
 def cmd_plan(args) -> int:
     spec = load_spec(args)
     hardware = hardware_for(args)
-    launch = RunManager(args.runs_dir).plan(spec, hardware)
+    launch = RunManager(args.runs_dir).plan(spec, hardware, this_machine=not args.instance)
     print(f"Hardware: {hardware.describe()}\n")
     print(launch.describe())
     if launch.errors:
@@ -191,10 +192,14 @@ def cmd_train(args) -> int:
 def follow(manager: RunManager, view: RunView) -> int:
     from tqdm import tqdm
 
-    bar, shown, warned = None, 0, 0
+    bar, shown, warned, fetch = None, 0, 0, None
     while True:
         view = manager.view(view.id)
+        if bar is None:
+            fetch = follow_download(view, fetch)
         if bar is None and view.max_steps:
+            if fetch is not None:
+                fetch.close()
             bar = tqdm(total=view.max_steps, unit="step", dynamic_ncols=True)
         for event in view.metrics[shown:]:
             line = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in event.items()
@@ -213,8 +218,9 @@ def follow(manager: RunManager, view: RunView) -> int:
         if state in FINAL_STATES:
             break
         time.sleep(0.5)
-    if bar is not None:
-        bar.close()
+    for open_bar in (fetch, bar):
+        if open_bar is not None:
+            open_bar.close()
     print(f"Run {view.id}: {state} (exit code {view.exit_code})")
     if state == "failed":
         for event in view.errors[-1:]:
@@ -226,6 +232,25 @@ def follow(manager: RunManager, view: RunView) -> int:
         print(f"Model saved in {view.dir / 'output'}")
         return 0
     return 1
+
+
+def follow_download(view: RunView, fetch):
+    """Before training, a byte bar for the run's download of a Hub model or dataset (its latest
+    `download` event); a new bar when the next one starts. -> the bar, or None."""
+    from tqdm import tqdm
+
+    download = view.download
+    if not download:
+        return fetch
+    what = download.get("model") or f"dataset {download.get('dataset')}"
+    if fetch is None or fetch.desc != f"downloading {what}":
+        if fetch is not None:
+            fetch.close()
+        fetch = tqdm(total=download["total_bytes"], unit="B", unit_scale=True, dynamic_ncols=True,
+                     desc=f"downloading {what}")
+    fetch.total = download["total_bytes"]
+    fetch.update(download["done_bytes"] - fetch.n)
+    return fetch
 
 
 def compiling_text(view: RunView) -> str:
@@ -320,7 +345,8 @@ def cmd_export(args) -> int:
     manager = RunManager(args.runs_dir)
     try:
         token, source = hub.resolve_token(None) if args.push else (None, None)
-        result = export_run(manager.runs_dir / args.run_id, args.out, merge=args.merge)
+        result = export_run(manager.runs_dir / args.run_id, args.out, merge=args.merge,
+                            hardware=detect_hardware(), cores=args.cores)
     except (ExportError, hub.HubError) as error:
         print(f"Cannot export: {error}", file=sys.stderr)
         return 2

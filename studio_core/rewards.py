@@ -20,7 +20,8 @@ so end its signature with `**kwargs`. Completions are strings for a standard dat
 assistant message. (TRL's own trl.rewards want math answers or <think> tags: none fits these.)
 
 `reward_functions` gives GRPOTrainer(reward_funcs=...) and GRPOConfig(reward_weights=...);
-`check_rewards` validates the list and calls every function once on sample rows;
+`check_rewards` validates the list and calls every function once on sample rows (or, for a
+dataset not read before launch, only imports them: the worker then calls them on its first rows);
 `check_rewards_in_subprocess` does that in a child process, so that a user file that hangs or
 crashes cannot take the web app with it. The child is this module:
 
@@ -272,14 +273,17 @@ def _call_problem(func, batch: dict, file: str | None) -> str | None:
     return None
 
 
-def check_rewards(rewards: list[dict], sample_rows: list[dict], on_entry=None) -> list[str]:
+def check_rewards(rewards: list[dict], sample_rows: list[dict] | None, on_entry=None) -> list[str]:
     """Every problem with `rewards`, as messages naming the entry; [] when all are fine.
 
     Each entry is validated, built (user files imported) and called once on `sample_rows` (dataset
-    rows with a `prompt`). `on_entry(label)` is called before each entry, to tell which one hangs."""
+    rows with a `prompt`). With `sample_rows` None (a dataset not read before launch: made-up rows
+    would refuse functions that read a real column) nothing is called; the worker calls them on the
+    real first rows. `on_entry(label)` is called before each entry, to tell which one hangs."""
     if not isinstance(rewards, list) or not rewards:
         return ["studio.rewards: must be a non-empty list, e.g. [{name: length, target: 200}]"]
-    if not sample_rows or not all(isinstance(row, dict) and "prompt" in row for row in sample_rows):
+    if sample_rows is not None and (
+            not sample_rows or not all(isinstance(row, dict) and "prompt" in row for row in sample_rows)):
         return ["studio.rewards: the dataset has no rows with a 'prompt' column to try the rewards on; "
                 "GRPO needs a prompt-only dataset with a 'prompt' column"]
     batch, problems, funcs = None, [], []
@@ -292,6 +296,9 @@ def check_rewards(rewards: list[dict], sample_rows: list[dict], on_entry=None) -
         except RewardError as exc:
             problems.append(str(exc))
             continue
+        funcs.append((label, func))
+        if sample_rows is None:
+            continue
         if entry.get("name") == "exact_match" and entry["column"] not in sample_rows[0]:
             problems.append(f"{label}: column {entry['column']!r} is not in the dataset (columns: "
                             f"{', '.join(sample_rows[0])}); set column: to one of them")
@@ -300,7 +307,6 @@ def check_rewards(rewards: list[dict], sample_rows: list[dict], on_entry=None) -
         problem = _call_problem(func, batch, entry.get("file"))
         if problem:
             problems.append(f"{label}: {problem}")
-        funcs.append((label, func))
     _log_names([func for _, func in funcs])  # what is still shared after that comes from user functions
     names: dict[str, str] = {}
     for label, func in funcs:
@@ -312,7 +318,8 @@ def check_rewards(rewards: list[dict], sample_rows: list[dict], on_entry=None) -
     return problems
 
 
-def check_rewards_in_subprocess(rewards: list[dict], sample_rows: list[dict], timeout: float = 60) -> list[str]:
+def check_rewards_in_subprocess(rewards: list[dict], sample_rows: list[dict] | None,
+                                timeout: float = 60) -> list[str]:
     """check_rewards in a child Python process, stopped after `timeout` seconds.
 
     Sample values JSON cannot carry (images, dates) reach the child as their str()."""

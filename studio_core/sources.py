@@ -2,8 +2,9 @@
 
 A model is the built-in tiny one, a local folder, or a Hub id; a dataset is a built-in
 sample, a local file (JSONL, JSON, CSV, Parquet) or folder, or a Hub id. The checks here
-only look whether they are there, so they are cheap enough for the web app; data_check
-reads a file's first rows, and the worker does the real loading.
+only look whether they are there (for a Hub model not on this machine: fetch its config.json,
+a few kB), so they are cheap enough for the web app; data_check reads a file's first rows, and
+the worker does the real loading and checks a Hub dataset's first rows.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from pathlib import Path
 
 from huggingface_hub import constants, try_to_load_from_cache
 
-from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
+from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL, TINY_ARCHITECTURE
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_CHECK_TIMEOUT_S = 5  # a model's config.json, fetched before launch: the page must not wait long
 
 
 def _looks_local(name: str) -> bool:
@@ -47,11 +49,48 @@ def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
     if constants.HF_HUB_OFFLINE:
         return [f"model_name_or_path: {name} is not in the local Hugging Face cache and the Hub is off "
                 "(HF_HUB_OFFLINE=1): download it first, or give a local folder"]
-    return []  # checked by the worker when it downloads the model
+    return _check_on_the_hub(name, trust_remote_code)
+
+
+def _check_on_the_hub(name: str, trust_remote_code: bool) -> list[str]:
+    """A Hub model not on this machine: only its config.json (a few kB) is fetched, with a short
+    timeout, so that a typo, a gated or private repo or a model that is not a causal LM is refused
+    before launch, not as a raw error minutes into the run."""
+    from httpx2 import TransportError  # huggingface_hub's HTTP client
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
+
+    where = f"model_name_or_path: {name}"
+    login = "log in (hf auth login) or set HF_TOKEN to a token of an account that has access"
+    try:
+        # one request without retries first: hf_hub_download retries an unreachable Hub for ~20 s
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=HUB_CHECK_TIMEOUT_S)
+        path = hf_hub_download(name, "config.json", etag_timeout=HUB_CHECK_TIMEOUT_S)
+    except GatedRepoError:
+        return [f"{where} is gated on the Hub: accept its terms on its page, then {login}"]
+    except RepositoryNotFoundError:
+        return [f"{where} not found on the Hub: check the id (owner/name, e.g. Qwen/Qwen3-0.6B); "
+                f"if it is private, {login}"]
+    except RemoteEntryNotFoundError:
+        return [f"{where} has no config.json on the Hub, so it is not a Transformers model; give one that "
+                "has (a ...ForCausalLM), e.g. Qwen/Qwen3-0.6B"]
+    except HfHubHTTPError as error:
+        status = error.response.status_code if error.response is not None else None
+        if status in (401, 403):
+            return [f"{where}: the Hub refused access ({status}); {login}"]
+        return [f"{where}: the Hub answered {status} when asked for its config.json; try again later"]
+    except (OSError, TransportError):
+        # Unreachable or timed out: not checked here. A plan for another machine must not need
+        # this one's network; a run here says so when it downloads.
+        return []
+    return _check_config(Path(path), name, trust_remote_code)
 
 
 def model_config(name: str) -> dict | None:
-    """The model's config.json when it is on this machine (a folder, or the Hub cache), else None."""
+    """The model's config.json when it is on this machine (a folder, or the Hub cache), else None.
+    The built-in model's shape is known without building it."""
+    if name == BUILTIN_MODEL:
+        return dict(TINY_ARCHITECTURE)
     if _looks_local(name):
         path = Path(name).expanduser() / "config.json"
     else:

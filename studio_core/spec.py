@@ -214,32 +214,47 @@ def check_args(trainer: str, args: dict) -> list[str]:
 
 
 def _check_data(spec: RunSpec) -> list[str]:
-    """The dataset's source, then (for a local file) its first rows against the trainer, then
-    the GRPO reward functions, called once on those rows."""
+    """The dataset's source, then (for a local file) its first rows against the trainer and the
+    GRPO reward functions called once on them, then every record (data_check.scan_file). A Hub
+    dataset or a folder is not read here: its rewards are only imported, and the worker runs
+    `check_rows` on its first rows before it loads the model."""
     problems = sources.check_dataset(spec.dataset_name)
     if problems:
         return problems
     path = sources.dataset_file(spec.dataset_name)
-    if path is None:  # a Hub id or a folder: its rows are only read by the worker
-        rows = [{"prompt": "Say hello.", **{r["column"]: "Hello." for r in spec.rewards
-                                            if isinstance(r, dict) and isinstance(r.get("column"), str)}}]
-        problems += data_check.check_mapping(None, spec.column_map, spec.keep_columns)
+    if path is None:
+        problems = data_check.check_mapping(None, spec.column_map, spec.keep_columns)
+        if spec.trainer == "grpo" and not problems:  # imported and looked up in a child process, not called
+            problems += rewards.check_rewards_in_subprocess(spec.rewards, None)
     else:
         try:
             rows = data_check.read_rows(path, 5)
         except ValueError as error:
             return [f"dataset_name: {error}"]
-        mapping = data_check.check_mapping(list(rows[0]), spec.column_map, spec.keep_columns)
-        if mapping:
-            return mapping
-        rows = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
-        kind = data_check.detect(rows, text_field=spec.args.get("dataset_text_field", "text"))
-        problems += data_check.fit_problems(kind, spec.trainer)
-    if spec.trainer == "grpo" and not problems:
         # In a child process: it imports the user's reward file and transformers
-        problems += rewards.check_rewards_in_subprocess(spec.rewards, rows)
-    elif spec.trainer != "grpo" and spec.rewards:
+        problems = check_rows(spec, rows, check_rewards=rewards.check_rewards_in_subprocess)
+        problems = problems or data_check.scan_file(path, spec.column_map, spec.keep_columns,
+                                                    spec.args.get("dataset_text_field", "text"))
+    if spec.trainer != "grpo" and spec.rewards:
         problems.append("studio.rewards: only GRPO uses reward functions; remove them or choose grpo")
+    return problems
+
+
+def check_rows(spec: RunSpec, rows: list[dict], check_rewards=rewards.check_rewards) -> list[str]:
+    """The dataset's first rows against the spec: its column map, TRL's type and format of the
+    result against the trainer, and for GRPO `check_rewards` (the reward functions called once on
+    them). One check for a local file before launch and for any dataset in the worker."""
+    if not rows:
+        return [f"dataset_name: {spec.dataset_name} (split {spec.dataset_train_split}) has no rows; "
+                "give a dataset, config or split that holds some"]
+    mapping = data_check.check_mapping(list(rows[0]), spec.column_map, spec.keep_columns)
+    if mapping:
+        return mapping
+    rows = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
+    kind = data_check.detect(rows, text_field=spec.args.get("dataset_text_field", "text"))
+    problems = data_check.fit_problems(kind, spec.trainer)
+    if spec.trainer == "grpo" and not problems:
+        problems += check_rewards(spec.rewards, rows)
     return problems
 
 

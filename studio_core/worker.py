@@ -21,12 +21,13 @@ from pathlib import Path
 
 from studio_core import sources
 from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
-from studio_core.checkpoints import RESUME_ENV, download_with_progress, stop_and_save_callback
+from studio_core.checkpoints import RESUME_ENV, download_dataset_split, download_with_progress, stop_and_save_callback
 from studio_core.compile_watch import CompileWatch, ShapeWatch
 from studio_core.data_check import prepare_dataset
 from studio_core.events import append_event
+from studio_core.layout import mesh_sizes
 from studio_core.rewards import reward_functions
-from studio_core.spec import RunSpec
+from studio_core.spec import RunSpec, SpecError, check_rows
 
 RANK = int(os.environ.get("RANK", "0"))
 TRAINERS = {"sft": ("SFTConfig", "SFTTrainer"), "dpo": ("DPOConfig", "DPOTrainer"),
@@ -41,6 +42,10 @@ def main(run_dir: Path) -> None:
     events = run_dir / "events.jsonl"
     try:
         train(spec, run_dir, events)
+    except SpecError as error:  # the dataset's checks: the same what-to-change lines as before launch
+        append_event(events, "error", rank=RANK, problems=error.problems,
+                     message=f"checked on the dataset's first rows, before loading the model:\n{error}")
+        raise
     except BaseException as error:
         if not isinstance(error, KeyboardInterrupt):
             append_event(events, "error", rank=RANK, message=f"{type(error).__name__}: {error}",
@@ -49,6 +54,7 @@ def main(run_dir: Path) -> None:
 
 
 def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
+    dataset = load_checked_dataset(spec, events)  # first: data that does not fit fails before the model loads
     import torch
     import trl
     from transformers import TrainerCallback
@@ -72,8 +78,8 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
     if spec.layout.tp_size > 1 or spec.layout.fsdp_size > 1:
         from transformers.distributed import DistributedConfig
 
-        init_kwargs["distributed_config"] = DistributedConfig(tp_size=spec.layout.tp_size,
-                                                              fsdp_size=spec.layout.fsdp_size)
+        init_kwargs["distributed_config"] = DistributedConfig(**mesh_sizes(
+            spec.layout.tp_size, spec.layout.fsdp_size, int(os.environ.get("WORLD_SIZE", "1"))))
     config_args["model_init_kwargs"] = init_kwargs
 
     config_name, trainer_name = TRAINERS[spec.trainer]
@@ -82,7 +88,6 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
         trainer_kwargs["reward_funcs"], weights = reward_functions(spec.rewards)
         config_args.setdefault("reward_weights", weights)
     config = getattr(trl, config_name)(output_dir=str(run_dir / "output"), run_name=spec.run_name, **config_args)
-    dataset = prepare_dataset(load_train_dataset(spec), spec.column_map, spec.keep_columns)
 
     class EventCallback(TrainerCallback):
         """Rank 0 reports progress, metrics, compilations and new batch shapes as events.
@@ -146,13 +151,33 @@ def train(spec: RunSpec, run_dir: Path, events: Path) -> None:
                      f"{config.output_dir}")
 
 
-def load_train_dataset(spec: RunSpec):
+def load_checked_dataset(spec: RunSpec, events: Path):
+    """The training split, renamed and trimmed as the spec says, after the checks a local file gets
+    before launch (spec.check_rows: column map, TRL type against the trainer, GRPO rewards called on
+    the first rows). A Hub dataset or a folder is read only here, so this is where it is refused."""
+    dataset = load_train_dataset(spec, events)
+    problems = check_rows(spec, dataset.select(range(min(5, len(dataset)))).to_list())
+    if problems:
+        raise SpecError(problems)
+    return prepare_dataset(dataset, spec.column_map, spec.keep_columns)
+
+
+def load_train_dataset(spec: RunSpec, events: Path | None = None):
+    """A file or folder as it is; a Hub dataset's split downloaded first (progress as `download`
+    events from rank 0), then read from the local files. Offline, `datasets` reads its own cache."""
     from datasets import load_dataset
+    from huggingface_hub import constants
 
     path = sources.dataset_file(spec.dataset_name)
     if path is not None:
         return load_dataset(sources.FILE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
-    return load_dataset(spec.dataset_name, name=spec.dataset_config, split=spec.dataset_train_split)
+    name, split = spec.dataset_name, spec.dataset_train_split
+    if sources.HUB_ID.match(name) and not Path(name).expanduser().exists() and not constants.HF_HUB_OFFLINE:
+        found = download_dataset_split(name, spec.dataset_config, split, events if RANK == 0 else None)
+        if found is not None:
+            builder, files = found
+            return load_dataset(builder, data_files={split.split("[")[0]: files}, split=split)
+    return load_dataset(name, name=spec.dataset_config, split=split)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,17 @@ Tests point the real huggingface_hub client at it and look at what arrived:
         api.upload_folder(repo_id="alice/tiny", folder_path=export_dir)
         assert hub.repos["alice/tiny"]["files"]["model.safetensors"] == ...
 
-It serves the routes a model push and a download use with Xet off (whoami, repo
-create, validate-yaml, preupload, the LFS batch/upload/verify, commit, model info,
-resolve), model repos only, one branch ("main"). Answers, status codes and error
+It serves the routes a push and a download use with Xet off (whoami, repo create,
+validate-yaml, preupload, the LFS batch/upload/verify, commit, repo info, tree,
+paths-info, resolve), for model and dataset repos, one branch ("main"): enough for
+`datasets.load_dataset_builder` on a dataset repo too. Answers, status codes and error
 headers follow the real Hub where the client looks at them; see the comments.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import re
@@ -25,7 +27,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 REPO = r"(?P<repo>[^/]+/[^/]+?)"
 # Files the Hub stores in LFS: by extension (its default .gitattributes) or by size.
@@ -59,15 +61,19 @@ def git_blob_sha1(data: bytes) -> str:
 class HubStandIn:
     """The server and its state. `tokens` maps a token to {"user", "orgs", "role" ("write" by default)}.
 
-    State to inspect: `repos` (repo_id -> {"private", "files": {path: bytes}, "lfs_paths",
-    "commits": [{"oid", "summary", "description", "paths", "files"}]}), `lfs_objects`
+    State to inspect: `repos` (model repo_id -> {"private", "gated", "files": {path: bytes},
+    "lfs_paths", "commits": [{"oid", "summary", "description", "paths", "files"}]}), `datasets`
+    (dataset repo_id -> the same), `lfs_objects`
     (sha256 -> bytes), `requests` (every RecordedRequest, in order) and `errors` (tracebacks
-    of requests the stand-in itself could not handle, answered with a 400). Set `fail_next_commit = True` to answer the next commit with a 500.
+    of requests the stand-in itself could not handle, answered with a 400). Set `fail_next_commit = True`
+to answer the next commit with a 500, and a repo's "gated" to True to refuse its files to anyone
+outside its namespace (401 GatedRepo, as the Hub answers a gated repo without granted access).
     """
 
     def __init__(self, tokens: dict[str, dict] | None = None):
         self.tokens = tokens or {}
         self.repos: dict[str, dict] = {}
+        self.datasets: dict[str, dict] = {}
         self.lfs_objects: dict[str, bytes] = {}
         self.requests: list[RecordedRequest] = []
         self.errors: list[str] = []
@@ -81,14 +87,22 @@ class HubStandIn:
             ("GET", r"/api/whoami-v2", self._whoami),
             ("POST", r"/api/repos/create", self._create_repo),
             ("POST", r"/api/validate-yaml", lambda request: {"errors": [], "warnings": []}),
-            ("POST", rf"/api/models/{REPO}/preupload/(?P<rev>[^/]+)", self._preupload),
-            ("POST", rf"/api/models/{REPO}/commit/(?P<rev>[^/]+)", self._commit),
-            ("GET", rf"/api/models/{REPO}/tree/(?P<rev>[^/?]+)", self._tree),
-            ("GET", rf"/api/models/{REPO}(?:/revision/(?P<rev>[^/]+))?", self._model_info),
-            ("POST", rf"/{REPO}\.git/info/lfs/objects/batch", self._lfs_batch),
+        ]
+        # the same routes for model and dataset repos: /api/models/... and /api/datasets/...,
+        # /alice/x/resolve/... and /datasets/alice/x/resolve/...
+        for kind, api, prefix in (("model", "/api/models", ""), ("dataset", "/api/datasets", "/datasets")):
+            self._routes += [(method, pattern, functools.partial(action, kind=kind)) for method, pattern, action in [
+                ("POST", rf"{api}/{REPO}/preupload/(?P<rev>[^/]+)", self._preupload),
+                ("POST", rf"{api}/{REPO}/commit/(?P<rev>[^/]+)", self._commit),
+                ("GET", rf"{api}/{REPO}/tree/(?P<rev>[^/?]+)(?:/(?P<folder>.+))?", self._tree),
+                ("POST", rf"{api}/{REPO}/paths-info/(?P<rev>[^/]+)", self._paths_info),
+                ("GET", rf"{api}/{REPO}(?:/revision/(?P<rev>[^/]+))?", self._repo_info),
+                ("POST", rf"{prefix}/{REPO}\.git/info/lfs/objects/batch", self._lfs_batch),
+                ("GET", rf"{prefix}/{REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)", self._resolve),
+            ]]
+        self._routes += [
             ("PUT", r"/lfs/upload/(?P<oid>[0-9a-f]{64})", self._lfs_put),
             ("POST", r"/lfs/verify/(?P<oid>[0-9a-f]{64})", self._lfs_verify),
-            ("GET", rf"/{REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)", self._resolve),
         ]
 
     def __enter__(self) -> HubStandIn:
@@ -137,17 +151,20 @@ class HubStandIn:
             raise HubError(401, "Invalid credentials in Authorization header")
         return account
 
-    def _writer(self, request: RecordedRequest, namespace: str) -> dict:
+    def _writer(self, request: RecordedRequest, namespace: str, kind: str = "model") -> dict:
         account = self._caller(request, required=True)
         if namespace not in _namespaces(account) or account.get("role", "write") != "write":
-            raise HubError(403, f"You don't have the rights to create a model under the namespace \"{namespace}\"")
+            raise HubError(403, f"You don't have the rights to create a {kind} under the namespace \"{namespace}\"")
         return account
 
-    def _repo(self, request: RecordedRequest, repo_id: str, write: bool = False) -> dict:
+    def _store(self, kind: str) -> dict[str, dict]:
+        return self.repos if kind == "model" else self.datasets
+
+    def _repo(self, request: RecordedRequest, repo_id: str, write: bool = False, kind: str = "model") -> dict:
         if write:
-            self._writer(request, repo_id.split("/")[0])
+            self._writer(request, repo_id.split("/")[0], kind)
         account = self._caller(request, required=False)
-        repo = self.repos.get(repo_id)
+        repo = self._store(kind).get(repo_id)
         allowed = account is not None and repo_id.split("/")[0] in _namespaces(account)
         if repo is None or (repo["private"] and not allowed):
             # the Hub does not tell a private repo from a missing one
@@ -166,17 +183,19 @@ class HubStandIn:
     def _create_repo(self, request):
         # 2.4.0 sends {"name", "organization" (None for the caller's own namespace), "visibility", "type"}
         wanted = json.loads(request.body)
-        if wanted.get("type", "model") != "model":
-            raise HubError(400, "HubStandIn only serves model repos")
+        kind = wanted.get("type") or "model"
+        if kind not in ("model", "dataset"):
+            raise HubError(400, f"HubStandIn serves model and dataset repos, not {kind}")
         namespace = wanted.get("organization") or self._caller(request, required=True)["user"]
-        self._writer(request, namespace)
+        self._writer(request, namespace, kind)
         repo_id = f"{namespace}/{wanted['name']}"
-        url = f"{self.url}/{repo_id}"
-        if repo_id in self.repos:
+        url = f"{self.url}/{'datasets/' if kind == 'dataset' else ''}{repo_id}"
+        if repo_id in self._store(kind):
             # create_repo(exist_ok=True) reads "url" from this 409 answer
-            raise HubError(409, "You already created this model repo", body={"url": url})
+            raise HubError(409, f"You already created this {kind} repo", body={"url": url})
         private = wanted.get("visibility", "private" if wanted.get("private") else "public") == "private"
-        self.repos[repo_id] = {"private": private, "files": {}, "lfs_paths": set(), "commits": []}
+        self._store(kind)[repo_id] = {"private": private, "gated": False, "files": {}, "lfs_paths": set(),
+                                      "commits": []}
         return {"url": url, "name": repo_id, "id": repo_id}
 
     def _check_rev(self, repo: dict, rev: str | None) -> dict:
@@ -188,8 +207,8 @@ class HubStandIn:
                 return commit["files"]
         raise HubError(404, f"Invalid rev id: {rev}", code="RevisionNotFound")
 
-    def _preupload(self, request, repo: str, rev: str):
-        target = self._repo(request, repo, write=True)
+    def _preupload(self, request, repo: str, rev: str, kind: str):
+        target = self._repo(request, repo, write=True, kind=kind)
         files = self._check_rev(target, rev)
         answers = []
         for file in json.loads(request.body)["files"]:
@@ -203,8 +222,8 @@ class HubStandIn:
             answers.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
         return {"files": answers, "commitOid": _head(target)}
 
-    def _lfs_batch(self, request, repo: str):
-        self._repo(request, repo, write=True)
+    def _lfs_batch(self, request, repo: str, kind: str):
+        self._repo(request, repo, write=True, kind=kind)
         objects = []
         for obj in json.loads(request.body)["objects"]:
             answer = {"oid": obj["oid"], "size": obj["size"], "authenticated": True}
@@ -229,8 +248,8 @@ class HubStandIn:
             raise HubError(404, f"LFS object {oid} was not uploaded")
         return {"success": True}
 
-    def _commit(self, request, repo: str, rev: str):
-        target = self._repo(request, repo, write=True)
+    def _commit(self, request, repo: str, rev: str, kind: str):
+        target = self._repo(request, repo, write=True, kind=kind)
         if rev != "main":
             raise HubError(404, f"HubStandIn only commits to main, not {rev}", code="RevisionNotFound")
         if self.fail_next_commit:
@@ -268,36 +287,66 @@ class HubStandIn:
         return {"commitUrl": f"{self.url}/{repo}/commit/{oid}", "commitOid": oid, "success": True,
                 "pullRequestUrl": None}
 
-    def _model_info(self, request, repo: str, rev: str | None = None):
-        target = self._repo(request, repo)
+    def _repo_info(self, request, repo: str, kind: str, rev: str | None = None):
+        target = self._repo(request, repo, kind=kind)
         files = self._check_rev(target, rev)
         siblings = [{"rfilename": path} for path in sorted(files)]
-        return {"id": repo, "modelId": repo, "author": repo.split("/")[0], "sha": _head(target, rev),
-                "private": target["private"], "siblings": siblings, "tags": []}
+        return {"id": repo, **({"modelId": repo} if kind == "model" else {}), "author": repo.split("/")[0],
+                "sha": _head(target, rev), "private": target["private"], "gated": target["gated"] and "auto",
+                "siblings": siblings, "tags": []}
 
-    def _tree(self, request, repo: str, rev: str):
-        """The files of a revision, as snapshot_download lists them (recursive, flat)."""
-        target = self._repo(request, repo)
+    def _entry(self, target: dict, path: str, files: dict) -> dict:
+        """A tree entry, as the tree and paths-info answers give it: a file, or a folder holding files."""
+        if path not in files:
+            return {"type": "directory", "path": path, "oid": hashlib.sha1(path.encode()).hexdigest()}
+        data = files[path]
+        entry = {"type": "file", "path": path, "size": len(data), "oid": git_blob_sha1(data)}
+        if path in target["lfs_paths"]:
+            entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        return entry
+
+    def _tree(self, request, repo: str, rev: str, kind: str, folder: str = ""):
+        """The entries under `folder`: its children, or with ?recursive=true everything below it,
+        folders included (HfFileSystem globs over these; snapshot_download keeps the files)."""
+        target = self._repo(request, repo, kind=kind)
         files = self._check_rev(target, rev)
-        entries = []
-        for path, data in sorted(files.items()):
-            entry = {"type": "file", "path": path, "size": len(data), "oid": git_blob_sha1(data)}
-            if path in target["lfs_paths"]:
-                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
-            entries.append(entry)
-        return entries
+        recursive = parse_qs(urlsplit(request.path).query).get("recursive", ["false"])[0].lower() == "true"
+        prefix = folder.strip("/") + "/" if folder.strip("/") else ""
+        if prefix and not any(path.startswith(prefix) for path in files):
+            raise HubError(404, f"{folder} does not exist on {rev}", code="EntryNotFound")
+        found = set()
+        for path in (p for p in files if p.startswith(prefix)):
+            parts = path[len(prefix):].split("/")
+            depth = len(parts) if recursive else 1
+            found.update(prefix + "/".join(parts[:n]) for n in range(1, depth + 1))
+        return [self._entry(target, path, files) for path in sorted(found)]
 
-    def _resolve(self, request, repo: str, rev: str, path: str):
-        target = self._repo(request, repo)
+    def _paths_info(self, request, repo: str, rev: str, kind: str):
+        """The entries for the asked paths (form field `paths`, repeated) that exist; others are left out."""
+        target = self._repo(request, repo, kind=kind)
+        files = self._check_rev(target, rev)
+        asked = parse_qs(request.body.decode()).get("paths", [])
+        return [self._entry(target, path.strip("/"), files) for path in asked
+                if path.strip("/") in files or any(p.startswith(path.strip("/") + "/") for p in files)]
+
+    def _resolve(self, request, repo: str, rev: str, path: str, kind: str):
+        target = self._repo(request, repo, kind=kind)
         files = self._check_rev(target, rev)
         # hf_hub_download needs X-Repo-Commit and an ETag, and checks the size against Content-Length
         commit = {"X-Repo-Commit": _head(target, rev) or ""}
+        if target["gated"] and not self._granted(request, repo):
+            raise HubError(401, f"Access to {kind} {repo} is restricted. You must have access to it and be "
+                           "authenticated to access it. Please log in.", code="GatedRepo", headers=commit)
         if path not in files:
             raise HubError(404, "Entry not found", code="EntryNotFound", headers=commit)
         data = files[path]
         lfs = path in target["lfs_paths"]
         etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
         return 200, data, {**commit, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
+
+    def _granted(self, request, repo: str) -> bool:
+        account = self._caller(request, required=False)
+        return account is not None and repo.split("/")[0] in _namespaces(account)
 
 
 def _namespaces(account: dict) -> list[str]:
@@ -363,3 +412,13 @@ def point_hub_client_at(hub: HubStandIn, monkeypatch) -> None:
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(hf_api.api, "endpoint", hub.url)
+
+
+def use_hub_cache(folder, monkeypatch) -> None:
+    """An empty Hugging Face cache in `folder` for this test: for the run's processes (HF_HUB_CACHE)
+    and for this one (the constant, read at import), so that the checks made before launch, which
+    fetch a model's config.json, never write into the user's own cache."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(folder))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(folder))

@@ -192,6 +192,23 @@ def test_every_problem_is_reported_at_once(tmp_path):
         "studio.rewards[0] (regex)", "studio.rewards[1] (exact)", f"studio.rewards[2] ({path}"]
 
 
+def test_without_rows_functions_are_imported_and_looked_up_but_not_called(tmp_path):
+    # A Hub dataset is not read before launch: a function that reads one of its real columns must
+    # not be refused on made-up rows (the worker calls it on the first real rows)
+    path = user_file(tmp_path, "def f(completions, completion, **kwargs):\n"
+                               "    return [float(len(c) < len(r)) for c, r in zip(completions, completion)]\n"
+                               "def raises(completions, **kwargs):\n    raise RuntimeError('only when called')\n")
+    assert check_rewards([{"file": path, "function": "f"}, {"file": path, "function": "raises"},
+                          {"name": "exact_match", "column": "reference"}], None) == []
+    assert "on 2 sample rows raised TypeError" in one_problem([{"file": path, "function": "f"}])
+    for case in ("syntax error", "raises at import", "missing function", "not callable"):
+        broken = user_file(tmp_path, BROKEN_FILES[case][0], name=f"{case.replace(' ', '_')}.py")
+        (problem,) = check_rewards([{"file": broken, "function": "my_reward"}], None)
+        assert BROKEN_FILES[case][1].replace("my_rewards.py", f"{case.replace(' ', '_')}.py") in problem, problem
+    problems = check_rewards_in_subprocess([{"file": path, "function": "f"}, {"file": path, "function": "g"}], None)
+    assert len(problems) == 1 and "has no 'g'; it defines: f, raises" in problems[0]
+
+
 def test_subprocess_check(tmp_path):
     good = user_file(tmp_path, "print('hello from the user file')\n"
                                "def my_reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")

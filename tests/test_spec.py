@@ -13,7 +13,8 @@ from studio_core.plan import plan
 from studio_core.spec import Layout, RunSpec, SpecError, validate, validated
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
-TINY = Path(__file__).parent.parent / "recipes" / "tiny-sft.yaml"
+REPO_RECIPES = Path(__file__).parent.parent / "recipes"
+TINY = REPO_RECIPES / "tiny-sft.yaml"
 CHAT = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
 
 
@@ -37,11 +38,30 @@ def test_there_are_recipes():
     assert TINY in RECIPES
 
 
+@pytest.fixture
+def recipe_hub(monkeypatch, tmp_path):
+    """The Hub "on", as a stand-in serving the config.json of every Hub model a recipe names (the
+    check before launch fetches it), as the real Hub has them: Qwen3 causal LMs."""
+    from huggingface_hub import HfApi
+
+    from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
+
+    token = "hf_qwen_recipes_0123456789"
+    with HubStandIn(tokens={token: {"user": "qwen-bot", "orgs": ["Qwen"]}}) as hub:
+        point_hub_client_at(hub, monkeypatch)
+        use_hub_cache(tmp_path / "hub-cache", monkeypatch)
+        api = HfApi(endpoint=hub.url, token=token)
+        for name in sorted({RunSpec.load(r).model_name_or_path for r in RECIPES} - {BUILTIN_MODEL}):
+            api.create_repo(name)
+            api.upload_file(path_or_fileobj=json.dumps({"architectures": ["Qwen3ForCausalLM"]}).encode(),
+                            path_in_repo="config.json", repo_id=name)
+        yield hub
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
-def test_every_recipe_loads_validates_and_round_trips(recipe, tmp_path, monkeypatch):
-    # A recipe may name Hub sources; whether they are cached is this machine's business,
-    # so the Hub is "on" here (the checks make no network call either way).
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+def test_every_recipe_loads_validates_and_round_trips(recipe, tmp_path, recipe_hub):
+    # A recipe may name Hub sources; whether they are cached is this machine's business, so the
+    # Hub is "on" here, a stand-in for it (a Hub dataset is not read before launch).
     spec = RunSpec.load(recipe)
     assert validate(spec) == []
     # every recipe plans for the trn instance it is sized for; the tiny ones for a 2-core CPU too
@@ -53,6 +73,18 @@ def test_every_recipe_loads_validates_and_round_trips(recipe, tmp_path, monkeypa
     again = RunSpec.load(saved)
     assert again == spec
     assert again.to_dict() == spec.to_dict()
+
+
+def test_a_reward_file_reading_a_real_column_passes_on_a_hub_dataset(tmp_path, recipe_hub):
+    # trl-lib/tldr is not read before launch: the file is imported, its function looked up, not
+    # called on a made-up row without the `completion` column it reads (the run calls it on real rows)
+    rewards = tmp_path / "tldr_rewards.py"
+    rewards.write_text("def f(completions, completion, **kwargs):\n"
+                       "    return [-abs(len(c) - len(r)) / 100 for c, r in zip(completions, completion)]\n")
+    spec = RunSpec.load(REPO_RECIPES / "qwen3-0.6b-grpo-tldr.yaml")
+    assert validate(spec.with_overrides([f"studio.rewards=[{{file: {rewards}, function: f}}]"])) == []
+    (problem,) = validate(spec.with_overrides([f"studio.rewards=[{{file: {rewards}, function: g}}]"]))
+    assert problem.startswith("studio.rewards[0] (") and "has no 'g'; it defines: f" in problem
 
 
 def test_recipe_keys_land_where_they_belong():
@@ -422,3 +454,12 @@ def test_models_in_the_local_hub_cache_are_listed_and_pass_offline(tmp_path):
     assert cached_models(tmp_path / "hub") == ["acme/tiny"]
     assert isinstance(try_to_load_from_cache("acme/tiny", "config.json", cache_dir=tmp_path / "hub"), str)
     assert cached_models(tmp_path / "nothing-here") == []
+
+
+def test_a_bad_record_deep_in_a_local_file_is_refused_before_launch(tmp_path):
+    """The first rows fit; record 40 has empty messages: named with its line before anything runs."""
+    good = json.dumps({"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]})
+    path = tmp_path / "deep.jsonl"
+    path.write_text(f"{good}\n" * 39 + json.dumps({"messages": []}) + "\n" + f"{good}\n")
+    problems = validate(RunSpec.load(TINY).with_overrides([f"dataset_name={path}"]))
+    assert any("line 40" in p and "`messages` is empty" in p for p in problems), problems
