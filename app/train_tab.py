@@ -20,6 +20,7 @@ from app.core_map import core_map_html
 from app.train_form import (SAMPLE_FOR_TRAINER, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra,
                             learning_rate_info, learning_rate_start, spec_from_form, target_hardware)
 from studio_core import data_check, leases, sources
+from studio_core.data_files import read_rows
 from studio_core.layout import check_layout, parse_cores, pick_cores
 from studio_core.scripts import launch_script, slurm_script
 from studio_core.hardware import Hardware
@@ -40,7 +41,7 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
         return ("Hub datasets and dataset folders are checked when the run loads them "
                 "(their first rows are not read before launch)."), None, {}
     try:
-        rows = data_check.read_rows(path, 5)
+        rows = read_rows(path, 5)
     except (OSError, ValueError) as error:
         return f"**Cannot read the dataset:** {error}", None, {}
     text_field = spec.args.get("dataset_text_field", "text")

@@ -20,6 +20,7 @@ import yaml
 
 from studio_core import data_check, rewards, sources
 from studio_core.builtin import BUILTIN_MODEL
+from studio_core.data_files import read_rows
 from studio_core.layout import check_sizes
 from studio_core.trl_schema import TRAINER_CONFIGS, check_value, trainer_fields
 
@@ -228,7 +229,7 @@ def _check_data(spec: RunSpec) -> list[str]:
             problems += rewards.check_rewards_in_subprocess(spec.rewards, None)
     else:
         try:
-            rows = data_check.read_rows(path, 5)
+            rows = read_rows(path, 5)
         except ValueError as error:
             return [f"dataset_name: {error}"]
         # In a child process: it imports the user's reward file and transformers

@@ -20,11 +20,11 @@ from studio_core.data_check import (
     detect,
     fit_problems,
     prepare_dataset,
-    read_rows,
     scan_file,
     suggest_column_map,
     suggest_fix,
 )
+from studio_core.data_files import read_rows
 
 DATA = Path(__file__).parent.parent / "studio_core" / "data"
 USER = {"role": "user", "content": "What colour is the studio mascot?"}
