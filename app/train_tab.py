@@ -20,6 +20,7 @@ from app.core_map import core_map_html
 from app.train_form import (SAMPLE_FOR_TRAINER, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra,
                             learning_rate_info, learning_rate_start, spec_from_form, target_hardware)
 from studio_core import data_check, leases, sources
+from studio_core.builtin import BUILTIN_MODEL
 from studio_core.data_files import read_rows
 from studio_core.layout import check_layout, parse_cores, pick_cores
 from studio_core.scripts import launch_script, slurm_script
@@ -221,6 +222,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         return f"Run `{run_id}` resumed from step {view.step}."
 
     form.upload.upload(on_upload, form.upload, w["dataset"])
+    # models downloaded since the page was built show up when the list is opened
+    w["model"].focus(lambda: gr.update(choices=[BUILTIN_MODEL, *sources.cached_models()]), None, w["model"],
+                     show_progress="hidden")
     w["trainer"].input(on_trainer, [w["trainer"], w["dataset"]],
                         [form.dpo_group, form.grpo_group, w["dataset"], w["max_length"]])
     for picked in (w["trainer"].input, w["model"].input):  # the user's picks only, not a clone's

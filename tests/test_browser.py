@@ -180,6 +180,25 @@ def test_a_failed_run_shows_failed_its_exit_code_and_the_error(browser, app, tmp
     playwright_api.expect(error).to_contain_text("Traceback")
 
 
+def test_a_model_that_reaches_the_hub_cache_while_the_page_is_open_is_listed(browser, runs_dir, tmp_path):
+    cache = tmp_path / "hub"
+    server = App(runs_dir, env={**os.environ, "HF_HUB_CACHE": str(cache)})
+    try:
+        page = open_page(browser, server.url)
+        # then a download lands, laid out as huggingface_hub writes it: blob, snapshot link, ref
+        repo, revision = cache / "models--alice--tiny-chat", "0123456789abcdef0123456789abcdef01234567"
+        (repo / "blobs").mkdir(parents=True)
+        (repo / "blobs" / "c0ffee").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+        (repo / "snapshots" / revision).mkdir(parents=True)
+        (repo / "snapshots" / revision / "config.json").symlink_to(repo / "blobs" / "c0ffee")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision)
+        page.locator("#model input").first.click()  # opening the list reads the cache again
+        page.get_by_role("option", name="alice/tiny-chat").wait_for(timeout=15_000)
+    finally:
+        server.kill()
+
+
 def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser(browser, runs_dir):
     first_app = App(runs_dir)
     try:
