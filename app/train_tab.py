@@ -183,6 +183,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         except ValueError as error:
             return f"<div class='core-map'>studio.cores: {error}</div>"
         problems = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size, cores, target)
+        problems += [f"core {c} is held by {leases.describe(held[c])}: choose free cores, or stop it first"
+                     for c in cores or [] if c in held]
         note = "".join(f"<div style='color:#dc322f;font-size:0.85em'>{p}</div>" for p in problems)
         return core_map_html(target, cores or [], spec.layout.tp_size, held) + note
 

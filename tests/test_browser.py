@@ -293,6 +293,24 @@ def test_a_two_process_layout_from_the_page(browser, app):
     assert view.world_size == 2 and view.spec["studio"]["cores"] == "0-1"
 
 
+def test_the_core_map_marks_the_cores_others_hold_and_names_them(browser, app):
+    from studio_core import leases
+
+    holder = "20261130-000000-other-abcdef"
+    with leases.acquire(app.runs_dir, "cpu", [0], holder=holder, kind="run"):  # as a run's supervisor does
+        page = open_page(browser, app.url)
+        page.get_by_text("Layout: processes, parallelism, cores").click()
+        core_map = page.locator("#core-map")
+        playwright_api.expect(core_map.locator(".core[data-state='busy']")).to_have_count(1, timeout=30_000)
+        playwright_api.expect(core_map.locator(".core[data-core='1']")).to_have_attribute("data-state", "r0")
+        cores = page.locator("#cores input, #cores textarea").first
+        cores.fill("0")
+        cores.press("Tab")
+        playwright_api.expect(core_map).to_contain_text(f"core 0 is held by run {holder}", timeout=30_000)
+        page.locator("#preview").click()  # and the preview refuses it the same way
+        playwright_api.expect(page.locator("#train-message")).to_contain_text(f"core 0 is held by run {holder}")
+
+
 def test_shape_forecast_suggestion_and_live_compilations(browser, app, tmp_path):
     page = open_page(browser, app.url)
     report = page.locator("#forecast-report")
