@@ -86,6 +86,17 @@ def fix_values(fix: dict) -> tuple:
     return (gr.update() if column_map is None else map_text, gr.update() if keep is None else ", ".join(keep))
 
 
+def keep_upload(source: Path, folder: Path) -> Path:
+    """Our own copy of an uploaded file (Gradio's temporary one may be cleaned up). A different
+    file of the same name gets a new name: earlier runs keep reading the data they trained on."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target, number = folder / source.name, 1
+    while target.exists() and target.read_bytes() != source.read_bytes():
+        target, number = folder / f"{source.stem}-{number}{source.suffix}", number + 1
+    shutil.copyfile(source, target)
+    return target
+
+
 def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainForm:
     gr.Markdown(f"**Hardware:** {hardware.describe()}")
     suggested_fix = gr.State({})
@@ -115,10 +126,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         if not file:
             return gr.update()
         source = Path(file if isinstance(file, str) else file.name)
-        target = manager.runs_dir / "uploads" / source.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)  # Gradio's temporary copy may be cleaned up; keep our own
-        return gr.update(value=str(target))
+        return gr.update(value=str(keep_upload(source, manager.runs_dir / "uploads")))
 
     def on_trainer(trainer, dataset):
         sample = dataset if not str(dataset).startswith("builtin:") else SAMPLE_FOR_TRAINER[trainer]

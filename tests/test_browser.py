@@ -180,6 +180,22 @@ def test_a_failed_run_shows_failed_its_exit_code_and_the_error(browser, app, tmp
     playwright_api.expect(error).to_contain_text("Traceback")
 
 
+def test_an_uploaded_dataset_is_kept_and_a_second_one_of_that_name_does_not_replace_it(browser, app, tmp_path):
+    uploads = app.runs_dir / "uploads"
+    chat = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    for number, expected in ((1, uploads / "mine.jsonl"), (2, uploads / "mine-1.jsonl")):
+        page = open_page(browser, app.url)  # a page of its own: as two people (or two tabs) upload
+        page.get_by_text("Dataset: upload, Hub options, preview, column mapping").click()
+        dataset = page.locator("#dataset input").first
+        (tmp_path / str(number)).mkdir()
+        upload = tmp_path / str(number) / "mine.jsonl"
+        upload.write_text("".join(json.dumps(chat) + "\n" for _ in range(number)))
+        page.locator("#upload input[type=file]").set_input_files(str(upload))
+        playwright_api.expect(dataset).to_have_value(str(expected), timeout=30_000)
+        assert expected.read_bytes() == upload.read_bytes()
+    assert len((uploads / "mine.jsonl").read_text().splitlines()) == 1  # the first upload is unchanged
+
+
 def test_a_model_that_reaches_the_hub_cache_while_the_page_is_open_is_listed(browser, runs_dir, tmp_path):
     cache = tmp_path / "hub"
     server = App(runs_dir, env={**os.environ, "HF_HUB_CACHE": str(cache)})
