@@ -185,10 +185,17 @@ def test_run_monitor_says_what_is_missing_and_samples_what_is_there(tmp_path):
 
 
 def test_run_monitor_reports_a_neuron_monitor_that_ends(tmp_path):
-    exe = stand_in(tmp_path / "neuron-monitor", "import sys; sys.exit(3)\n")
+    go = tmp_path / "end-now"  # the stand-in ends once the first sample is taken, never before
+    exe = stand_in(tmp_path / "neuron-monitor", f"""
+        import pathlib, sys, time
+        while not pathlib.Path({str(go)!r}).exists():
+            time.sleep(0.05)
+        sys.exit(3)
+    """)
     monitor = RunMonitor("neuron", [0], os.getpid(), neuron_monitor=exe)
     first = monitor.sample()  # the first event says what is monitored
     assert any("neuron-monitor" in m for m in first["sources"]["monitored"])
+    go.touch()
     deadline = time.monotonic() + 10
     while "sources" not in (sample := monitor.sample()):
         assert time.monotonic() < deadline, "the ended neuron-monitor was never reported"
