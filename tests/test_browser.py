@@ -105,6 +105,16 @@ def wait_until_finished(manager: RunManager, run_id: str, timeout: float = 180) 
         time.sleep(0.5)
 
 
+def check_dataset_in_page(page, path: Path):
+    """Type a dataset file's path, click Check dataset; the report's locator."""
+    dataset = page.locator("#dataset input").first
+    dataset.fill(str(path))
+    dataset.press("Enter")
+    page.get_by_text("Dataset: upload, Hub options").click()
+    page.locator("#check-dataset").click()
+    return page.locator("#data-report")
+
+
 def set_number(page, elem_id: str, value) -> None:
     box = page.locator(f"#{elem_id} input").first
     box.fill(str(value))
@@ -271,12 +281,7 @@ def test_a_dataset_that_does_not_fit_gets_a_one_click_fix(browser, app, tmp_path
     data = tmp_path / "qa.jsonl"
     data.write_text('{"question": "What colour is the mascot?", "answer": "Teal."}\n' * 8)
     page = open_page(browser, app.url)
-    dataset = page.locator("#dataset input").first
-    dataset.fill(str(data))
-    dataset.press("Enter")
-    page.get_by_text("Dataset: upload, Hub options").click()
-    page.locator("#check-dataset").click()
-    report = page.locator("#data-report")
+    report = check_dataset_in_page(page, data)
     playwright_api.expect(report).to_contain_text("Does not fit this trainer")
     playwright_api.expect(report).to_contain_text("map question to prompt, answer to completion")
     page.locator("#apply-fix").click()
@@ -457,12 +462,7 @@ def test_a_stray_prompt_beside_messages_gets_a_one_click_keep_columns_fix(browse
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"prompt": chat[0]["content"], "messages": chat}) + "\n" for _ in range(8)))
     page = open_page(browser, app.url)
-    dataset = page.locator("#dataset input").first
-    dataset.fill(str(data))
-    dataset.press("Enter")
-    page.get_by_text("Dataset: upload, Hub options").click()
-    page.locator("#check-dataset").click()
-    report = page.locator("#data-report")
+    report = check_dataset_in_page(page, data)
     playwright_api.expect(report).to_contain_text("Does not fit this trainer")
     playwright_api.expect(report).to_contain_text("prompt beside messages")
     playwright_api.expect(report).to_contain_text("Suggested fix: keep only messages")

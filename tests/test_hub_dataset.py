@@ -11,18 +11,17 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from huggingface_hub import HfApi
 
 from conftest import run_folders
-from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
+from hub_standin import HubStandIn
 from studio_core.builtin import ensure_tiny_model
 from studio_core.hardware import cpu_hardware
 from studio_core.runs import RunManager
 from studio_core.spec import RunSpec, validate
+from test_hub_download import TOKEN, hub  # noqa: F401 (fixture: the stand-in, an empty Hub cache)
 from test_runs import REPO, TINY, launch_py, tiny, wait_until_final
 
-TOKEN = "hf_alice_publish_0123456789"
 CHATS = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
                        {"role": "assistant", "content": f"{i + 1}."}]} for i in range(12)]
 # a dataset card declaring a config whose splits are not called train/test, as ultrachat_200k's
@@ -37,15 +36,6 @@ configs:
 ---
 # Sums, for tests
 """
-
-
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    with HubStandIn(tokens={TOKEN: {"user": "alice", "orgs": []}}) as standin:
-        point_hub_client_at(standin, monkeypatch)
-        use_hub_cache(tmp_path / "empty-hub-cache", monkeypatch)
-        yield standin
-    assert standin.errors == [], "the stand-in met requests it could not handle"
 
 
 def publish(hub: HubStandIn, repo_id: str, files: dict[str, bytes | list[dict]], tmp_path) -> None:
