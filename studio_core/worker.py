@@ -21,9 +21,10 @@ from pathlib import Path
 
 from studio_core import sources
 from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
-from studio_core.checkpoints import RESUME_ENV, download_dataset_split, download_with_progress, stop_and_save_callback
+from studio_core.checkpoints import RESUME_ENV, stop_and_save_callback
 from studio_core.compile_watch import CompileWatch, ShapeWatch
 from studio_core.data_check import prepare_dataset
+from studio_core.downloads import download_dataset_split, download_with_progress
 from studio_core.events import append_event
 from studio_core.layout import mesh_sizes
 from studio_core.rewards import reward_functions
