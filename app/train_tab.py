@@ -39,8 +39,9 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
     on, and the suggested fix as data (data_check.suggest_fix) for the page to apply."""
     path = sources.dataset_file(spec.dataset_name)
     if path is None:
-        return ("Hub datasets and dataset folders are checked when the run loads them "
-                "(their first rows are not read before launch)."), None, {}
+        return ("A Hub dataset or a dataset folder is not read before launch: the run downloads its split, "
+                "then checks its first rows the same way before it loads the model, and fails at once, "
+                "saying what to change, if they do not fit."), None, {}
     try:
         rows = read_rows(path, 5)
     except (OSError, ValueError) as error:
