@@ -21,13 +21,13 @@ loading path cannot run on this CPU build machine.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
 import traceback
 
 from studio_core import leases
+from studio_core.hardware import pin_to_cpu_cores
 
 # Prompt lengths are left-padded up to the first bucket that holds them.
 BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -175,7 +175,7 @@ def main() -> int:
         return 2
     with lease:
         if setup["backend"] == "cpu":
-            os.sched_setaffinity(0, setup["cores"])
+            pin_to_cpu_cores(setup["cores"])
             import torch
 
             torch.set_num_threads(len(setup["cores"]))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from studio_core import leases
 from studio_core.events import read_events
-from studio_core.hardware import Hardware
+from studio_core.hardware import Hardware, pin_to_cpu_cores
 from studio_core.sources import HUB_ID
 from studio_core.spec import RunSpec
 from studio_core.worker import OUTPUT_INFO
@@ -131,7 +131,7 @@ def _main(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) ->
     except leases.CoresBusy as error:
         sys.exit(f"CoresBusy: {error}")
     with lease:
-        os.sched_setaffinity(0, cores)
+        pin_to_cpu_cores(cores)
         import torch
 
         torch.set_num_threads(len(cores))

@@ -149,6 +149,14 @@ def cpu_hardware() -> Hardware:
     return Hardware("cpu", cores, cpu_count=cores)
 
 
+def pin_to_cpu_cores(cores: list[int]) -> None:
+    """Pin this process (and the children it starts) to the studio's CPU cores `cores`: numbers
+    0..n-1 over the CPUs this process may use, which in a container limited to CPUs 4-7 are
+    OS CPUs 4-7, not 0-3."""
+    allowed = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, [allowed[core] for core in cores])
+
+
 _PROBE = r"""
 import importlib.util, json
 found = {"neuron": 0, "cuda": 0}

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from studio_core import leases
 from studio_core.events import EventReader, append_event
+from studio_core.hardware import pin_to_cpu_cores
 from studio_core.monitor import SAMPLE_EVERY_S, RunMonitor
 from studio_core.procs import kill_run_processes
 
@@ -46,7 +47,7 @@ def main(run_dir: Path) -> int:
         return 1
     append_event(events, "log", message=f"holding {backend} cores {cores}")
     if backend == "cpu":
-        os.sched_setaffinity(0, cores)  # torchrun and every rank inherit the pinning
+        pin_to_cpu_cores(cores)  # torchrun and every rank inherit the pinning
 
     torchrun = subprocess.Popen(launch["argv"], stdin=subprocess.DEVNULL, cwd=run_dir,
                                 env={**os.environ, **launch["env"]})

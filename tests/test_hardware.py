@@ -8,6 +8,9 @@ import importlib.util
 import json
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +159,16 @@ def test_neuron_ls_alone_does_not_make_a_neuron_machine(tmp_path, monkeypatch):
     (bin_dir / "neuron-ls").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     assert detect_hardware().backend in ("cpu", "cuda")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_cpu_core_numbers_map_onto_the_cpus_this_process_may_use():
+    """As in a container limited to some CPUs: started on the last CPU only, the studio's core 0
+    is that CPU, not CPU 0 (which it may not use)."""
+    last = max(os.sched_getaffinity(0))
+    code = ("import os; from studio_core.hardware import cpu_hardware, pin_to_cpu_cores; "
+            "assert cpu_hardware().cpu_count == 1; pin_to_cpu_cores([0]); print(sorted(os.sched_getaffinity(0)))")
+    done = subprocess.run(["taskset", "-c", str(last), sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"[{last}]"
