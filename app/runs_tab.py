@@ -73,12 +73,17 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
     filters = [state, trainer, model, sort]
 
     def on_refresh(current, state_, trainer_, model_, sort_):
+        # Values are set only when theirs is gone (a deleted run, its model's last run): the
+        # timer's request can carry a value from before the user's latest pick, and setting
+        # that would undo the pick.
         views = manager.list()
         frame = runs_table(views, state_, trainer_, model_, sort_)
         ids = [v.id for v in views]
         models = [ALL, *sorted({history.model_of(v) for v in views})]
-        return (frame, gr.update(choices=ids, value=current if current in ids else None),
-                gr.update(choices=models, value=model_ if model_ in models else ALL), gr.update(choices=ids))
+        kept = current is None or current in ids
+        return (frame, gr.update(choices=ids) if kept else gr.update(choices=ids, value=None),
+                gr.update(choices=models) if model_ in models else gr.update(choices=models, value=ALL),
+                gr.update(choices=ids))
 
     def on_open(run_id):
         spec_text = (manager.runs_dir / run_id / "spec.yaml").read_text() if run_id else ""
