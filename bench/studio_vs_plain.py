@@ -50,7 +50,8 @@ from common import (PROCS, REPO, BenchError, Noise, ok, run_bench, run_until_fin
                     tail, wait_quiet)
 from studio_core.builtin import BUILTIN_DATASETS, ensure_tiny_model
 from studio_core.events import read_events
-from studio_core.hardware import cpu_hardware
+from studio_core.hardware import cpu_hardware, studio_cpus
+from studio_core.layout import parse_cores
 from studio_core.runs import RunManager
 from studio_core.spec import RunSpec, validated
 from studio_core.trl_schema import trl_schema
@@ -200,7 +201,7 @@ def measure(work: Path, args, report: dict) -> None:
         "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
         "python": platform.python_version(), "studio_env": resolved.env,
         "studio_applied": [[k, v] for k, v, _ in resolved.applied],
-        "sft_kwargs_both": sft_kwargs, "plain_argv": ["taskset", "-c", resolved.spec.layout.cores, *TORCHRUN, "bench/plain_sft.py", "..."],
+        "sft_kwargs_both": sft_kwargs, "plain_argv": [*TORCHRUN, "bench/plain_sft.py", "..."],
         "bench_env_OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
     }
     print(f"[bench] work folder {work}; SFTConfig values for both: {json.dumps(sft_kwargs)}", flush=True)
@@ -209,7 +210,7 @@ def measure(work: Path, args, report: dict) -> None:
     warm_spec, warm_file, _ = planned(WARMUP_STEPS, "sft_kwargs_warmup.json")
     print(f"[bench] warm-up (uncounted): studio {WARMUP_STEPS} steps, plain {WARMUP_STEPS} steps", flush=True)
     run_studio(manager, warm_spec)
-    cores = resolved.spec.layout.cores
+    cores = ",".join(str(studio_cpus()[core]) for core in parse_cores(resolved.spec.layout.cores))  # OS CPUs
     run_plain(work, "plain-warmup", warm_file, resolved.env, cores)
 
     runs, clean, round_no = [], 0, 0

@@ -144,17 +144,39 @@ def _neuron_ls(timeout: float = 10) -> dict | None:
         return None
 
 
+CPU_CORES_ENV = "STUDIO_CPU_CORES"
+
+
+def studio_cpus() -> list[int]:
+    """The OS CPUs that the CPU backend's cores 0..n-1 stand for: the CPUs this process may use
+    (in a container limited to CPUs 4-7, core 0 is CPU 4), in the order STUDIO_CPU_CORES lists
+    them when it is set (e.g. "2,3": runs, chats and exports stay off CPUs 0 and 1)."""
+    allowed = os.sched_getaffinity(0)
+    wanted = os.environ.get(CPU_CORES_ENV, "").strip()
+    if not wanted:
+        return sorted(allowed)
+    from studio_core.layout import parse_cores  # layout imports this module
+
+    try:
+        listed = [cpu for cpu in parse_cores(wanted) if cpu in allowed]
+    except ValueError as error:
+        raise ValueError(f"{CPU_CORES_ENV}={wanted!r}: {error}") from error
+    if not listed:
+        raise ValueError(f"{CPU_CORES_ENV}={wanted!r} names none of the CPUs this process may use "
+                         f"({','.join(map(str, sorted(allowed)))}): name some of those, or unset it")
+    return listed
+
+
 def cpu_hardware() -> Hardware:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(studio_cpus())
     return Hardware("cpu", cores, cpu_count=cores)
 
 
 def pin_to_cpu_cores(cores: list[int]) -> None:
-    """Pin this process (and the children it starts) to the studio's CPU cores `cores`: numbers
-    0..n-1 over the CPUs this process may use, which in a container limited to CPUs 4-7 are
-    OS CPUs 4-7, not 0-3."""
-    allowed = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, [allowed[core] for core in cores])
+    """Pin this process (and the children it starts) to the CPU backend's cores `cores`
+    (studio_cpus says which OS CPUs they are)."""
+    cpus = studio_cpus()
+    os.sched_setaffinity(0, [cpus[core] for core in cores])
 
 
 _PROBE = r"""

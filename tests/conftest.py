@@ -10,11 +10,20 @@ import tempfile
 
 import pytest
 
+from studio_core.hardware import CPU_CORES_ENV
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("STUDIO_CACHE_DIR", tempfile.mkdtemp(prefix="studio-test-cache-"))
 # datasets' own cache of the JSONL files the tests load, away from the user's
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="studio-test-datasets-"))
+# Every test has a runs folder of its own, so "next free" starts each run on core 0: with two
+# pytest-xdist workers, the second one's cores start on another CPU (STUDIO_CPU_CORES), so
+# their runs do not share one CPU while the other idles.
+_CPUS, _WORKER = sorted(os.sched_getaffinity(0)), os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and len(_CPUS) > 1 and CPU_CORES_ENV not in os.environ:
+    _FIRST = int(_WORKER[2:]) % len(_CPUS)
+    os.environ[CPU_CORES_ENV] = ",".join(map(str, _CPUS[_FIRST:] + _CPUS[:_FIRST]))
 
 
 def run_folders(runs_dir):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.hardware import INSTANCES, detect_hardware, instance_hardware, parse_neuron_ls
+from studio_core.hardware import (INSTANCES, cpu_hardware, detect_hardware, instance_hardware, parse_neuron_ls,
+                                   studio_cpus)
 
 GIB = 2**30
 
@@ -172,3 +173,17 @@ def test_cpu_core_numbers_map_onto_the_cpus_this_process_may_use():
                           cwd=Path(__file__).resolve().parents[1], timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"[{last}]"
+
+
+def test_studio_cpu_cores_orders_and_limits_the_cpus(monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("STUDIO_CPU_CORES", ",".join(map(str, reversed(cpus))))
+    assert studio_cpus() == cpus[::-1] and cpu_hardware().cpu_count == len(cpus)
+    monkeypatch.setenv("STUDIO_CPU_CORES", f"{cpus[-1]},{max(cpus) + 1000}")  # a CPU not ours is left out
+    assert studio_cpus() == [cpus[-1]]
+    monkeypatch.setenv("STUDIO_CPU_CORES", str(max(cpus) + 1000))
+    with pytest.raises(ValueError, match="names none of the CPUs this process may use"):
+        studio_cpus()
+    monkeypatch.setenv("STUDIO_CPU_CORES", "two")
+    with pytest.raises(ValueError, match="STUDIO_CPU_CORES='two': 'two'"):
+        studio_cpus()

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from studio_core.events import FINAL_STATES, read_events
-from studio_core.hardware import cpu_hardware
+from studio_core.hardware import cpu_hardware, studio_cpus
 from studio_core.procs import kill_run_processes
 from studio_core.runs import RunManager, RunView
 from conftest import run_folders
@@ -388,7 +388,7 @@ def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manag
     first = manager.start(tiny(*LONG, "studio.cores=0"), cpu_hardware())
     wait_until_training(manager, first.id)
     rank0 = ranks(marked_processes(first.id))["0"]
-    assert rank0.cpu_affinity() == [0]  # pinned to the core it holds
+    assert rank0.cpu_affinity() == [studio_cpus()[0]]  # pinned to the core it holds
 
     with pytest.raises(SpecError) as refused:
         manager.start(tiny("max_steps=3", "studio.cores=0"), cpu_hardware())
