@@ -43,6 +43,12 @@ def main(run_dir: Path) -> None:
     events = run_dir / "events.jsonl"
     try:
         train(spec, run_dir, events)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # Left to interpreter exit, gloo's threads can abort a rank after a finished run
+            # ("terminate called without an active exception", seen once with 2 processes)
+            dist.destroy_process_group()
     except SpecError as error:  # the dataset's checks: the same what-to-change lines as before launch
         append_event(events, "error", rank=RANK, problems=error.problems,
                      message=f"checked on the dataset's first rows, before loading the model:\n{error}")
