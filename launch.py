@@ -24,14 +24,14 @@ from pathlib import Path
 
 from studio_core import compile_cache, hub
 from studio_core.chat import ChatError, ChatProcess
-from studio_core.events import FINAL_STATES
+from studio_core.cores import format_cores
 from studio_core.export import ExportError, export_run
 from studio_core.forecast import forecast_in_subprocess
-from studio_core.hardware import detect_hardware, instance_hardware, cpu_hardware, INSTANCES
-from studio_core.layout import format_cores
-from studio_core.runs import RunManager, RunView, late_compile_text
+from studio_core.hardware import INSTANCES, cpu_hardware, detect_hardware, instance_hardware
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import FINAL_STATES, RunView, late_compile_text
 from studio_core.scripts import launch_script, slurm_script
-from studio_core.spec import RunSpec, SpecError, validated
+from studio_core.spec import RunSpec, SpecError
 
 COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "export")
 
@@ -139,7 +139,7 @@ def load_spec(args) -> RunSpec:
               if (value := getattr(args, key)) is not None]
     if args.cores is not None:
         layout[-1] = f"studio.cores='{args.cores}'"  # a core set is text, even "3"
-    return validated(RunSpec.load(args.recipe).with_overrides([*args.set, *layout]))
+    return RunSpec.load(args.recipe).with_overrides([*args.set, *layout])  # checked once, by plan or start
 
 
 def cmd_plan(args) -> int:
@@ -275,7 +275,7 @@ def cmd_stop(args) -> int:
     manager = RunManager(args.runs_dir)
     if args.save:
         manager.stop_and_save(args.run_id)
-        view = follow_to_end(manager, args.run_id)
+        view = manager.wait(args.run_id)
         point = view.resume_point()
         print(f"Run {view.id}: {view.live_state}" + (f"; resume it from step {point['step']} with "
                                                      f"`launch.py train --resume {view.id}`" if point else ""))
@@ -283,13 +283,6 @@ def cmd_stop(args) -> int:
     view = manager.stop(args.run_id)
     print(f"Run {view.id}: {view.live_state}")
     return 0
-
-
-def follow_to_end(manager: RunManager, run_id: str, timeout: float = 600) -> RunView:
-    deadline = time.monotonic() + timeout
-    while (view := manager.view(run_id)).live_state not in FINAL_STATES and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return view
 
 
 def cmd_chat(args) -> int:
@@ -366,7 +359,7 @@ def cmd_cache(args) -> int:
     folder = compile_cache.compile_cache_dir(args.backend or detect_hardware().backend)
     if args.clear:
         try:
-            compile_cache.clear(folder, args.runs_dir)
+            compile_cache.clear(folder, RunManager(args.runs_dir).active_runs())
         except compile_cache.CacheInUse as error:
             print(error, file=sys.stderr)
             return 2

@@ -8,7 +8,8 @@ import time
 import gradio as gr
 
 from studio_core import compile_cache
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
+from studio_core.sizes import format_size
 
 REUSE = {
     "neuron": "NEFFs are reused by later steps and runs whose graphs are identical (same model, shapes, "
@@ -22,7 +23,7 @@ REUSE = {
 
 def cache_text(backend: str, note: str = "") -> str:
     cache = compile_cache.summary(compile_cache.compile_cache_dir(backend))
-    rows = [("folder", f"`{cache.path}`"), ("size", compile_cache.format_size(cache.size_bytes))]
+    rows = [("folder", f"`{cache.path}`"), ("size", format_size(cache.size_bytes))]
     rows += [(kind, str(count)) for kind, count in cache.entries.items()]
     if cache.newest:
         rows.append(("last written", time.strftime("%Y-%m-%d %H:%M", time.localtime(cache.newest))))
@@ -42,7 +43,7 @@ def build(manager: RunManager, backend: str) -> gr.Markdown:
 
     def on_clear() -> str:
         try:
-            compile_cache.clear(compile_cache.compile_cache_dir(backend), manager.runs_dir)
+            compile_cache.clear(compile_cache.compile_cache_dir(backend), manager.active_runs())
         except compile_cache.CacheInUse as error:
             return cache_text(backend, f"**Not cleared.** {error}")
         return cache_text(backend, "**Cleared.**")

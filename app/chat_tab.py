@@ -13,10 +13,10 @@ import gradio as gr
 
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.chat import ChatError, ChatProcess
+from studio_core.cores import format_cores
 from studio_core.hardware import Hardware
 from studio_core.history import runs_with_a_model
-from studio_core.layout import format_cores
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 
 
 class ChatHolder:
@@ -50,8 +50,8 @@ class ChatHolder:
 
 
 def chat_targets(manager: RunManager) -> list[str]:
-    """Finished runs with a saved model, newest first, then the built-in model."""
-    return [*runs_with_a_model(manager), BUILTIN_MODEL]
+    """Finished runs with a saved model that answers prompts, newest first, then the built-in model."""
+    return [*runs_with_a_model(manager, chats=True), BUILTIN_MODEL]
 
 
 def shapes_text(done: dict) -> str:

@@ -11,7 +11,8 @@ import gradio as gr
 import pandas as pd
 
 from studio_core import history
-from studio_core.runs import RunManager, RunView
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import RunView
 
 
 def _views(manager: RunManager, run_ids: list[str] | None) -> tuple[list[RunView], list[str]]:

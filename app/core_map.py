@@ -7,14 +7,13 @@ import html
 
 from studio_core.hardware import Hardware
 from studio_core.layout import tp_groups
-from studio_core.leases import describe
 
 GROUP_COLOURS = ("#268bd2", "#2aa198", "#6c71c4", "#b58900", "#cb4b16", "#859900", "#d33682", "#073642")
 
 
-def core_map_html(hardware: Hardware, cores: list[int], tp_size: int, held: dict[int, dict]) -> str:
-    """`cores`: the run's cores in rank order; `held`: core -> holder info (leases.holders)."""
-    count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+def core_map_html(hardware: Hardware, cores: list[int], tp_size: int, held: dict[int, str]) -> str:
+    """`cores`: the run's cores in rank order; `held`: core -> who holds it (RunManager.core_holders)."""
+    count = hardware.cores
     per_chip = count // hardware.chips if hardware.backend == "neuron" and hardware.chips else count
     group_of = {}
     if cores and tp_size >= 1 and len(cores) % tp_size == 0:
@@ -27,7 +26,7 @@ def core_map_html(hardware: Hardware, cores: list[int], tp_size: int, held: dict
         cells = []
         for core in range(first, min(first + per_chip, count)):
             if core in held:
-                style, label, title = "background:#93a1a1;color:#fff", "busy", f"held by {describe(held[core])}"
+                style, label, title = "background:#93a1a1;color:#fff", "busy", f"held by {held[core]}"
             elif core in group_of:
                 colour = GROUP_COLOURS[group_of[core] % len(GROUP_COLOURS)]
                 style, label = f"background:{colour};color:#fff", f"r{cores.index(core)}"

@@ -16,7 +16,7 @@ from studio_core import hub
 from studio_core.export import ExportError, export_run, read_output_info
 from studio_core.hardware import Hardware
 from studio_core.history import runs_with_a_model
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 
 
 def build(manager: RunManager, hardware: Hardware) -> None:

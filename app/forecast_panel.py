@@ -14,7 +14,7 @@ import yaml
 from app.train_form import TrainForm, spec_from_form, target_hardware
 from studio_core.forecast import Forecast, forecast_in_subprocess
 from studio_core.hardware import Hardware
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 from studio_core.spec import SpecError
 
 

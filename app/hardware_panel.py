@@ -4,7 +4,7 @@ is not available (and why).
 
 Everything comes from the run's `hardware` events (written by its supervisor through
 studio_core.monitor), which RunView keeps in `view.hardware`. The run panel places these
-widgets and puts `render(view)`'s values after its own.
+widgets and adds `render(view)`'s values to its own.
 """
 
 from __future__ import annotations
@@ -13,49 +13,52 @@ import gradio as gr
 import pandas as pd
 
 from studio_core.monitor import SAMPLE_EVERY_S
-from studio_core.runs import RunView
+from studio_core.runs.view import RunView
+from studio_core.sizes import MB
 
 MAX_POINTS = 600  # per plot: a long run's samples are thinned to this many, evenly
-MB = 1e6
 
 
-def make_widgets() -> list[gr.Component]:
-    """Create the widgets in the current Blocks context, in the order `render` fills them."""
-    note = gr.Markdown("", elem_classes="run-hardware")
-    with gr.Row():
-        cpu = gr.LinePlot(x="seconds", y="cpu_percent", title="CPU of the run's processes (%, 100 = one core)",
-                          x_title="seconds since start", height=220)
-        rss = gr.LinePlot(x="seconds", y="rss_mb", title="Memory of the run's processes (RSS, MB)",
-                          x_title="seconds since start", height=220)
-    with gr.Row():
-        neuron_util = gr.LinePlot(x="seconds", y="utilization", color="core", title="NeuronCore utilisation (%)",
-                                  x_title="seconds since start", height=220, visible=False)
-        neuron_mem = gr.LinePlot(x="seconds", y="memory_mb", color="core", title="NeuronCore device memory (MB)",
-                                 x_title="seconds since start", height=220, visible=False)
-        cuda_mem = gr.LinePlot(x="seconds", y="cuda_mb", title="CUDA memory of the run's processes (MB)",
-                               x_title="seconds since start", height=220, visible=False)
-    return [note, cpu, rss, neuron_util, neuron_mem, cuda_mem]
+class HardwarePanel:
+    """The widgets, made in the current Blocks context; `render` and `empty` give their values."""
 
+    def __init__(self):
+        self.note = gr.Markdown("", elem_classes="run-hardware")
+        plot = {"x": "seconds", "x_title": "seconds since start", "height": 220}
+        with gr.Row():
+            self.cpu = gr.LinePlot(y="cpu_percent", title="CPU of the run's processes (%, 100 = one core)", **plot)
+            self.rss = gr.LinePlot(y="rss_mb", title="Memory of the run's processes (RSS, MB)", **plot)
+        with gr.Row():
+            self.neuron_util = gr.LinePlot(y="utilization", color="core", title="NeuronCore utilisation (%)",
+                                           visible=False, **plot)
+            self.neuron_mem = gr.LinePlot(y="memory_mb", color="core", title="NeuronCore device memory (MB)",
+                                          visible=False, **plot)
+            self.cuda_mem = gr.LinePlot(y="cuda_mb", title="CUDA memory of the run's processes (MB)",
+                                        visible=False, **plot)
 
-def empty() -> list:
-    """The values when no run is shown."""
-    return ["", _process_frame([], "cpu_percent"), _process_frame([], "rss_mb"),
-            gr.update(value=_core_frame([], "utilization"), visible=False),
-            gr.update(value=_core_frame([], "memory_mb"), visible=False),
-            gr.update(value=_process_frame([], "cuda_mb"), visible=False)]
+    @property
+    def components(self) -> list[gr.Component]:
+        return [self.note, self.cpu, self.rss, self.neuron_util, self.neuron_mem, self.cuda_mem]
 
+    def empty(self) -> dict:
+        """{widget: value} when no run is shown."""
+        return {self.note: "", self.cpu: _process_frame([], "cpu_percent"), self.rss: _process_frame([], "rss_mb"),
+                self.neuron_util: gr.update(value=_core_frame([], "utilization"), visible=False),
+                self.neuron_mem: gr.update(value=_core_frame([], "memory_mb"), visible=False),
+                self.cuda_mem: gr.update(value=_process_frame([], "cuda_mb"), visible=False)}
 
-def render(view: RunView) -> list:
-    """The values for `make_widgets()`'s widgets for this run."""
-    samples = _thin(view.hardware)
-    neuron = [s for s in samples if "neuron" in s]
-    cuda = [s for s in samples if "cuda_mem_bytes" in s]
-    return [note_markdown(view),
-            _process_frame(samples, "cpu_percent", view.created),
-            _process_frame(samples, "rss_mb", view.created),
-            gr.update(value=_core_frame(neuron, "utilization", view.created), visible=bool(neuron)),
-            gr.update(value=_core_frame(neuron, "memory_mb", view.created), visible=bool(neuron)),
-            gr.update(value=_process_frame(cuda, "cuda_mb", view.created), visible=bool(cuda))]
+    def render(self, view: RunView) -> dict:
+        """{widget: value} for this run."""
+        samples = _thin(view.hardware)
+        neuron = [s for s in samples if "neuron" in s]
+        cuda = [s for s in samples if "cuda_mem_bytes" in s]
+        return {self.note: note_markdown(view),
+                self.cpu: _process_frame(samples, "cpu_percent", view.created),
+                self.rss: _process_frame(samples, "rss_mb", view.created),
+                self.neuron_util: gr.update(value=_core_frame(neuron, "utilization", view.created),
+                                            visible=bool(neuron)),
+                self.neuron_mem: gr.update(value=_core_frame(neuron, "memory_mb", view.created), visible=bool(neuron)),
+                self.cuda_mem: gr.update(value=_process_frame(cuda, "cuda_mb", view.created), visible=bool(cuda))}
 
 
 def note_markdown(view: RunView) -> str:

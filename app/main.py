@@ -12,7 +12,7 @@ import gradio as gr
 
 from app import cache_panel, chat_tab, export_tab, runs_tab, train_tab
 from studio_core.hardware import Hardware, detect_hardware
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 
 CSS = ".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace; font-size: 0.8em}"
 
@@ -20,7 +20,7 @@ CSS = ".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace
 def latest_active_run(manager: RunManager) -> str | None:
     """The run a fresh page should follow: the newest one still going, if any."""
     for view in manager.list():
-        if view.live_state in ("starting", "running"):
+        if view.active:
             return view.id
     return None
 

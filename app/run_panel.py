@@ -14,48 +14,54 @@ import time
 import gradio as gr
 import pandas as pd
 
-from app import hardware_panel
-from studio_core.checkpoints import list_checkpoints
-from studio_core.runs import RunManager, RunView, late_compile_text
+from app.hardware_panel import HardwarePanel
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import RunView, late_compile_text
+from studio_core.sizes import MB
 
-LOG_TAIL_BYTES = 12_000
-MB = 2 ** 20
 STATE_COLOURS = {"starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
                  "failed": "#dc322f", "stopped": "#6c71c4"}
 
 
-def make_panel() -> list[gr.Component]:
-    """Create the panel's widgets in the current Blocks context, in the order `render` fills them."""
-    status = gr.Markdown("No run selected.", elem_classes="run-status")
-    progress = gr.HTML("")
-    compiles = gr.HTML("", elem_classes="run-compiles")
-    error = gr.Code(label="Error", visible=False, language=None, lines=8, elem_classes="run-error")
-    with gr.Row():
-        loss = gr.LinePlot(x="step", y="loss", title="Loss", height=260)
-        lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
-    hardware = hardware_panel.make_widgets()  # shown under the loss; their values come last
-    log = gr.Textbox(label="Log (tail of train.log)", lines=12, max_lines=12, autoscroll=True,
-                     interactive=False, elem_classes="run-log")
-    with gr.Accordion("Settings the studio applied, and why", open=False):
-        applied = gr.Markdown("")
-    return [status, progress, compiles, error, loss, lr, log, applied, *hardware]
+class RunPanel:
+    """The panel's widgets, made in the current Blocks context; `render` gives their values."""
 
+    def __init__(self):
+        self.status = gr.Markdown("No run selected.", elem_classes="run-status")
+        self.progress = gr.HTML("")
+        self.compiles = gr.HTML("", elem_classes="run-compiles")
+        self.error = gr.Code(label="Error", visible=False, language=None, lines=8, elem_classes="run-error")
+        with gr.Row():
+            self.loss = gr.LinePlot(x="step", y="loss", title="Loss", height=260)
+            self.lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
+        self.hardware = HardwarePanel()  # under the loss
+        self.log = gr.Textbox(label="Log (tail of train.log)", lines=12, max_lines=12, autoscroll=True,
+                              interactive=False, elem_classes="run-log")
+        with gr.Accordion("Settings the studio applied, and why", open=False):
+            self.applied = gr.Markdown("")
 
-def render(manager: RunManager, run_id: str | None) -> list:
-    """The values for `make_panel()`'s widgets for this run."""
-    if not run_id:
-        return ["No run selected.", "", "", gr.update(visible=False), _frame("loss"), _frame("learning_rate"),
-                "", "", *hardware_panel.empty()]
-    try:
-        view = manager.view(run_id)
-    except KeyError:
-        return [f"Run `{run_id}` not found in {manager.runs_dir}.", "", "", gr.update(visible=False),
-                _frame("loss"), _frame("learning_rate"), "", "", *hardware_panel.empty()]
-    error = _error_text(view)
-    return [status_markdown(view), progress_html(view), compiles_html(view),
-            gr.update(value=error, visible=bool(error)),
-            _frame("loss", view), _frame("learning_rate", view), log_tail(view), applied_markdown(view),
-            *hardware_panel.render(view)]
+    @property
+    def components(self) -> list[gr.Component]:
+        return [self.status, self.progress, self.compiles, self.error, self.loss, self.lr, self.log, self.applied,
+                *self.hardware.components]
+
+    def render(self, manager: RunManager, run_id: str | None) -> dict:
+        """{widget: value} for this run (or for none)."""
+        view, message = None, "No run selected."
+        if run_id:
+            try:
+                view = manager.view(run_id)
+            except KeyError:
+                message = f"Run `{run_id}` not found in {manager.runs_dir}."
+        if view is None:
+            return {self.status: message, self.progress: "", self.compiles: "", self.error: gr.update(visible=False),
+                    self.loss: _frame("loss"), self.lr: _frame("learning_rate"), self.log: "", self.applied: "",
+                    **self.hardware.empty()}
+        error = _error_text(view)
+        return {self.status: status_markdown(view), self.progress: progress_html(view),
+                self.compiles: compiles_html(view), self.error: gr.update(value=error, visible=bool(error)),
+                self.loss: _frame("loss", view), self.lr: _frame("learning_rate", view), self.log: view.log_tail(),
+                self.applied: applied_markdown(view), **self.hardware.render(view)}
 
 
 def status_markdown(view: RunView) -> str:
@@ -69,7 +75,7 @@ def status_markdown(view: RunView) -> str:
     duration = view.duration()
     if duration is not None:
         parts.append(f"elapsed {format_seconds(duration)}")
-    last_loss = next((m["loss"] for m in reversed(view.metrics) if "loss" in m), None)
+    last_loss = view.last_loss()
     if last_loss is not None:
         parts.append(f"loss {last_loss:.4f}")
     return " · ".join(parts)
@@ -99,7 +105,7 @@ def progress_html(view: RunView) -> str:
 
 def checkpoints_html(view: RunView) -> str:
     """The run's checkpoints with step and size, and whether (and from where) it can resume."""
-    found = list_checkpoints(view.dir)
+    found = view.saved_checkpoints()
     parts = []
     if found:
         listed = ", ".join(f"step {c['step']} ({c['size_bytes'] / MB:,.1f} MB)" for c in found)
@@ -156,24 +162,9 @@ def _timeline(view: RunView) -> str:
             f"{segments}</div><div style='font-size:0.8em'>timeline: compiling (orange), training (blue)</div>")
 
 
-def log_tail(view: RunView) -> str:
-    path = view.dir / "train.log"
-    try:
-        with path.open("rb") as handle:
-            handle.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
-            text = handle.read().decode(errors="replace")
-    except FileNotFoundError:
-        return ""
-    lines = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
-    return "\n".join(lines[-60:])
-
-
 def applied_markdown(view: RunView) -> str:
-    import json
-
-    try:
-        launch = json.loads((view.dir / "launch.json").read_text())
-    except FileNotFoundError:
+    launch = view.launch()
+    if not launch:
         return ""
     rows = [f"| `{key}` | `{value!r}` | {reason} |" for key, value, reason in launch.get("applied", [])]
     warnings = [f"- {w}" for w in launch.get("warnings", [])]

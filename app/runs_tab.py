@@ -10,26 +10,26 @@ import pandas as pd
 
 from app import compare, run_panel
 from app.train_form import TrainForm, form_values
-from studio_core import history
-from studio_core.runs import RunManager, RunView
+from studio_core import history, trainers
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import STATES, RunView
+from studio_core.sizes import format_size
 
 COLUMNS = ["run", "state", "trainer", "model", "dataset", "started", "duration", "steps", "final loss", "size"]
 ALL = "all"
-STATES = ["starting", "running", "finished", "failed", "stopped"]
-TRAINERS = ["sft", "dpo", "grpo"]
 
 
 def runs_table(views: list[RunView], state: str = ALL, trainer: str = ALL, model: str = ALL,
                sort: str = "newest first") -> pd.DataFrame:
     rows = []
     for view in history.sort_runs(history.filter_runs(views, state, trainer, model), sort):
-        loss = history.final_loss(view)
+        loss = view.last_loss()
         duration = view.duration()
-        rows.append([view.id, view.live_state, history.trainer_of(view), history.model_of(view),
-                     view.spec.get("dataset_name", ""), run_panel.format_time(view.created),
+        rows.append([view.id, view.live_state, view.trainer, view.model, view.dataset,
+                     run_panel.format_time(view.created),
                      run_panel.format_seconds(duration) if duration is not None else "",
                      f"{view.step}/{view.max_steps or '?'}", "" if loss is None else round(loss, 4),
-                     history.format_size(history.run_size(view.dir))])
+                     format_size(view.size())])
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -41,7 +41,7 @@ def run_info(manager: RunManager, run_id: str | None) -> str:
         view = manager.view(run_id)
     except KeyError:
         return ""
-    lines = [f"**Disk:** {history.format_size(history.run_size(view.dir))} in `{view.dir}`"]
+    lines = [f"**Disk:** {format_size(view.size())} in `{view.dir}`"]
     hint = history.tracking_hint(view)
     lines.append(f"**Experiment tracking:** {hint}" if hint else "**Experiment tracking:** none (report_to)")
     return "  \n".join(lines)
@@ -53,7 +53,7 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
     with gr.Row():
         refresh = gr.Button("Refresh", scale=0)
         state = gr.Dropdown([ALL, *STATES], value=ALL, label="State", elem_id="filter-state")
-        trainer = gr.Dropdown([ALL, *TRAINERS], value=ALL, label="Trainer", elem_id="filter-trainer")
+        trainer = gr.Dropdown([ALL, *trainers.TRAINERS], value=ALL, label="Trainer", elem_id="filter-trainer")
         model = gr.Dropdown([ALL], value=ALL, label="Model", elem_id="filter-model")
         sort = gr.Dropdown(list(history.SORTS), value="newest first", label="Sort", elem_id="sort-runs")
     table = gr.Dataframe(runs_table(manager.list()), headers=COLUMNS, interactive=False, elem_id="runs-table")
@@ -67,7 +67,7 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
     message = gr.Markdown("", elem_id="runs-message")
     info = gr.Markdown("", elem_id="run-info")
     pending = gr.State(None)  # the run the confirm button deletes
-    panel = run_panel.make_panel()
+    panel = run_panel.RunPanel()
     with gr.Accordion("Spec (spec.yaml: the recipe with the applied defaults)", open=False):
         spec_code = gr.Code(language="yaml", lines=16)
     filters = [state, trainer, model, sort]
@@ -79,15 +79,18 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
         views = manager.list()
         frame = runs_table(views, state_, trainer_, model_, sort_)
         ids = [v.id for v in views]
-        models = [ALL, *sorted({history.model_of(v) for v in views})]
+        models = [ALL, *sorted({v.model for v in views})]
         kept = current is None or current in ids
         return (frame, gr.update(choices=ids) if kept else gr.update(choices=ids, value=None),
                 gr.update(choices=models) if model_ in models else gr.update(choices=models, value=ALL),
                 gr.update(choices=ids))
 
     def on_open(run_id):
-        spec_text = (manager.runs_dir / run_id / "spec.yaml").read_text() if run_id else ""
-        return [*run_panel.render(manager, run_id), spec_text, run_info(manager, run_id)]
+        try:
+            spec_text = manager.view(run_id).spec_text() if run_id else ""
+        except KeyError:  # deleted meanwhile
+            spec_text = ""
+        return {**panel.render(manager, run_id), spec_code: spec_text, info: run_info(manager, run_id)}
 
     def on_select(frame: pd.DataFrame, event: gr.SelectData):
         return frame.iloc[event.index[0]]["run"]
@@ -101,9 +104,9 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
             view = manager.view(run_id)
         except KeyError as error:
             return str(error).strip("'\""), None, *hide_confirm
-        if view.live_state in history.ACTIVE_STATES:
+        if view.active:
             return (f"Run `{run_id}` is {view.live_state}: stop it before deleting it.", None, *hide_confirm)
-        size = history.format_size(history.run_size(view.dir))
+        size = format_size(view.size())
         return ("", run_id, gr.update(visible=False),
                 gr.update(value=f"Really delete {run_id}? Frees {size}", visible=True), gr.update(visible=True))
 
@@ -112,14 +115,14 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
             freed = history.delete_run(manager, run_id)
         except (history.RunActiveError, KeyError) as error:
             return str(error).strip("'\""), None, *hide_confirm
-        return f"Deleted run `{run_id}` and its files: {history.format_size(freed)} freed.", None, *hide_confirm
+        return f"Deleted run `{run_id}` and its files: {format_size(freed)} freed.", None, *hide_confirm
 
     refresh_io = ([opened, *filters], [table, opened, model, picked])
     refresh.click(on_refresh, *refresh_io)
     for widget in filters:
         widget.change(on_refresh, *refresh_io)
     table.select(on_select, table, opened)
-    opened.change(on_open, opened, [*panel, spec_code, info])
+    opened.change(on_open, opened, [*panel.components, spec_code, info])
     # One queue for these, in the order they were asked: a Delete clicked right after another
     # run was opened is answered after that opening's reset, not hidden by it.
     in_order = {"concurrency_id": "delete-run", "concurrency_limit": 1}
@@ -133,7 +136,7 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
     if form is not None:
         _wire_clone(manager, form, tabs, train_tab_id, clone, opened, message)
     timer = gr.Timer(2.0)
-    timer.tick(lambda run_id: run_panel.render(manager, run_id), opened, panel, show_progress="hidden")
+    timer.tick(lambda run_id: panel.render(manager, run_id), opened, panel.components, show_progress="hidden")
     timer.tick(on_refresh, *refresh_io, show_progress="hidden")
     return table, opened, timer
 
@@ -143,22 +146,22 @@ def _wire_clone(manager: RunManager, form: TrainForm, tabs: gr.Tabs | None, trai
     """"Clone into Train tab": the run's settings (less what the planner added for this
     machine, and its cores) fill the Train form, and the page switches to it."""
     names = list(form.widgets)
-    outputs = [message, *form.widgets.values(), form.dpo_group, form.grpo_group, form.advanced_box]
+    outputs = [message, *form.widgets.values(), *form.trainer_groups.values(), form.advanced_box]
     outputs += [tabs] if tabs is not None else []
 
     def on_clone(run_id):
         if not run_id:
-            return ["Open a run first.", *[gr.update()] * (len(outputs) - 1)]
+            return {message: "Open a run first."}
         try:
             values = form_values(history.clone_spec(manager, run_id))
         except KeyError as error:  # deleted since it was opened
-            return [str(error).strip("'\""), *[gr.update()] * (len(outputs) - 1)]
+            return {message: str(error).strip("'\"")}
         trainer, extra = values["trainer"], bool(values["extra"])
         note = (f"Loaded run `{run_id}`'s settings into the Train tab"
                 + (" (some are in Advanced: Other TRL settings)" if extra else "") + ".")
-        return [note, *[gr.update(value=values[n]) if n in values else gr.update() for n in names],
-                gr.update(visible=trainer == "dpo"), gr.update(visible=trainer == "grpo"),
-                gr.update(open=True) if extra else gr.update(),
-                *([gr.Tabs(selected=train_tab_id)] if tabs is not None else [])]
+        shown = {message: note, **{form.widgets[n]: gr.update(value=values[n]) for n in names if n in values},
+                 **{group: gr.update(visible=key == trainer) for key, group in form.trainer_groups.items()}}
+        shown |= {form.advanced_box: gr.update(open=True)} if extra else {}
+        return shown | ({tabs: gr.Tabs(selected=train_tab_id)} if tabs is not None else {})
 
     button.click(on_clone, opened, outputs)

@@ -1,8 +1,9 @@
 """The Train tab's form: its widgets, and the one place where their values become a RunSpec.
 
-Every widget is named after the setting it holds (TRL's name where TRL has one). The
-trainer's own settings show only for that trainer; LoRA and the advanced settings are
-folded away. Labels and choices come from TRL's config classes (studio_core.trl_schema).
+Every widget is named after the setting it holds (TRL's name where TRL has one); a trainer's
+own settings (studio_core.trainers) are named `<trainer>.<setting>` and show only for that
+trainer. LoRA and the advanced settings are folded away. Labels and choices come from TRL's
+config classes (studio_core.trl_schema).
 """
 
 from __future__ import annotations
@@ -13,17 +14,15 @@ import re
 import gradio as gr
 import yaml
 
+from studio_core import trainers
 from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.hardware import INSTANCES, Hardware, instance_hardware
 from studio_core.sources import cached_models
 from studio_core.spec import Layout, RunSpec, SpecError, check_args
-from studio_core.trl_schema import TRAINER_CONFIGS, trainer_fields
+from studio_core.trainers import FormField
+from studio_core.trl_schema import trainer_fields
 
-TRAINERS = {"sft": "SFT (supervised fine-tuning)", "dpo": "DPO (preference pairs)",
-            "grpo": "GRPO (online RL with reward functions)"}
-SAMPLE_FOR_TRAINER = {"sft": "builtin:qa", "dpo": "builtin:preference", "grpo": "builtin:prompts"}
 THIS_MACHINE = "this machine"
-DEFAULT_REWARDS = "- {name: length, target: 40, weight: 1.0}\n- {name: exact_match, column: reference, weight: 1.0}\n"
 TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the form offers, when installed
 # The form's starting values suit the built-in tiny model: from random weights, it learns its
 # facts in seconds at this rate. Any other model starts at TRL's default for the trainer.
@@ -51,7 +50,8 @@ def learning_rate_start(trainer: str, model: str) -> float:
 
 def learning_rate_info(trainer: str, model: str, own: bool = False) -> str:
     """Where the learning rate shown comes from, and TRL's default for the trainer."""
-    trl_default = f"TRL's default for {trainer.upper()} ({TRAINER_CONFIGS[trainer]}) is " \
+    entry = trainers.get(trainer)
+    trl_default = f"TRL's default for {entry.name} ({entry.config_class}) is " \
                   f"{trainer_fields(trainer)['learning_rate']['default']:g}"
     if own:
         return f"your value; {trl_default}"
@@ -68,13 +68,28 @@ def help_choices(trainer: str, field: str) -> list[str]:
     return re.findall(r"'([a-z_]+)'", sentence)
 
 
+def field_choices(trainer: str, field: FormField) -> list[str]:
+    """A choice field's values: the registry's, else TRL's own for the field, else its help text's."""
+    return list(field.choices) or trainer_fields(trainer)[field.name]["choices"] or help_choices(trainer, field.name)
+
+
+def field_widget(trainer: str, field: FormField) -> gr.Component:
+    """The widget of one of a trainer's own settings (studio_core.trainers.FormField)."""
+    common = {"label": field.name, "info": field.info, "elem_id": f"{trainer}-{field.name}"}
+    if field.kind == "rewards":
+        return gr.Code(field.start, language="yaml", lines=4, elem_id=common["elem_id"], label=field.info)
+    if field.kind == "choice":
+        return gr.Dropdown(field_choices(trainer, field), value=field.start, **common)
+    return gr.Number(field.start, precision=0 if field.kind == "int" else None, **common)
+
+
 class TrainForm:
     """Creates the widgets in the current Blocks context; `values()` maps names to widgets."""
 
     def __init__(self, hardware: Hardware):
-        most = hardware.devices if hardware.backend != "cpu" else hardware.cpu_count
+        most = hardware.cores
         w = self.widgets = {}
-        w["trainer"] = gr.Radio([(label, key) for key, label in TRAINERS.items()], value="sft",
+        w["trainer"] = gr.Radio([(t.label, key) for key, t in trainers.TRAINERS.items()], value=trainers.DEFAULT,
                                 label="Trainer", elem_id="trainer")
         with gr.Row():
             w["model"] = gr.Dropdown([BUILTIN_MODEL, *cached_models()], value=BUILTIN_MODEL,
@@ -105,29 +120,23 @@ class TrainForm:
             w["max_steps"] = gr.Number(300, label="max_steps", precision=0, info="0: train by epochs",
                                        elem_id="max_steps")
             w["num_train_epochs"] = gr.Number(3, label="num_train_epochs", info="used when max_steps is 0")
-            w["learning_rate"] = gr.Number(learning_rate_start("sft", BUILTIN_MODEL), label="learning_rate",
-                                           info=learning_rate_info("sft", BUILTIN_MODEL), elem_id="learning_rate")
+            w["learning_rate"] = gr.Number(learning_rate_start(trainers.DEFAULT, BUILTIN_MODEL), label="learning_rate",
+                                           info=learning_rate_info(trainers.DEFAULT, BUILTIN_MODEL), elem_id="learning_rate")
         with gr.Row():
             w["per_device_train_batch_size"] = gr.Number(4, label="per_device_train_batch_size", precision=0,
                                                          elem_id="batch_size")
             w["max_length"] = gr.Number(128, label="max_length", precision=0, elem_id="max_length",
-                                        info="tokens (SFT, DPO); 0: no truncation")
+                                        info="tokens (not for the trainers that generate); 0: no truncation")
             w["logging_steps"] = gr.Number(10, label="logging_steps", precision=0, elem_id="logging_steps")
-        with gr.Group(visible=False) as self.dpo_group:
-            with gr.Row():
-                w["beta"] = gr.Number(0.1, label="beta", info="DPO: how far from the reference model")
-                w["loss_type"] = gr.Dropdown(help_choices("dpo", "loss_type"), value="sigmoid",
-                                             label="loss_type", info="DPO loss")
-        with gr.Group(visible=False) as self.grpo_group:
-            with gr.Row():
-                w["num_generations"] = gr.Number(4, label="num_generations", precision=0,
-                                                 info="completions per prompt", elem_id="num_generations")
-                w["max_completion_length"] = gr.Number(16, label="max_completion_length", precision=0)
-                w["temperature"] = gr.Number(1.0, label="temperature")
-            w["rewards"] = gr.Code(DEFAULT_REWARDS, language="yaml", lines=4, elem_id="rewards",
-                                   label="Reward functions (YAML list): built-ins length {target}, regex "
-                                   "{pattern}, exact_match {column}; or {file: my_rewards.py, function: name}; "
-                                   "each with a weight")
+        self.trainer_groups = {}  # trainer -> the group of its own settings, shown for it alone
+        for key, entry in trainers.TRAINERS.items():
+            if entry.fields:
+                with gr.Group(visible=key == trainers.DEFAULT) as self.trainer_groups[key]:
+                    with gr.Row():
+                        for field in (f for f in entry.fields if f.kind != "rewards"):
+                            w[f"{key}.{field.name}"] = field_widget(key, field)
+                    for field in (f for f in entry.fields if f.kind == "rewards"):
+                        w[f"{key}.{field.name}"] = field_widget(key, field)
         w["run_name"] = gr.Textbox(label="Run name", placeholder="e.g. tiny-sft", elem_id="run_name")
         with gr.Accordion("Layout: processes, parallelism, cores", open=False,
                           elem_id="layout-box") as self.layout_box:
@@ -159,7 +168,7 @@ class TrainForm:
             with gr.Row():
                 w["gradient_accumulation_steps"] = gr.Number(1, label="gradient_accumulation_steps", precision=0)
                 w["warmup_steps"] = gr.Number(0, label="warmup_steps", precision=0)
-                w["lr_scheduler_type"] = gr.Dropdown(trainer_fields("sft")["lr_scheduler_type"]["choices"],
+                w["lr_scheduler_type"] = gr.Dropdown(trainer_fields(trainers.DEFAULT)["lr_scheduler_type"]["choices"],
                                                      value="linear", label="lr_scheduler_type")
                 w["seed"] = gr.Number(42, label="seed", precision=0)
                 w["save_steps"] = gr.Number(0, label="save_steps", precision=0,
@@ -219,14 +228,17 @@ def spec_from_form(v: dict) -> RunSpec:
         **({"save_strategy": "steps", "save_steps": int(v["save_steps"])} if v["save_steps"]
            else {"save_strategy": "no"}),
     }
-    if trainer in ("sft", "dpo"):
+    entry, rewards = trainers.get(trainer), []
+    if entry.uses_max_length:
         args["max_length"] = int(v["max_length"]) if v["max_length"] else None
-    if trainer == "dpo":
-        args |= {"beta": float(v["beta"] or 0), "loss_type": [v["loss_type"]]}
-    if trainer == "grpo":
-        args |= {"num_generations": int(v["num_generations"] or 0),
-                 "max_completion_length": int(v["max_completion_length"] or 0),
-                 "temperature": float(v["temperature"] or 0)}
+    for field in entry.fields:
+        value = v[f"{trainer}.{field.name}"]
+        if field.kind == "rewards":
+            rewards = _yaml(value, "Reward functions", list)
+        elif field.kind in ("int", "float"):
+            args[field.name] = (int if field.kind == "int" else float)(value or 0)
+        else:
+            args[field.name] = [value] if field.as_list else value
     if v["use_peft"]:
         targets = [t.strip() for t in (v["lora_target_modules"] or "").split(",") if t.strip()]
         args |= {"use_peft": True, "lora_r": int(v["lora_r"] or 0), "lora_alpha": int(v["lora_alpha"] or 0),
@@ -236,7 +248,6 @@ def spec_from_form(v: dict) -> RunSpec:
     if v.get("report_to") not in (None, "none"):
         args["report_to"] = v["report_to"]
     args |= _yaml(v["extra"], "Other TRL settings", dict)
-    rewards = _yaml(v["rewards"], "Reward functions", list) if trainer == "grpo" else []
     keep = [c.strip() for c in (v["keep_columns"] or "").split(",") if c.strip()]
     return RunSpec(trainer=trainer, model_name_or_path=(v["model"] or "").strip(),
                    dataset_name=(v["dataset"] or "").strip(),
@@ -267,7 +278,7 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
     out take TRL's defaults, so `spec_from_form(form_values(spec))` is the same run, with
     TRL's defaults written out for the widgets' settings. Only the widgets this trainer uses are given (the other
     trainers' and, without use_peft, the LoRA widgets keep what they hold). The form cannot
-    hold: reward functions for a trainer other than GRPO, a column name with a comma in
+    hold: reward functions for a trainer that takes none, a column name with a comma in
     keep_columns, an empty dataset_train_split (the form's default is "train").
     `trackers`: the report_to choices offered (default: what is installed here)."""
     fields, args = trainer_fields(spec.trainer), spec.args
@@ -296,20 +307,22 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
          "learning_rate": num("learning_rate"), "per_device_train_batch_size": num("per_device_train_batch_size"),
          "logging_steps": num("logging_steps"), "gradient_accumulation_steps": num("gradient_accumulation_steps"),
          "warmup_steps": num("warmup_steps"), "seed": num("seed"),
-         "lr_scheduler_type": choice("lr_scheduler_type", trainer_fields("sft")["lr_scheduler_type"]["choices"],
+         "lr_scheduler_type": choice("lr_scheduler_type", trainer_fields(trainers.DEFAULT)["lr_scheduler_type"]["choices"],
                                      "linear"),
          "save_steps": 0 if get("save_strategy") == "no" else num("save_steps"),
          "use_peft": get("use_peft") is True, "trust_remote_code": get("trust_remote_code") is True,
          "report_to": choice("report_to", trackers, "none")}
-    if spec.trainer in ("sft", "dpo"):
+    entry = trainers.get(spec.trainer)
+    if entry.uses_max_length:
         v["max_length"] = 0 if get("max_length") is None else num("max_length")
-    if spec.trainer == "dpo":
-        v |= {"beta": num("beta"), "loss_type": choice("loss_type", help_choices("dpo", "loss_type"), "sigmoid")}
-    if spec.trainer == "grpo":
-        v |= {"num_generations": num("num_generations"), "max_completion_length": num("max_completion_length"),
-              "temperature": num("temperature"),
-              "rewards": yaml.safe_dump(spec.rewards, sort_keys=False, default_flow_style=None) if spec.rewards
-              else ""}
+    for field in entry.fields:
+        name = f"{spec.trainer}.{field.name}"
+        if field.kind == "rewards":
+            v[name] = yaml.safe_dump(spec.rewards, sort_keys=False, default_flow_style=None) if spec.rewards else ""
+        elif field.kind in ("int", "float"):
+            v[name] = num(field.name)
+        else:
+            v[name] = choice(field.name, field_choices(spec.trainer, field), field.start)
     if v["use_peft"]:
         targets = get("lora_target_modules")
         v |= {"lora_r": num("lora_r"), "lora_alpha": num("lora_alpha"), "lora_dropout": num("lora_dropout"),

@@ -17,15 +17,16 @@ import yaml
 
 from app import forecast_panel, run_panel
 from app.core_map import core_map_html
-from app.train_form import (SAMPLE_FOR_TRAINER, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra,
-                            learning_rate_info, learning_rate_start, spec_from_form, target_hardware)
-from studio_core import data_check, leases, sources
+from app.train_form import (THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
+                            learning_rate_start, spec_from_form, target_hardware)
+from studio_core import data_check, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
+from studio_core.cores import parse_cores
 from studio_core.data_files import read_rows
-from studio_core.layout import check_layout, parse_cores, pick_cores
-from studio_core.scripts import launch_script, slurm_script
 from studio_core.hardware import Hardware
-from studio_core.runs import RunManager
+from studio_core.layout import check_layout, pick_cores
+from studio_core.runs.manager import RunManager
+from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import SpecError
 
 
@@ -63,7 +64,7 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
     elif bad := data_check.scan_file(path, spec.column_map, spec.keep_columns, text_field):
         lines += ["**Records to fix before training:**", *[f"- {p}" for p in bad]]
     else:
-        lines.append(f"**Fits {spec.trainer.upper()}.**")
+        lines.append(f"**Fits {trainers.get(spec.trainer).name}.**")
     preview = pd.DataFrame([{k: str(v)[:200] for k, v in row.items()} for row in mapped])
     return "\n".join(lines), preview, fix
 
@@ -119,7 +120,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
             plan_box = gr.Code(label="Plan: command, environment, applied defaults", language="shell",
                                visible=False, lines=14, elem_id="plan")
             forecast_panel.build(form, manager, hardware)
-            panel = run_panel.make_panel()
+            panel = run_panel.RunPanel()
     inputs = form.components()
     w = form.widgets
 
@@ -130,9 +131,10 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         return gr.update(value=str(keep_upload(source, manager.runs_dir / "uploads")))
 
     def on_trainer(trainer, dataset):
-        sample = dataset if not str(dataset).startswith("builtin:") else SAMPLE_FOR_TRAINER[trainer]
-        return (gr.update(visible=trainer == "dpo"), gr.update(visible=trainer == "grpo"),
-                gr.update(value=sample), gr.update(interactive=trainer != "grpo"))
+        entry = trainers.get(trainer)
+        sample = dataset if not str(dataset).startswith("builtin:") else entry.sample
+        return {**{group: gr.update(visible=key == trainer) for key, group in form.trainer_groups.items()},
+                w["dataset"]: gr.update(value=sample), w["max_length"]: gr.update(interactive=entry.uses_max_length)}
 
     def on_starting_values(trainer, model, learning_rate, start):
         # A value other than the one the form set is the user's own (typed, or a cloned run's): kept.
@@ -184,15 +186,15 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
             target, spec = target_hardware(v, hardware), spec_from_form(v)
         except (SpecError, ValueError, TypeError) as error:
             return f"<div class='core-map'>{error}</div>"
-        count = target.cpu_count if target.backend == "cpu" else target.devices
-        held = leases.holders(manager.runs_dir, target.backend, count) if target is hardware else {}
+        count = target.cores
+        held = manager.core_holders(target) if target is hardware else {}
         try:
             cores = parse_cores(spec.layout.cores) if spec.layout.cores else pick_cores(
                 spec.layout.nproc, set(range(count)) - set(held), target)
         except ValueError as error:
             return f"<div class='core-map'>studio.cores: {error}</div>"
         problems = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size, cores, target)
-        problems += [f"core {c} is held by {leases.describe(held[c])}: choose free cores, or stop it first"
+        problems += [f"core {c} is held by {held[c]}: choose free cores, or stop it first"
                      for c in cores or [] if c in held]
         note = "".join(f"<div style='color:#dc322f;font-size:0.85em'>{p}</div>" for p in problems)
         return core_map_html(target, cores or [], spec.layout.tp_size, held) + note
@@ -237,7 +239,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
     w["model"].focus(lambda: gr.update(choices=[BUILTIN_MODEL, *sources.cached_models()]), None, w["model"],
                      show_progress="hidden")
     w["trainer"].input(on_trainer, [w["trainer"], w["dataset"]],
-                        [form.dpo_group, form.grpo_group, w["dataset"], w["max_length"]])
+                        [*form.trainer_groups.values(), w["dataset"], w["max_length"]])
     for picked in (w["trainer"].input, w["model"].input):  # the user's picks only, not a clone's
         picked(on_starting_values, [w["trainer"], w["model"], w["learning_rate"], lr_start],
                [w["learning_rate"], lr_start], show_progress="hidden")
@@ -257,5 +259,5 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
     stop_save_btn.click(on_stop_and_save, selected, message)
     resume_btn.click(on_resume, selected, message)
     timer = gr.Timer(1.0)
-    timer.tick(lambda run_id: run_panel.render(manager, run_id), selected, panel, show_progress="hidden")
+    timer.tick(lambda run_id: panel.render(manager, run_id), selected, panel.components, show_progress="hidden")
     return form

@@ -37,9 +37,9 @@ from common import (MB, POLL_S, PROCS, REPO, BenchError, busy_cpu_s, ok, rate,  
                     run_bench, tail)
 import psutil
 from studio_core.builtin import ensure_tiny_model
-from studio_core.events import FINAL_STATES
+from studio_core.runs.events import FINAL_STATES
 from studio_core.procs import run_processes
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

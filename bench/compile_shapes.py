@@ -51,10 +51,12 @@ from pathlib import Path
 from common import (REPO, BenchError, Noise, ok, run_bench, run_until_final,  # sets sys.path
                     tail, wait_quiet)
 from studio_core.builtin import ensure_tiny_model
-from studio_core.events import read_events
+from studio_core.runs.events import read as read_events
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.hardware import cpu_hardware
-from studio_core.runs import WARMUP_STEPS, RunManager, RunView
+from studio_core.runs.events import WARMUP_STEPS
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import RunView
 from studio_core.spec import RunSpec, SpecError, validated
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"

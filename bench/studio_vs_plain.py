@@ -49,10 +49,10 @@ from pathlib import Path
 from common import (PROCS, REPO, BenchError, Noise, ok, run_bench, run_until_final,  # sets sys.path
                     tail, wait_quiet)
 from studio_core.builtin import BUILTIN_DATASETS, ensure_tiny_model
-from studio_core.events import read_events
+from studio_core.runs.events import read as read_events
 from studio_core.hardware import cpu_hardware, studio_cpus
-from studio_core.layout import parse_cores
-from studio_core.runs import RunManager
+from studio_core.cores import parse_cores
+from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec, validated
 from studio_core.trl_schema import trl_schema
 

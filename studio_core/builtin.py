@@ -12,8 +12,10 @@ This module provides:
 * ``BUILTIN_DATASETS`` - small conversational JSONL datasets in TRL's formats, one per
   trainer: ``builtin:qa`` (made-up facts no base model knows, for checking that
   fine-tuning works) and ``builtin:chat`` (small talk) as ``{"messages": [...]}`` for
-  SFT; ``builtin:preference`` (the same facts, prompt / chosen / rejected) for DPO;
-  ``builtin:prompts`` (the same questions as prompts, with a ``reference`` answer) for GRPO.
+  SFT; ``builtin:preference`` (the same facts, prompt / chosen / rejected) for DPO and
+  reward modeling; ``builtin:feedback`` (each chosen and rejected answer on its own, with a
+  desirable ``label``: unpaired preference data) for KTO;
+  ``builtin:prompts`` (the same questions as prompts, with a ``reference`` answer) for GRPO and RLOO.
 
 Generation after SFT: the Qwen3 template renders the last assistant turn with an
 empty ``<think>\\n\\n</think>\\n\\n`` block, so prompt with
@@ -38,7 +40,8 @@ _DATA_DIR = Path(__file__).parent / "data"
 BUILTIN_DATASETS: dict[str, Path] = {
     "builtin:qa": _DATA_DIR / "qa.jsonl",
     "builtin:chat": _DATA_DIR / "chat.jsonl",
-    "builtin:preference": _DATA_DIR / "preference.jsonl",  # DPO: prompt / chosen / rejected
+    "builtin:preference": _DATA_DIR / "preference.jsonl",  # DPO, reward modeling: prompt / chosen / rejected
+    "builtin:feedback": _DATA_DIR / "feedback.jsonl",  # KTO: prompt / completion / label (unpaired)
     "builtin:prompts": _DATA_DIR / "prompts.jsonl",  # GRPO: prompt and a reference answer
 }
 

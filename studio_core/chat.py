@@ -20,16 +20,15 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from studio_core import leases
+from studio_core import children, leases
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.hardware import Hardware
-from studio_core.worker import OUTPUT_INFO
+from studio_core.runs import folder
 
 MAX_CACHE_LEN = 1024  # the static cache's fixed length: prompt bucket + answer must fit
 LOAD_TIMEOUT_S = 600
@@ -56,13 +55,15 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
     if not name:
         raise ChatError("pick a finished run or name a model (a Hub id or a local folder)")
     run_dir = Path(runs_dir).expanduser() / name
-    if (run_dir / "spec.yaml").exists():
-        output = run_dir / "output"
-        try:
-            info = json.loads((output / OUTPUT_INFO).read_text())
-        except FileNotFoundError:
+    if folder.is_run(run_dir):
+        output = run_dir / folder.OUTPUT
+        info = folder.output_info(run_dir)
+        if info is None:
             raise ChatError(f"run {name} has no saved model yet (it saves when training finishes); pick a "
-                            "finished run") from None
+                            "finished run")
+        if info.get("task", "text-generation") != "text-generation":
+            raise ChatError(f"run {name} trained a reward model: it gives a text a score and does not write "
+                            "answers, so there is nothing to chat with; export it to use it")
         base = _model_path(info["base_model"])
         if info["kind"] == "adapter":
             return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base)
@@ -112,18 +113,15 @@ class ChatProcess:
     @staticmethod
     def _spawn(target: ChatTarget, runs_dir, hardware: Hardware, cores: str | None, max_cache_len: int):
         chosen = choose_chat_cores(runs_dir, hardware, cores)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
-        visible = ",".join(map(str, chosen))
+        env, visible = {}, ",".join(map(str, chosen))
         if hardware.backend == "neuron":
             env["NEURON_RT_VISIBLE_CORES"] = visible
         elif hardware.backend == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = visible
         else:
             env["OMP_NUM_THREADS"] = str(len(chosen))
-        proc = subprocess.Popen([sys.executable, "-m", "studio_core.chat_worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
+        proc = children.start("studio_core.chat_worker", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         events: queue.Queue = queue.Queue()
         stderr_tail: list[str] = []
         threading.Thread(target=_read_events, args=(proc.stdout, events), daemon=True).start()

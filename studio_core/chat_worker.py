@@ -10,8 +10,8 @@ a request: {"op": "generate", "id", "which": "tuned"|"base", "messages", "temper
 "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done {id, stopped,
 prompt_tokens, bucket, new_tokens, dropped_turns, ttft_s, seconds, shapes}, error.
 
-Generation is shaped for Neuron (../shared/notes/neuron.md): a static KV cache of a fixed
-length, prompts left-padded to a few bucket lengths, inputs kept on CPU, the model on
+Generation is shaped for Neuron, where every new input shape is a compilation: a static KV
+cache of a fixed length, prompts left-padded to a few bucket lengths, inputs kept on CPU, the model on
 `device_map="neuron"` in bf16 there. A conversation then reaches the model with at most
 one prefill shape per bucket plus the one-token decode shape; the shapes seen so far
 are reported with each answer (on Neuron each new one is a compilation). The Neuron

@@ -2,7 +2,7 @@
 
 TRL's trainers save checkpoints to RUN_DIR/output/checkpoint-<step> (TRL's save
 settings: save_strategy, save_steps, save_total_limit). Resuming from one restores the
-model, optimizer, scheduler and RNG states, and the step count goes on (studio_core.runs
+model, optimizer, scheduler and RNG states, and the step count goes on (studio_core.runs.manager
 RunManager.resume).
 
 "Stop and save" is a request file, RUN_DIR/control.json, that every rank reads at each

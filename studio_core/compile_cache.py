@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from studio_core.builtin import cache_dir
-from studio_core.events import FINAL_STATES
+from studio_core.sizes import format_size
 
 BACKENDS = ("cpu", "cuda", "neuron")
 NEFF = "neff"
@@ -92,19 +92,11 @@ def summary(path: str | Path) -> CacheSummary:
     return CacheSummary(path, True, size, entries, newest)
 
 
-def active_runs(runs_dir: str | Path | None) -> list[str]:
-    """Ids of the runs in `runs_dir` that have not ended."""
-    from studio_core.runs import RunManager  # runs imports the planner, which imports this module
-
-    return [view.id for view in RunManager(runs_dir).list() if view.live_state not in FINAL_STATES]
-
-
-def clear(path: str | Path, runs_dir: str | Path | None = None) -> CacheSummary:
-    """Delete everything in the cache folder; refused (CacheInUse) while a run is active,
-    since a running compiler may be reading or writing it. Only `runs_dir` is checked:
-    runs from another runs folder that share this cache are not seen."""
+def clear(path: str | Path, running: list[str]) -> CacheSummary:
+    """Delete everything in the cache folder; refused (CacheInUse) while a run is active
+    (`running`: RunManager.active_runs()), since a running compiler may be reading or writing
+    it. Runs from another runs folder that share this cache are not seen."""
     path = Path(path)
-    running = active_runs(runs_dir)
     if running:
         raise CacheInUse(f"Cannot clear the compile cache while runs are active: {', '.join(running)}. "
                          "Stop them or wait until they end, then clear it.")
@@ -115,12 +107,3 @@ def clear(path: str | Path, runs_dir: str | Path | None = None) -> CacheSummary:
             else:
                 item.unlink()
     return summary(path)
-
-
-def format_size(size: float) -> str:
-    if size < 1024:
-        return f"{size:.0f} B"
-    for unit in ("KB", "MB", "GB"):
-        size /= 1024
-        if size < 1024 or unit == "GB":
-            return f"{size:.1f} {unit}"

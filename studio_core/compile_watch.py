@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from studio_core.events import append_event
+from studio_core.runs import events as ev
 
 RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
 CACHE_COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss")
@@ -65,7 +65,7 @@ class CompileWatch:
         neuron = getattr(torch, "neuron", None)
         if neuron is None or not hasattr(neuron, "get_dynamo_metrics"):
             return
-        append_event(self.events, "compile_metrics", backend="neuron", records=_plain(neuron.get_dynamo_metrics()))
+        ev.append(self.events, ev.compile_metrics("neuron", _plain(neuron.get_dynamo_metrics())))
 
     def _start(self, args) -> None:
         phase = "backward" if args.callback_trigger.name == "LAZY_BACKWARD" else "forward"
@@ -74,8 +74,7 @@ class CompileWatch:
             self.running[key] = time.time()
             reason, self.reason = (self.reason, None) if phase == "forward" else (None, self.reason)
             self.cache_before = _cache_counts()
-        fields = {"reason": reason} if reason else {}
-        append_event(self.events, "compile_start", graph=key[0], phase=phase, step=self.step(), **fields)
+        ev.append(self.events, ev.compile_start(key[0], phase, self.step(), reason=reason or None))
 
     def _end(self, args) -> None:
         phase = "backward" if args.callback_trigger.name == "LAZY_BACKWARD" else "forward"
@@ -88,9 +87,8 @@ class CompileWatch:
             self.finished_s += seconds
             self.compiles += 1
             hits, misses = (now - before for now, before in zip(_cache_counts(), self.cache_before))
-        cache = {"cache": "hit" if hits and not misses else "miss"} if hits or misses else {}
-        append_event(self.events, "compile_end", graph=key[0], phase=phase, step=self.step(),
-                     seconds=round(seconds, 3), **cache)
+        cache = ("hit" if hits and not misses else "miss") if hits or misses else None
+        ev.append(self.events, ev.compile_end(key[0], phase, self.step(), round(seconds, 3), cache=cache))
 
 
 class ShapeWatch:
@@ -118,7 +116,7 @@ class ShapeWatch:
         shape = tuple(ids.shape)
         if shape not in self.seen:
             self.seen.add(shape)
-            append_event(self.events, "shape", shape=list(shape), step=self.step())
+            ev.append(self.events, ev.shape(list(shape), self.step()))
 
 
 class _ReasonHandler(logging.Handler):

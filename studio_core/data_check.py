@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from studio_core import trainers
 from studio_core.data_files import read_rows, records
 
 # The columns each TRL dataset type is read from, in TRL's order of precedence.
@@ -28,18 +29,6 @@ TYPE_COLUMNS = {
     "prompt_only": ("prompt",),
     "language_modeling": ("messages",),  # or the text column (SFT's dataset_text_field)
 }
-TRAINER_NEEDS = {
-    "sft": ("language_modeling", "prompt_completion"),
-    "dpo": ("preference", "preference_implicit"),
-    # Any other column, a `completion` too, is passed to the reward functions (TRL's Trainium
-    # guide trains GRPO on trl-lib/tldr, which has prompt and completion).
-    "grpo": ("prompt_only", "prompt_completion"),
-}
-_NEEDS_TEXT = {
-    "sft": "`messages`, `text` (or the column dataset_text_field names), or `prompt`+`completion`",
-    "dpo": "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)",
-    "grpo": "`prompt` (other columns go to the reward functions)",
-}
 # Columns TRL's trainers read besides the type's own; never reported as surplus.
 TRL_EXTRAS = frozenset({"images", "image", "tools", "chat_template_kwargs"})
 _GUESSES = {  # usual names for a column, in order of preference (compared case-insensitively)
@@ -47,6 +36,7 @@ _GUESSES = {  # usual names for a column, in order of preference (compared case-
     "completion": ("answer", "response", "output", "solution", "target", "reply"),
     "chosen": ("accepted", "better", "preferred", "chosen_response", "good", "winner", "positive"),
     "rejected": ("rejected_response", "worse", "dispreferred", "bad", "loser", "negative"),
+    "label": ("desirable", "is_desirable", "thumbs_up", "liked"),
 }
 
 
@@ -98,9 +88,11 @@ def _value_format(value) -> str:
 
 def fit_problems(kind: DatasetKind, trainer: str, extra_columns_ok: set[str] = frozenset()) -> list[str]:
     """What stops `trainer` from training on data of this kind, each with the fix."""
-    if trainer not in TRAINER_NEEDS:
-        return [f"studio.trainer: no dataset rules for {trainer!r}; choose {', '.join(TRAINER_NEEDS)}"]
-    if kind.type not in TRAINER_NEEDS[trainer]:
+    try:
+        accepted = trainers.get(trainer).data_types
+    except KeyError as error:
+        return [str(error).strip("'\"")]
+    if kind.type not in accepted:
         return [_mismatch(kind, trainer)]
     problems = []
     if kind.format not in ("conversational", "standard"):
@@ -109,14 +101,14 @@ def fit_problems(kind: DatasetKind, trainer: str, extra_columns_ok: set[str] = f
     surplus = _surplus(kind, trainer, extra_columns_ok)
     if surplus:
         keep = ", ".join(_wanted(kind))
-        problems.append(f"dataset: {trainer.upper()} would not use {_names(surplus)}, since TRL reads this as "
+        problems.append(f"dataset: {trainers.get(trainer).name} would not use {_names(surplus)}, since TRL reads this as "
                         f"{kind.description}; keep only {keep} with studio.keep_columns: [{keep}]")
     return problems
 
 
 def _surplus(kind: DatasetKind, trainer: str, extra_columns_ok=frozenset()) -> list[str]:
-    """Columns the trainer would not read (GRPO hands any other column to the reward functions)."""
-    if trainer == "grpo":
+    """Columns the trainer would not read (a trainer with rewards hands any other column to them)."""
+    if trainers.get(trainer).rewards:
         return []
     return [c for c in kind.columns if c not in kind.used and c not in extra_columns_ok and c not in TRL_EXTRAS]
 
@@ -127,12 +119,13 @@ def _wanted(kind: DatasetKind) -> list[str]:
 
 
 def _mismatch(kind: DatasetKind, trainer: str) -> str:
+    spec = trainers.get(trainer)
     lm = [c for c in ("messages", "text") if c in kind.columns]
-    if trainer == "sft" and lm:
+    if "language_modeling" in spec.data_types and lm:
         return (f"dataset: {_names(kind.used)} beside `{lm[0]}`: TRL reads {_names(kind.used)} first and "
                 f"treats this as {kind.type.replace('_', '-')} data, so `{lm[0]}` would not be trained on; "
                 f"keep only {lm[0]} with studio.keep_columns: [{lm[0]}]")
-    targets = [TYPE_COLUMNS[t] for t in TRAINER_NEEDS[trainer]] + [("text",)] * (trainer == "sft")
+    targets = [TYPE_COLUMNS[t] for t in spec.data_types] + [("text",)] * ("language_modeling" in spec.data_types)
     nearest = max(targets, key=lambda t: len(set(t) & set(kind.columns)))
     missing = [c for c in nearest if c not in kind.columns]
     mapping = suggest_column_map(list(kind.columns), trainer)
@@ -147,9 +140,13 @@ def _mismatch(kind: DatasetKind, trainer: str) -> str:
         fixes.append(f"map columns to {_names(missing)} with studio.column_map")
     if blocking and keep and (mapping or not missing):
         fixes.append(f"leave out {_names(blocking)} with studio.keep_columns: [{', '.join(keep)}]")
+    fix = ", and ".join(fixes)
+    others = [t.name for t in trainers.taking(kind.type)]
+    if others:  # the data may be right and the trainer wrong: unpaired preference data is KTO's
+        fix += (f"{'; or ' if fix else ''}train it with {' or '.join(others)}, which "
+                f"{'take' if len(others) > 1 else 'takes'} {kind.type.replace('_', ' ')} data")
     found = kind.description if kind.type != "unknown" else f"columns {_names(kind.columns) or 'none'}"
-    return f"dataset: {trainer.upper()} needs {_NEEDS_TEXT[trainer]}; this dataset has {found}: " + \
-        ", and ".join(fixes)
+    return f"dataset: {spec.name} needs {spec.data_help}; this dataset has {found}: {fix}"
 
 
 def _names(columns) -> str:
@@ -212,32 +209,30 @@ def prepare_dataset(dataset, column_map: dict[str, str] | None, keep_columns: li
 
 
 def suggest_column_map(columns: list[str], trainer: str) -> dict[str, str]:
-    """A best-guess studio.column_map that makes these columns fit `trainer`; {} if none is sensible."""
-    present, mapping = set(columns), {}
+    """A best-guess studio.column_map that makes these columns fit `trainer` (the columns its
+    registry entry names, found by their usual names); {} if none is sensible."""
+    spec, present, mapping = trainers.TRAINERS.get(trainer), set(columns), {}
+    if spec is None:
+        return {}
+    if "language_modeling" in spec.data_types and {"messages", "text"} & present:
+        return {}  # it trains on those as they are
 
-    def pick(target: str, extra: tuple[str, ...] = ()) -> bool:
+    def pick(target: str, also: tuple[str, ...]) -> bool:
         if target in present:
             return True
-        for guess in _GUESSES[target] + extra:
+        for guess in _GUESSES.get(target, ()) + also:
             for column in columns:
                 if column.lower() == guess and column not in mapping:
                     mapping[column] = target
                     return True
         return False
 
-    if trainer == "sft":
-        done = not ({"messages", "text"} & present) and pick("prompt") and pick("completion", ("chosen",))
-    elif trainer == "dpo":
-        done = pick("chosen") and pick("rejected")
-        if done:
-            pick("prompt")  # optional: without it TRL takes the shared start of chosen and rejected
-    elif trainer == "grpo":
-        done = pick("prompt")
-        if done and "completion" in present and "reference" not in present:
-            mapping["completion"] = "reference"  # a completion column would make it prompt-completion data
-    else:
-        done = False
-    return mapping if done else {}
+    for role in spec.roles:
+        if not pick(role.column, role.also) and role.required:
+            return {}
+    if spec.rewards and "completion" in present and "reference" not in present:
+        mapping["completion"] = "reference"  # the reward functions read it; exact_match's usual column
+    return mapping
 
 
 def suggest_fix(rows: list[dict], trainer: str, column_map: dict | None = None,
@@ -246,7 +241,7 @@ def suggest_fix(rows: list[dict], trainer: str, column_map: dict | None = None,
     applies as is: {"column_map": {old: new}} and/or {"keep_columns": [...]} (an empty one: clear
     it). {} when the columns fit already or no fix is sure; values in the wrong format are not
     fixed by keys. A valid `column_map` of the user's is built on, not thrown away."""
-    if trainer not in TRAINER_NEEDS or not rows:
+    if trainer not in trainers.TRAINERS or not rows:
         return {}
     columns = list(dict.fromkeys(key for row in rows for key in row))
     if not check_mapping(columns, column_map, keep_columns) and _fits(
@@ -273,18 +268,19 @@ def suggest_fix(rows: list[dict], trainer: str, column_map: dict | None = None,
 
 def _fits(kind: DatasetKind, trainer: str) -> bool:
     """True when the trainer reads every column of data of this kind (formats aside)."""
-    return kind.type in TRAINER_NEEDS[trainer] and not _surplus(kind, trainer)
+    return kind.type in trainers.get(trainer).data_types and not _surplus(kind, trainer)
 
 
 def _columns_to_keep(kind: DatasetKind, trainer: str, text_field: str) -> list[str]:
     """The columns to keep so that TRL reads this data as a type the trainer takes; [] if none."""
-    if kind.type in TRAINER_NEEDS[trainer]:
+    accepted_types = trainers.get(trainer).data_types
+    if kind.type in accepted_types:
         return _wanted(kind)
     extras = [c for c in kind.columns if c in TRL_EXTRAS]
     lm = [c for c in ("messages", text_field) if c in kind.columns]
-    if trainer == "sft" and lm:  # e.g. a stray `prompt` beside `messages`
+    if "language_modeling" in accepted_types and lm:  # e.g. a stray `prompt` beside `messages`
         return [lm[0], *extras]
-    accepted = {c for t in TRAINER_NEEDS[trainer] for c in TYPE_COLUMNS[t]}
+    accepted = {c for t in accepted_types for c in TYPE_COLUMNS[t]}
     blocking = [c for c in kind.used if c not in accepted]  # e.g. `chosen`, `rejected` for GRPO
     return [c for c in kind.columns if c not in blocking] if blocking else []
 

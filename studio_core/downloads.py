@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote
 
-from studio_core.events import append_event
+from studio_core.runs import events as ev
 
 DOWNLOAD_EVENT_EVERY_S = 1.0
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # a model is on this machine when one is
@@ -29,7 +29,7 @@ def _progress_bar(events: Path, **what):
             finished = self.total and self.n >= self.total
             if n and self.unit == "B" and self.total and (finished or time.time() - last[0] > DOWNLOAD_EVENT_EVERY_S):
                 last[0] = time.time()
-                append_event(events, "download", **what, done_bytes=int(self.n), total_bytes=int(self.total))
+                ev.append(events, ev.download(int(self.n), int(self.total), **what))
             return shown
 
     return Progress
@@ -42,7 +42,7 @@ def download_with_progress(name: str, events: Path) -> None:
     # the weights, not config.json: the check before launch fetches that alone
     if any(isinstance(try_to_load_from_cache(name, f), str) for f in WEIGHTS):
         return  # already on this machine
-    append_event(events, "log", message=f"downloading {name} from the Hub (first use)")
+    ev.append(events, ev.log(f"downloading {name} from the Hub (first use)"))
     snapshot_download(name, tqdm_class=_progress_bar(events, model=name),
                       allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"])
 
@@ -71,8 +71,7 @@ def download_dataset_split(name: str, config: str | None, split: str,
         revision, _, path = url[len(prefix):].partition("/")
         paths.append(path)
     if events is not None:
-        append_event(events, "log", message=f"downloading {name} ({builder.config.name} config, {base} split) "
-                     "from the Hub")
+        ev.append(events, ev.log(f"downloading {name} ({builder.config.name} config, {base} split) from the Hub"))
     folder = snapshot_download(name, repo_type="dataset", revision=unquote(revision), allow_patterns=paths,
                                tqdm_class=_progress_bar(events, dataset=name) if events is not None else None)
     return builder.__module__.split(".")[-1], [str(Path(folder) / path) for path in paths]

@@ -3,7 +3,8 @@
     python -m studio_core.export RUN_DIR OUT_DIR [--merge]   (what export_run starts)
 
 The folder holds the model (a LoRA adapter merged into its base with --merge, else the
-adapter alone; a full run's model as it is) in safetensors, the tokenizer with its chat
+adapter alone; a full run's model as it is; a reward model as the sequence classifier it is)
+in safetensors, the tokenizer with its chat
 template, the generation config, a loss plot (loss.png) and README.md, a model card made
 with huggingface_hub's ModelCard and ModelCardData: base model, datasets, library, tags,
 license when the base model's card says it, the training settings and layout, the final
@@ -20,17 +21,16 @@ the export's core. On Neuron and CUDA it takes no NeuronCore or GPU, so it holds
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from studio_core import leases
-from studio_core.events import read_events
+from studio_core import children, leases, trainers
 from studio_core.hardware import Hardware, pin_to_cpu_cores
+from studio_core.runs import events, folder
+from studio_core.runs.folder import OUTPUT_INFO
 from studio_core.sources import HUB_ID
 from studio_core.spec import RunSpec
-from studio_core.worker import OUTPUT_INFO
 
 CARD_TEMPLATE = Path(__file__).with_name("model_card.md")
 TIMEOUT_S = 3600
@@ -51,11 +51,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
                           "export it without merge")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"{out_dir} is not empty: choose a new folder (nothing is overwritten)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
-    argv = [sys.executable, "-m", "studio_core.export", str(run_dir), str(out_dir), *(["--merge"] if merge else [])]
+    args = [run_dir, out_dir, *(["--merge"] if merge else [])]
     if hardware is None or hardware.backend != "cpu":
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+        done = children.run("studio_core.export", *args, capture_output=True, text=True, timeout=TIMEOUT_S)
         return _result(done.returncode, done.stdout, done.stderr, out_dir)
     runs_dir = run_dir.parent
     with leases.choosing(runs_dir):  # until the child holds the core chosen here
@@ -66,8 +64,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
                               "wait for one of them, or stop it") from none
         except ValueError as error:
             raise ExportError(f"cores: {error}") from error
-        child = subprocess.Popen([*argv, "--cores", ",".join(map(str, chosen))], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env)
+        child = children.start("studio_core.export", *args, "--cores", ",".join(map(str, chosen)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         leases.wait_held(runs_dir, hardware.backend, chosen, child)
     try:
         stdout, stderr = child.communicate(timeout=TIMEOUT_S)
@@ -86,26 +84,24 @@ def _result(returncode: int, stdout: str, stderr: str, out_dir: Path) -> dict:
 
 
 def read_output_info(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "output" / OUTPUT_INFO).read_text())
-    except FileNotFoundError:
+    info = folder.output_info(run_dir)
+    if info is None:
         raise ExportError(f"run {run_dir.name} has no saved model (a run saves it when training finishes); "
-                          "pick a finished run") from None
+                          "pick a finished run")
+    return info
 
 
 def run_summary(run_dir: Path) -> dict:
-    """What the card tells about the run, from its folder: spec, hardware, metrics, compilations."""
-    spec = RunSpec.load(run_dir / "spec.yaml")
-    launch = json.loads((run_dir / "launch.json").read_text())
-    events = read_events(run_dir / "events.jsonl")
-    metrics = [e for e in events if e["type"] == "metrics"]
-    losses = [(e["step"], e["loss"]) for e in metrics if "loss" in e and "step" in e]
-    final = {k: v for e in metrics for k, v in e.items() if k.startswith("train_") or k == "epoch"}
-    compiles = [e for e in events if e["type"] == "compile_end"]
+    """What the card tells about the run, from its folder: spec, hardware, metrics, compilations.
+    The run's events are folded as the run page folds them: a run resumed from a checkpoint
+    shows only the path that led to the model (the abandoned attempt's later points dropped)."""
+    spec = RunSpec.load(run_dir / folder.SPEC)
+    launch = folder.read_launch(run_dir)
+    state = events.fold(events.read(run_dir / folder.EVENTS))
     return {"spec": spec, "hardware": launch.get("hardware", {}), "cores": launch.get("cores"),
-            "losses": losses, "final": final, "last_loss": losses[-1][1] if losses else None,
-            "compiles": len(compiles), "compile_seconds": round(sum(e["seconds"] for e in compiles), 1),
-            "shapes": sum(e["type"] == "shape" for e in events)}
+            "losses": state.losses(), "final": state.final_metrics(), "last_loss": state.last_loss(),
+            "compiles": len(state.compiles), "compile_seconds": round(state.compile_seconds(), 1),
+            "shapes": len(state.shapes), "attempts": state.attempts}
 
 
 def card_data(summary: dict, kind: str, base_license: str | None):
@@ -115,12 +111,14 @@ def card_data(summary: dict, kind: str, base_license: str | None):
     spec: RunSpec = summary["spec"]
     hub_base = spec.model_name_or_path if HUB_ID.match(spec.model_name_or_path) else None
     hub_data = spec.dataset_name if HUB_ID.match(spec.dataset_name) else None
-    tags = ["trl", spec.trainer, "trn-studio", *(["lora", "peft"] if kind == "adapter" else [])]
+    trainer = trainers.get(spec.trainer)
+    tags = ["trl", trainer.key, "trn-studio", *(["lora", "peft"] if kind == "adapter" else [])]
+    tags += ["reward-model"] if not trainer.chats else []
     if summary["hardware"].get("backend") == "neuron":
         tags += ["trainium", "neuron"]
     return ModelCardData(base_model=hub_base, datasets=[hub_data] if hub_data else None,
                          library_name="peft" if kind == "adapter" else "transformers", license=base_license,
-                         pipeline_tag="text-generation", tags=tags, model_name=spec.display_name)
+                         pipeline_tag=trainer.task, tags=tags, model_name=spec.display_name)
 
 
 def _main(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) -> None:
@@ -143,38 +141,42 @@ def _export(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) 
 
     import torch
     from huggingface_hub import ModelCard
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     info = read_output_info(run_dir)
-    output = run_dir / "output"
+    output = run_dir / folder.OUTPUT
     summary = run_summary(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(output)
+    scores = info.get("task", "text-generation") == "text-classification"  # a reward model: one score
+    auto, extra = (AutoModelForSequenceClassification, {"num_labels": 1}) if scores else (AutoModelForCausalLM, {})
     if info["kind"] == "adapter" and not merge:
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(info["base_model_path"], dtype=torch.float32)
+        base = auto.from_pretrained(info["base_model_path"], dtype=torch.float32, **extra)
         model = PeftModel.from_pretrained(base, output)
         model.peft_config["default"].base_model_name_or_path = _published_base(info)
         kind = "adapter"
     elif info["kind"] == "adapter":
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(info["base_model_path"])
+        base = auto.from_pretrained(info["base_model_path"], **extra)
         model = PeftModel.from_pretrained(base, output).merge_and_unload()
         kind = "merged"
     else:
-        model = AutoModelForCausalLM.from_pretrained(output)
+        model = auto.from_pretrained(output)
         kind = "full"
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)  # with its chat template
-    (model.get_base_model() if kind == "adapter" else model).generation_config.save_pretrained(out_dir)
+    generation = getattr(model.get_base_model() if kind == "adapter" else model, "generation_config", None)
+    if generation is not None and not scores:
+        generation.save_pretrained(out_dir)
     plot = _loss_plot(summary["losses"], out_dir / "loss.png")
     card = ModelCard.from_template(card_data(summary, "adapter" if kind == "adapter" else "full",
                                              _base_license(info)),
                                    template_path=str(CARD_TEMPLATE), **_card_text(summary, kind, info, plot))
     card.save(out_dir / "README.md")
-    shutil.copy(output / OUTPUT_INFO, out_dir / OUTPUT_INFO)
+    shutil.copy(output / OUTPUT_INFO, out_dir / OUTPUT_INFO)  # chat and export read it there too
     files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())
     print(json.dumps({"folder": str(out_dir), "kind": kind, "files": files, "cores": cores}))
 
@@ -217,6 +219,7 @@ def _loss_plot(losses: list[tuple[int, float]], path: Path) -> str | None:
 
 def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
     spec: RunSpec = summary["spec"]
+    trainer = trainers.get(spec.trainer)
     hardware = summary["hardware"]
     settings = "\n".join(f"| `{k}` | `{v!r}` |" for k, v in sorted(spec.args.items()))
     final = "\n".join(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |"
@@ -224,16 +227,35 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
     where = hardware.get("instance_type") or hardware.get("backend", "?")
     layout = (f"{spec.layout.nproc} process(es), TP {spec.layout.tp_size} x FSDP {spec.layout.fsdp_size}, "
               f"{hardware.get('backend', '?')} cores {summary['cores']} on {where}")
-    trained = f"TRL's {spec.trainer.upper()} trainer on {spec.dataset_name}"
-    how = {"full": f"{spec.model_name_or_path}, fully fine-tuned with {trained}",
-           "merged": f"{spec.model_name_or_path} with a LoRA adapter trained by {trained}, merged into its weights",
-           "adapter": f"A LoRA adapter for {spec.model_name_or_path}, trained with {trained}; load it with PEFT"}[kind]
-    loader = ("from peft import AutoPeftModelForCausalLM\nmodel = AutoPeftModelForCausalLM.from_pretrained(REPO)"
-              if kind == "adapter" else
-              "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(REPO)")
-    return {"model_name": spec.display_name, "what": how, "trainer": spec.trainer.upper(),
-            "base": spec.model_name_or_path, "adapter_base": _published_base(info) if kind == "adapter" else "",
-            "dataset": spec.dataset_name, "layout": layout, "settings": settings, "final": final or "| - | - |",
+    trained = f"TRL's {trainer.name} trainer on {spec.dataset_name}"
+    base = spec.model_name_or_path
+    if trainer.chats:
+        how = {"full": f"{base}, fully fine-tuned with {trained}",
+               "merged": f"{base} with a LoRA adapter trained by {trained}, merged into its weights",
+               "adapter": f"A LoRA adapter for {base}, trained with {trained}; load it with PEFT"}[kind]
+        loader = ("from peft import AutoPeftModelForCausalLM\nmodel = AutoPeftModelForCausalLM.from_pretrained(REPO)"
+                  if kind == "adapter" else
+                  "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(REPO)")
+    else:
+        what = ("A reward model: it reads a text (a prompt with its answer, through the chat template) and gives "
+                "it one score, higher for the kind of answer the training data preferred. It does not generate "
+                "text: use it to rank answers, or as the reward of an RL trainer")
+        how = {"full": f"{what}. Made from {base} with {trained}",
+               "merged": f"{what}. Made from {base} with a LoRA adapter trained by {trained}, merged into its weights",
+               "adapter": f"{what}. A LoRA adapter (with its score head) for {base}, trained with {trained}; load "
+                          "it with PEFT"}[kind]
+        loader = (("from peft import AutoPeftModelForSequenceClassification\n"
+                   "model = AutoPeftModelForSequenceClassification.from_pretrained(REPO, num_labels=1)")
+                  if kind == "adapter" else
+                  ("from transformers import AutoModelForSequenceClassification\n"
+                   "model = AutoModelForSequenceClassification.from_pretrained(REPO)"))
+        loader += "\nscore = model(**tokenizer(text, return_tensors=\"pt\")).logits[0, 0]  # one number per text"
+    resumed = (f"; resumed {summary['attempts'] - 1} time(s) from a checkpoint (the loss shown is the path that "
+               "led to this model)") if summary.get("attempts", 1) > 1 else ""
+    return {"model_name": spec.display_name, "what": how, "trainer": trainer.name,
+            "base": base, "adapter_base": _published_base(info) if kind == "adapter" else "",
+            "dataset": spec.dataset_name, "layout": layout + resumed, "settings": settings,
+            "final": final or "| - | - |",
             "last_loss": "" if summary["last_loss"] is None else f"{summary['last_loss']:.4f}",
             "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
             "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "", "loader": loader}

@@ -20,17 +20,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
 from collections import Counter
-from pathlib import Path
 
+from studio_core import children, trainers
 from studio_core.spec import RunSpec, SpecError
 
 MAX_MICRO_BATCHES = 20_000  # walk at most this many batches (say so when the run takes more)
-FORECAST_TRAINERS = ("sft", "dpo")
 # Settings the forecast's stand-in trainer must not take from the run: devices, compilation,
 # logging, saving and the model's own loading (none of them changes a batch's shape).
 NOT_FOR_DATA = ("use_cpu", "bf16", "fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode",
@@ -73,7 +71,7 @@ class Forecast:
         return [(f"{b * width}-{(b + 1) * width - 1}", counts.get(b, 0)) for b in range(bins)]
 
     def describe(self) -> str:
-        lines = [f"Shape forecast ({self.trainer.upper()}, {self.micro_batches} batches = {self.steps} steps"
+        lines = [f"Shape forecast ({trainers.get(self.trainer).name}, {self.micro_batches} batches = {self.steps} steps"
                  f"{', the first ones only' if self.capped else ''}):",
                  f"  {self.graphs} distinct batch shape(s), so {self.graphs} compilation(s) of the training "
                  "step (forward and backward; more pieces if the model has graph breaks)"]
@@ -100,15 +98,14 @@ class Forecast:
 
 def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) -> Forecast:
     """`forecast` in a child Python process; a SpecError with its output when it fails."""
-    if spec.trainer not in FORECAST_TRAINERS:
-        raise SpecError([f"shape forecast: {spec.trainer.upper()}'s shapes come from what the model generates; "
-                         "only SFT and DPO runs are forecast"])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
+    trainer = trainers.get(spec.trainer)
+    if not trainer.forecast:
+        shown = ", ".join(t.name for t in trainers.TRAINERS.values() if t.forecast)
+        raise SpecError([f"shape forecast: {trainer.name}'s shapes come from what the model generates; "
+                         f"{shown} runs are forecast"])
     try:
         request = json.dumps({"spec": spec.to_yaml(), "backend": backend})
-        done = subprocess.run([sys.executable, "-m", "studio_core.forecast"], input=request,
-                              capture_output=True, text=True, env=env, timeout=timeout)
+        done = children.run("studio_core.forecast", input=request, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:
         raise SpecError([f"shape forecast: did not finish within {timeout:g} s"]) from error
     if done.returncode != 0:
@@ -126,12 +123,12 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
 
     from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
     from studio_core.data_check import prepare_dataset
-    from studio_core.worker import TRAINERS, load_train_dataset
+    from studio_core.train_data import load_train_dataset
 
     model_path = str(ensure_tiny_model()) if spec.model_name_or_path == BUILTIN_MODEL else spec.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(spec.args.get("trust_remote_code")))
     dataset = prepare_dataset(load_train_dataset(spec), spec.column_map, spec.keep_columns)
-    config_name, trainer_name = TRAINERS[spec.trainer]
+    entry = trainers.get(spec.trainer)
     model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)} | {
         f.name for f in dataclasses.fields(trl.ScriptArguments)}
     args = {k: v for k, v in spec.args.items() if k not in model_fields and k not in NOT_FOR_DATA
@@ -141,11 +138,11 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
     dp = max(1, spec.layout.nproc // max(1, spec.layout.tp_size))
     with tempfile.TemporaryDirectory() as scratch:
         def build(**changes):
-            config = getattr(trl, config_name)(output_dir=scratch, use_cpu=True, report_to="none",
-                                               save_strategy="no", **{**args, **changes})
-            extra = {"ref_model": _stand_in_model(tokenizer)} if spec.trainer == "dpo" else {}
-            return getattr(trl, trainer_name)(model=_stand_in_model(tokenizer), args=config,
-                                              train_dataset=dataset, processing_class=tokenizer, **extra)
+            config = getattr(trl, entry.config_class)(output_dir=scratch, use_cpu=True, report_to="none",
+                                                      save_strategy="no", **{**args, **changes})
+            extra = {"ref_model": _stand_in_model(tokenizer)} if entry.reference_model else {}
+            return getattr(trl, entry.trainer_class)(model=_stand_in_model(tokenizer, entry.task), args=config,
+                                                     train_dataset=dataset, processing_class=tokenizer, **extra)
 
         trainer = build()
         updates = _updates(trainer, dp)
@@ -162,14 +159,15 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
     return result
 
 
-def _stand_in_model(tokenizer):
-    """A one-layer Qwen3 with the tokenizer's vocabulary: enough for TRL to build its trainer."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _stand_in_model(tokenizer, task: str = "text-generation"):
+    """A one-layer Qwen3 with the tokenizer's vocabulary: enough for TRL to build its trainer (a
+    sequence classifier with one score for a reward model)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification
 
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=8, num_labels=1,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return Qwen3ForCausalLM(config)
+    return Qwen3ForCausalLM(config) if task == "text-generation" else Qwen3ForSequenceClassification(config)
 
 
 class _Seen(Exception):
@@ -284,7 +282,7 @@ def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> li
         finally:
             collator.pad_to_multiple_of = multiple
         found.append((settings, why, walk))
-    if current.trainer == "sft" and current.max_length and not packing:
+    if hasattr(trainer.args, "packing_strategy") and current.max_length and not packing:  # SFT packs
         packed = build(packing=True, packing_strategy="wrapped")
         found.append(({"packing": True, "packing_strategy": "wrapped"},
                       f"joins samples into rows of max_length {current.max_length}: one shape, padding only in the last rows",

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
+from studio_core.cores import parse_cores
+
 BACKENDS = ("neuron", "cuda", "cpu")
 # PyTorch cannot address more than 127 devices of one type: a trn2.48xlarge at LNC=1 shows
 # 128 logical cores and fails (the project's Neuron notes; not in the AWS pages read), so
@@ -33,6 +35,12 @@ class Hardware:
     lnc: int | None = None  # Logical NeuronCore config (NEURON_LOGICAL_NC_CONFIG)
     detected: bool = True  # False when chosen from the instance table
     chip_memory_gib: int | None = None  # device memory (HBM) per chip, when known
+
+    @property
+    def cores(self) -> int:
+        """How many cores runs, chats and exports are placed on: logical NeuronCores, CUDA
+        devices, or (on the CPU backend) the CPU cores the studio may use."""
+        return self.cpu_count if self.backend == "cpu" else self.devices
 
     def describe(self) -> str:
         if self.backend == "neuron":
@@ -155,8 +163,6 @@ def studio_cpus() -> list[int]:
     wanted = os.environ.get(CPU_CORES_ENV, "").strip()
     if not wanted:
         return sorted(allowed)
-    from studio_core.layout import parse_cores  # layout imports this module
-
     try:
         listed = [cpu for cpu in parse_cores(wanted) if cpu in allowed]
     except ValueError as error:

@@ -1,5 +1,5 @@
-"""Run history: the disk space runs take, filtering and sorting them, comparing them
-(metric curves and settings), cloning one's settings, and deleting a run with its files.
+"""Run history: filtering and sorting runs, comparing them (metric curves and settings),
+cloning one's settings, deleting a run with its files, and the runs chat and export can use.
 
 Everything is read from the runs folder through the run manager, as the Runs tab and the
 command line do; nothing here imports Gradio.
@@ -8,16 +8,16 @@ command line do; nothing here imports Gradio.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from pathlib import Path
 
 from studio_core import leases
-from studio_core.runs import RunManager, RunView, supervisor_alive
+from studio_core.runs import folder
+from studio_core.runs.events import ACTIVE_STATES
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import RunView
 from studio_core.spec import RunSpec
-from studio_core.worker import OUTPUT_INFO
 
-ACTIVE_STATES = ("starting", "running")
+CHAT_TASK = "text-generation"  # a saved model that answers prompts (trainers.Trainer.task)
 SORTS = ("newest first", "oldest first", "final loss")
 NOT_SET = "(not set)"
 NOT_METRICS = {"type", "time", "step", "epoch"}  # event fields that are not a logged metric
@@ -27,50 +27,14 @@ class RunActiveError(RuntimeError):
     """A run that cannot be deleted (or otherwise changed) while it is going."""
 
 
-# --- disk space -------------------------------------------------------------------------
-def run_size(run_dir: str | Path) -> int:
-    """Bytes the run folder takes: every file in it, links counted as links (not followed)."""
-    total = 0
-    for folder, _, files in os.walk(run_dir):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_size
-            except FileNotFoundError:  # a running trainer may remove a file while we walk
-                continue
-    return total
-
-
-def format_size(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
-
-
 # --- filtering and sorting --------------------------------------------------------------
-def trainer_of(view: RunView) -> str:
-    return (view.spec.get("studio") or {}).get("trainer", "")
-
-
-def model_of(view: RunView) -> str:
-    return str(view.spec.get("model_name_or_path", ""))
-
-
-def final_loss(view: RunView) -> float | None:
-    """The last training loss the run logged (None before its first)."""
-    return next((m["loss"] for m in reversed(view.metrics) if "loss" in m), None)
-
-
 def filter_runs(views: list[RunView], state: str | None = None, trainer: str | None = None,
                 model: str | None = None) -> list[RunView]:
     """The runs matching every filter given; None (or "all") matches anything."""
     def keep(value, wanted):
         return wanted in (None, "", "all") or value == wanted
 
-    return [v for v in views if keep(v.live_state, state) and keep(trainer_of(v), trainer)
-            and keep(model_of(v), model)]
+    return [v for v in views if keep(v.live_state, state) and keep(v.trainer, trainer) and keep(v.model, model)]
 
 
 def sort_runs(views: list[RunView], by: str = "newest first") -> list[RunView]:
@@ -80,7 +44,7 @@ def sort_runs(views: list[RunView], by: str = "newest first") -> list[RunView]:
     if by == "oldest first":
         return sorted(views, key=lambda v: v.created)
     if by == "final loss":
-        return sorted(views, key=lambda v: (final_loss(v) is None, final_loss(v) or 0.0, -v.created))
+        return sorted(views, key=lambda v: (v.last_loss() is None, v.last_loss() or 0.0, -v.created))
     raise ValueError(f"sort by {by!r}: choose one of {', '.join(SORTS)}")
 
 
@@ -139,11 +103,8 @@ def clone_spec(manager: RunManager, run_id: str) -> RunSpec:
     machine (listed in launch.json; the planner adds it again) and less the cores the run
     was given (a clone takes the next free ones)."""
     view = manager.view(run_id)
-    spec = RunSpec.load(view.dir / "spec.yaml")
-    try:
-        applied = json.loads((view.dir / "launch.json").read_text()).get("applied", [])
-    except FileNotFoundError:
-        applied = []
+    spec = RunSpec.load(view.dir / folder.SPEC)
+    applied = view.launch().get("applied", [])
     args = dict(spec.args)
     for key, *_ in applied:
         top, _, nested = key.partition(".")
@@ -169,11 +130,11 @@ def delete_run(manager: RunManager, run_id: str) -> int:
         if state in ACTIVE_STATES:
             raise RunActiveError(f"run {run_id} is {state}: stop it first (Stop, or "
                                  f"`python launch.py stop {run_id}`); nothing was deleted")
-        if supervisor_alive(view.dir):
-            raise RunActiveError(f"run {run_id} is {state} but its supervisor is still ending: try again "
+        if view.backend.alive(view.dir):
+            raise RunActiveError(f"run {run_id} is {state} but its processes are still ending: try again "
                                  "in a moment; nothing was deleted")
-        size = run_size(view.dir)
-        doomed = manager.runs_dir / f".deleting-{run_id}"  # out of every listing from now on
+        size = folder.run_size(view.dir)
+        doomed = manager.runs_dir / f"{folder.DELETING}{run_id}"  # out of every listing from now on
         view.dir.rename(doomed)
     shutil.rmtree(doomed)
     return size
@@ -192,7 +153,13 @@ def tracking_hint(view: RunView) -> str | None:
     return "; ".join(lines) or None
 
 
-def runs_with_a_model(manager: RunManager) -> list[str]:
-    """The runs that saved a model or adapter (finished runs), newest first: what chat and
-    export can use."""
-    return [v.id for v in manager.list() if (v.dir / "output" / OUTPUT_INFO).exists()]
+def runs_with_a_model(manager: RunManager, chats: bool = False) -> list[str]:
+    """The runs that saved a model or adapter (finished runs), newest first: what export can use;
+    with `chats`, only those whose model answers prompts (what chat can use: a reward model
+    scores texts instead)."""
+    found = []
+    for view in manager.list():
+        info = view.output_info()
+        if info and (not chats or info.get("task", CHAT_TASK) == CHAT_TASK):  # older runs all chat
+            found.append(view.id)
+    return found

@@ -3,15 +3,15 @@
 Pure functions over plain data (a `Hardware`, lists of ints, a model's config.json as a
 dict), so every rule here is checked on a machine without Trainium.
 
-    cores = parse_cores("0-3")                      # NEURON_RT_VISIBLE_CORES syntax
+    cores = parse_cores("0-3")                      # studio_core.cores: NEURON_RT_VISIBLE_CORES syntax
     problems = check_layout(4, 1, 1, cores, instance_hardware("trn2.3xlarge"), None)
     block = pick_cores(4, free={0, 1, 2, 3}, hardware=...)   # "next free": [0, 1, 2, 3]
 
 Which core sets work. The Neuron runtime wants a contiguous, increasing set, and TRL's
 Trainium guide adds that on a trn2.3xlarge only `0,1`, `2,3` and `0-3` set up collectives
-(`1,2` fails). The rule taken from that (../shared/notes/neuron.md): a multi-core set has
-a power-of-two size and starts on a multiple of its size, so half a trn2.48xlarge is 0-31 or
-32-63, not 16-47. Beyond the TRL guide's three sets this rule is not measured here, and
+(`1,2` fails). The rule the studio takes from that: a multi-core set has a power-of-two
+size and starts on a multiple of its size, so half a trn2.48xlarge is 0-31 or 32-63, not
+16-47. Beyond the TRL guide's three sets this rule is not measured here, and
 Trn3 gets the same rule.
 
 Ranks and cores: torchrun's ranks take the visible cores in order, and Transformers puts
@@ -21,45 +21,9 @@ TP innermost in its mesh (see `tp_groups`), so each TP group is a run of consecu
 from __future__ import annotations
 
 import math
-import re
 
+from studio_core.cores import format_cores, parse_cores
 from studio_core.hardware import MAX_TORCH_DEVICES, Hardware
-
-_PART = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
-
-
-def parse_cores(text: str) -> list[int]:
-    """NEURON_RT_VISIBLE_CORES syntax ("0-3", "0,1", "0-1,2-3") -> the cores, in written order."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"no cores given ({text!r}): write a range like 0-3 or a list like 0,1")
-    cores: list[int] = []
-    for part in text.split(","):
-        match = _PART.match(part.strip())
-        if not match:
-            raise ValueError(f"{part.strip()!r} in {text!r} is not a core number or a range: "
-                             "write e.g. 0-3, 0,1 or 0-1,2-3")
-        first, last = int(match[1]), int(match[2] if match[2] is not None else match[1])
-        if last < first:
-            raise ValueError(f"{part.strip()} is a reversed range: write {last}-{first}")
-        for core in range(first, last + 1):
-            if core in cores:
-                raise ValueError(f"core {core} appears twice in {text!r}: list each core once")
-            cores.append(core)
-    return cores
-
-
-def format_cores(cores: list[int]) -> str:
-    """[0, 1, 2, 3] -> "0-3", [2] -> "2", [0, 1, 4] -> "0-1,4" (runs kept in the given order)."""
-    if not cores:
-        raise ValueError("no cores to format")
-    runs: list[list[int]] = []
-    for core in cores:
-        if runs and core == runs[-1][-1] + 1:
-            runs[-1].append(core)
-        else:
-            runs.append([core])
-    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
-
 
 def _show(cores: list[int]) -> str:
     """Two cores as TRL's guide writes them ("0,1"), more as ranges; out of order as written."""
@@ -169,7 +133,7 @@ def check_layout(nproc: int, tp_size: int, fsdp_size: int, cores: list[int] | st
         except ValueError as error:
             return problems + [f"studio.cores: {error}"]
     if cores is not None and hardware.backend != "neuron":
-        count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+        count = hardware.cores
         if len(cores) != nproc:
             problems.append(f"studio.cores: {_show(cores)} is {len(cores)} core(s) but studio.nproc is {nproc} "
                             "(one process per core): make them match")
@@ -200,7 +164,7 @@ def pick_cores(nproc: int, free: set[int], hardware: Hardware) -> list[int] | No
     """The lowest valid block of `nproc` cores that are all free ("next free"), or None."""
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+    count = hardware.cores
     for start in range(0, count - nproc + 1):
         block = list(range(start, start + nproc))
         # CPU cores and CUDA devices need no alignment; NeuronCores do (check_core_set)

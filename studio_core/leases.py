@@ -29,7 +29,8 @@ import os
 import time
 from pathlib import Path
 
-from studio_core.layout import parse_cores, pick_cores
+from studio_core.cores import parse_cores
+from studio_core.layout import pick_cores
 
 BACKENDS = ("neuron", "cuda", "cpu")
 KINDS = ("run", "chat", "export")
@@ -129,7 +130,7 @@ def choose(runs_dir: str | Path, hardware, nproc: int, cores: str | None) -> lis
     """The cores a run or chat will hold: `cores` if all are free (ValueError naming the
     holders if not), else the first free valid block of `nproc` (NoFreeCores if none).
     Call it inside choosing(), so no other start takes them before their holder does."""
-    count = hardware.cpu_count if hardware.backend == "cpu" else hardware.devices
+    count = hardware.cores
     held = holders(runs_dir, hardware.backend, count)
     if cores is not None:
         wanted = parse_cores(cores)

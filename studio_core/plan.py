@@ -1,43 +1,35 @@
 """The planner: a run spec and a hardware description in, the exact launch out. Pure.
 
-`plan()` decides the torchrun argv, the environment the studio adds, and the final TRL
-arguments: the recipe's own values plus the backend's safe defaults, each listed with
-its reason so the user sees what was changed and why. The same plan is what
-"Preview command" shows, what `launch.py plan` prints, and what the supervisor runs.
+`plan()` decides the command that starts the run's processes (the run backend's), the
+environment the studio adds, and the final TRL arguments: the recipe's own values plus the
+backend's and the trainer's safe defaults (studio_core.trainers), each listed with its reason
+so the user sees what was changed and why. The same plan is what "Preview command" shows,
+what `launch.py plan` prints, and what the run backend runs.
 """
 
 from __future__ import annotations
 
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from studio_core import sources
+from studio_core import backends, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
+from studio_core.children import REPO_ROOT
 from studio_core.compile_cache import compile_cache_env
+from studio_core.cores import format_cores, parse_cores
 from studio_core.hardware import Hardware
-from studio_core.layout import check_layout, parse_cores
+from studio_core.layout import check_layout
 from studio_core.spec import RunSpec, resolved
+from studio_core.trainers import Default
 from studio_core.trl_schema import trainer_fields
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_MODULE = "studio_core.worker"
 DYNAMIC_SHAPES_OFF = "torch._dynamo.config.automatic_dynamic_shapes"
 
 
-@dataclass(frozen=True)
-class Default:
-    """A setting the studio applies unless the recipe sets it; `force` applies it anyway."""
-
-    key: str
-    value: object
-    reason: str
-    force: bool = False
-
-
-# What each backend needs for training to work, or to work well. ../shared/notes/neuron.md
-# has the sources of the Neuron figures.
+# What each backend needs for training to work, or to work well. The Neuron figures come from
+# TRL's Trainium guide and the TorchNeuron announcement (2026); docs/architecture.md lists them.
 COMMON_DEFAULTS = (
     Default("disable_tqdm", True, "progress streams as events; tqdm's bar would flood train.log"),
     Default("logging_first_step", True, "the first loss shows at step 1, not after logging_steps"),
@@ -66,51 +58,45 @@ BACKEND_DEFAULTS = {
     ),
 }
 
-# GRPO generates on the training device; on Neuron every new shape compiles for minutes.
-TRAINER_DEFAULTS = {
-    ("neuron", "grpo"): (
-        Default("cache_implementation", "static", "with the dynamic cache every generated token is a "
-                "new shape, and a GRPO step takes minutes of compiling"),
-        Default("use_vllm", False, "vLLM does not run on Neuron: GRPO generates with Transformers",
-                force=True),
-    ),
-}
-
-
 @dataclass
 class Plan:
     argv: list[str]
-    env: dict[str, str]  # only what the studio adds to the inherited environment
-    spec: RunSpec  # the resolved spec: the recipe plus the applied defaults
+    env: dict[str, str]  # only what the studio adds to the inherited environment (PYTHONPATH: prepended)
+    spec: RunSpec  # the resolved spec: the recipe plus the applied defaults, and the cores chosen
     applied: list[tuple[str, object, str]] = field(default_factory=list)  # (key, value, reason)
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    backend: str = backends.DEFAULT  # the run backend that starts it: where it executes
+    cores: list[int] | None = None  # the cores chosen for the run; None: a plan for another machine
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         return f"{env} \\\n  {shlex.join(self.argv)}" if env else shlex.join(self.argv)
 
     def describe(self) -> str:
-        lines = ["Command:", self.command_line(), "", "Settings the studio applied:"]
+        where = backends.get(self.backend).description
+        lines = [f"Command (runs on {where}):", self.command_line(), "", "Settings the studio applied:"]
         lines += [f"  {key} = {value!r}: {reason}" for key, value, reason in self.applied] or ["  none"]
         lines += ["", "Warnings:", *[f"  {w}" for w in self.warnings]] if self.warnings else []
         lines += ["", "Cannot launch:", *[f"  {e}" for e in self.errors]] if self.errors else []
         return "\n".join(lines)
 
 
-def plan(spec: RunSpec, hardware: Hardware, run_dir: str | Path = "<run folder>",
+def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_dir: str | Path = "<run folder>",
          run_id: str = "<run id>", compile_cache: str | Path = "<compile cache>",
          model_config: dict | None = None) -> Plan:
-    """`compile_cache` is the compile cache root (compile_cache.compile_cache_root(), passed in
-    so the plan stays pure); `model_config` (the model's config.json, when at hand) lets the
-    layout check heads vs TP."""
+    """`cores`: the cores chosen for the run on this machine (None, for another machine: the
+    spec's own `studio.cores`, else the first ones). `compile_cache` is the compile cache root
+    (compile_cache.compile_cache_root(), passed in so the plan stays pure); `model_config` (the
+    model's config.json, when at hand) lets the layout check heads vs TP."""
+    trainer = trainers.get(spec.trainer)
     args = dict(spec.args)
     applied: list[tuple[str, object, str]] = []
     warnings: list[str] = []
     known = trainer_fields(spec.trainer)
-    defaults = (*COMMON_DEFAULTS, *BACKEND_DEFAULTS[hardware.backend],
-                *TRAINER_DEFAULTS.get((hardware.backend, spec.trainer), ()))
-    for default in (d for d in defaults if d.key in known):
+    defaults = (*COMMON_DEFAULTS, *BACKEND_DEFAULTS[hardware.backend], *trainer.defaults,
+                *(trainer.neuron_defaults if hardware.backend == "neuron" else ()))
+    for default in (d for d in defaults if d.key in known and (d.when is None or d.when(args))):
         if default.key not in args:
             args[default.key] = default.value
             applied.append((default.key, default.value, default.reason))
@@ -120,8 +106,8 @@ def plan(spec: RunSpec, hardware: Hardware, run_dir: str | Path = "<run folder>"
             args[default.key] = default.value
             applied.append((default.key, default.value, default.reason))
     if hardware.backend == "neuron":
-        _neuron_model_init(args, spec.trainer, applied)
-        warnings += _neuron_warnings(args, spec.trainer)
+        _neuron_model_init(args, trainer, applied)
+        warnings += _neuron_warnings(args, trainer)
     if spec.layout.tp_size > 1 or spec.layout.fsdp_size > 1:
         applied.append(("model_init_kwargs.distributed_config",
                         f"DistributedConfig(tp_size={spec.layout.tp_size}, fsdp_size={spec.layout.fsdp_size})",
@@ -130,18 +116,30 @@ def plan(spec: RunSpec, hardware: Hardware, run_dir: str | Path = "<run folder>"
     if args.get("torch_compile"):
         applied.append((DYNAMIC_SHAPES_OFF, False, "automatic dynamic shapes make graphs Neuron cannot "
                         "compile (TRL issue 7660); each shape compiles once instead"))
-    layout = spec.layout
-    env = _environment(spec, hardware, run_id, compile_cache, applied)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={layout.nproc}", "-m", WORKER_MODULE, str(run_dir)]
-    return Plan(argv, env, resolved(spec, args), applied, warnings, _hardware_errors(spec, hardware, model_config))
+    errors = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size,
+                          cores if cores is not None else spec.layout.cores, hardware, model_config)
+    env = _environment(spec, hardware, run_id, compile_cache, cores, applied)
+    backend = backends.get(spec.layout.run_on)
+    argv = backend.launch_argv(spec.layout.nproc, WORKER_MODULE, str(run_dir))
+    final = resolved(spec, args)
+    if cores is not None:
+        final.layout.cores = format_cores(cores)
+    return Plan(argv, env, final, applied, warnings, errors, backend.name, cores)
 
 
-def _neuron_model_init(args: dict, trainer: str, applied: list) -> None:
+def _spec_cores(spec: RunSpec) -> list[int] | None:
+    """The cores the spec names, if it names a valid set (check_layout says what is wrong else)."""
+    try:
+        return parse_cores(spec.layout.cores) if spec.layout.cores else None
+    except ValueError:
+        return None
+
+
+def _neuron_model_init(args: dict, trainer: trainers.Trainer, applied: list) -> None:
     init_kwargs = dict(args.get("model_init_kwargs") or {})
     wanted = [("device_map", None, "the Trainer places the model; \"auto\" would load it on CPU "
                "(Accelerate lists no Neuron devices)")]
-    if trainer == "grpo" and args.get("cache_implementation") == "static":
+    if trainer.generates and args.get("cache_implementation") == "static":
         wanted.append(("dtype", "bfloat16", "the static cache needs a bf16 model: in fp32 the keys and "
                        "values end up in different dtypes (TRL issue 7664)"))
     for key, value, reason in wanted:
@@ -151,7 +149,7 @@ def _neuron_model_init(args: dict, trainer: str, applied: list) -> None:
     args["model_init_kwargs"] = init_kwargs
 
 
-def _neuron_warnings(args: dict, trainer: str) -> list[str]:
+def _neuron_warnings(args: dict, trainer: trainers.Trainer) -> list[str]:
     """Recipe values that run on Neuron but are known to cost a lot there."""
     warnings = []
     if "pad_to_multiple_of" in args and args["pad_to_multiple_of"] is None:
@@ -159,20 +157,25 @@ def _neuron_warnings(args: dict, trainer: str) -> list[str]:
                         "260 s instead of 130 s for 20 Qwen3-0.6B steps); \"auto\" pads to 128")
     if args.get("dataloader_drop_last") is False:
         warnings.append("dataloader_drop_last: false makes the last, smaller batch one more compilation")
-    if trainer == "grpo" and args.get("cache_implementation") != "static":
+    if trainer.generates and args.get("cache_implementation") != "static":
         warnings.append(f"cache_implementation: {args.get('cache_implementation')!r} makes every generated "
-                        "token a new shape: each GRPO step compiles for minutes; use \"static\"")
+                        f"token a new shape: each {trainer.name} step compiles for minutes; use \"static\"")
     dtype = (args.get("model_init_kwargs") or {}).get("dtype")
-    if trainer == "grpo" and args.get("cache_implementation") == "static" and dtype not in ("bfloat16", "bf16"):
+    if trainer.generates and args.get("cache_implementation") == "static" and dtype not in ("bfloat16", "bf16"):
         warnings.append(f"model_init_kwargs.dtype: {dtype!r} with the static cache fails: the keys and values "
                         "end up in different dtypes (TRL issue 7664); use bfloat16")
     return warnings
 
 
-def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, applied) -> dict[str, str]:
+def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, chosen: list[int] | None,
+                 applied) -> dict[str, str]:
+    """`chosen`: the run's cores; None for a plan that picks none (the spec's own are shown, else
+    the first ones)."""
     layout = spec.layout
+    named = _spec_cores(spec)
+    cores = chosen if chosen is not None else named or list(range(layout.nproc))
     env = {
-        "PYTHONPATH": str(REPO_ROOT),
+        "PYTHONPATH": str(REPO_ROOT),  # put in front of the user's own when the run starts
         "PYTHONUNBUFFERED": "1",
         "STUDIO_RUN_ID": run_id,  # marks every process of the run, so stop can find them all
         "HF_HUB_DISABLE_TELEMETRY": "1",
@@ -187,14 +190,12 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
                     "backend, compiled graphs (FX graph and AOTAutograd caches) are kept and reused by later "
                     f"{hardware.backend} runs; shared by every run on this backend"))
     if hardware.backend == "cpu":
-        cores = len(parse_cores(layout.cores)) if layout.cores else hardware.cpu_count
-        threads = max(1, cores // layout.nproc)
+        threads = max(1, (len(cores) if chosen is not None or named else hardware.cpu_count) // layout.nproc)
         env["OMP_NUM_THREADS"] = str(threads)
         applied.append(("OMP_NUM_THREADS", str(threads), "the run's CPU cores shared out between its processes"))
     if hardware.backend == "neuron":
-        first = 0
-        cores = layout.cores or (f"{first}-{first + layout.nproc - 1}" if layout.nproc > 1 else str(first))
-        env["NEURON_RT_VISIBLE_CORES"] = cores  # the run's leased cores; a preview shows the first ones
+        # the run's leased cores, written as the spec wrote them when it named these ("0,1", as TRL's guide)
+        env["NEURON_RT_VISIBLE_CORES"] = layout.cores if named == cores else format_cores(cores)
         env["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
         applied.append(("HF_DEACTIVATE_ASYNC_LOAD", "1", "Transformers' async weight loading hangs on Neuron"))
         applied.append(("TORCH_NEURONX_NEFF_CACHE_DIR", env["TORCH_NEURONX_NEFF_CACHE_DIR"],
@@ -202,13 +203,8 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
                         "graphs: same model, shapes, dtype, layout and compiler version"))
         if hardware.lnc:
             env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.lnc)
-    if hardware.backend == "cuda" and layout.cores:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, parse_cores(layout.cores)))
+    if hardware.backend == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cores))
     if layout.tp_size > 1 or layout.fsdp_size > 1:
         env["TP_SIZE"], env["FSDP_SIZE"] = str(layout.tp_size), str(layout.fsdp_size)
     return env
-
-
-def _hardware_errors(spec: RunSpec, hardware: Hardware, model_config: dict | None) -> list[str]:
-    layout = spec.layout
-    return check_layout(layout.nproc, layout.tp_size, layout.fsdp_size, layout.cores, hardware, model_config)

@@ -45,6 +45,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from studio_core import children
+
 
 def completion_text(completion) -> str:
     """The text of one completion: the string itself, or the last assistant message's content."""
@@ -323,12 +325,9 @@ def check_rewards_in_subprocess(rewards: list[dict], sample_rows: list[dict] | N
     """check_rewards in a child Python process, stopped after `timeout` seconds.
 
     Sample values JSON cannot carry (images, dates) reach the child as their str()."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
     request = json.dumps({"rewards": rewards, "sample_rows": sample_rows}, default=str)
-    child = subprocess.Popen([sys.executable, "-m", "studio_core.rewards"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                             start_new_session=True)
+    child = children.start("studio_core.rewards", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = child.communicate(request, timeout=timeout)
     except subprocess.TimeoutExpired:

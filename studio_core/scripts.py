@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import shlex
 
-from studio_core.plan import REPO_ROOT, WORKER_MODULE, Plan
+from studio_core.children import REPO_ROOT
+from studio_core.plan import WORKER_MODULE, Plan
 
 RDZV_PORT = 29500
 

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import yaml
 
-from studio_core import data_check, rewards, sources
+from studio_core import data_check, rewards, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.data_files import read_rows
 from studio_core.layout import check_sizes
-from studio_core.trl_schema import TRAINER_CONFIGS, check_value, trainer_fields
+from studio_core.trl_schema import check_value, trainer_fields
 
-AVAILABLE_TRAINERS = tuple(TRAINER_CONFIGS)  # sft, dpo, grpo
 # Set by the studio for every run; a recipe that sets them would be silently overridden.
 STUDIO_OWNED = {
     "output_dir": "the model is saved in the run folder's output/ (choose where runs go with --runs-dir)",
@@ -76,11 +75,12 @@ class Layout:
     cores: str | None = None  # e.g. "0-3"; None takes the first free ones
     tp_size: int = 1
     fsdp_size: int = 1
+    run_on: str = "local"  # where the run executes: a run backend (studio_core.backends)
 
 
 @dataclass
 class RunSpec:
-    trainer: str = "sft"
+    trainer: str = trainers.DEFAULT
     model_name_or_path: str = BUILTIN_MODEL
     dataset_name: str = "builtin:qa"
     dataset_config: str | None = None
@@ -90,7 +90,7 @@ class RunSpec:
     layout: Layout = field(default_factory=Layout)
     column_map: dict = field(default_factory=dict)  # dataset column renames, {old: new}
     keep_columns: list | None = None  # keep only these columns (after renaming)
-    rewards: list = field(default_factory=list)  # GRPO reward functions (see rewards.py)
+    rewards: list = field(default_factory=list)  # reward functions of GRPO, RLOO (see rewards.py)
 
     # --- recipe YAML -------------------------------------------------------------------
     @classmethod
@@ -100,7 +100,7 @@ class RunSpec:
         data = dict(data)
         studio = data.pop("studio", None) or {}
         if not isinstance(studio, dict):
-            raise SpecError(["studio: must be a mapping (trainer, nproc, cores, tp_size, fsdp_size)"])
+            raise SpecError(["studio: must be a mapping (trainer, nproc, cores, tp_size, fsdp_size, run_on)"])
         layout_keys = {f.name for f in fields(Layout)}
         unknown = set(studio) - layout_keys - STUDIO_KEYS
         if unknown:
@@ -109,7 +109,7 @@ class RunSpec:
         layout = {k: v for k, v in studio.items() if k in layout_keys}
         if isinstance(layout.get("cores"), int) and not isinstance(layout["cores"], bool):
             layout["cores"] = str(layout["cores"])  # `cores: 3` is the one-core set "3"
-        spec = cls(trainer=studio.get("trainer", "sft"), layout=Layout(**layout),
+        spec = cls(trainer=studio.get("trainer", trainers.DEFAULT), layout=Layout(**layout),
                    column_map=studio.get("column_map") or {}, keep_columns=studio.get("keep_columns"),
                    rewards=studio.get("rewards") or [])
         for name in ("model_name_or_path", "dataset_name", "dataset_config",
@@ -174,10 +174,10 @@ class RunSpec:
 def validate(spec: RunSpec) -> list[str]:
     """Every problem that stops this spec from launching, each saying what to change."""
     problems: list[str] = []
-    if spec.trainer not in AVAILABLE_TRAINERS:
-        known = ", ".join(AVAILABLE_TRAINERS)
-        problems.append(f"studio.trainer: {spec.trainer!r} is not available; choose {known}")
-        return problems
+    try:
+        trainers.get(spec.trainer)
+    except KeyError as error:
+        return [str(error).strip("'\"")]
     problems += check_args(spec.trainer, spec.args)
     problems += _check_numbers(spec)
     problems += _check_layout(spec.layout)
@@ -205,8 +205,9 @@ def check_args(trainer: str, args: dict) -> list[str]:
             problems.append(f"{key}: set by the studio ({STUDIO_OWNED[key]}); remove it")
         elif key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; see {TRAINER_CONFIGS[trainer]}'s fields"
-            problems.append(f"{key}: not a setting of TRL's {TRAINER_CONFIGS[trainer]}{hint}")
+            config = trainers.get(trainer).config_class
+            hint = f"; did you mean {close[0]}?" if close else f"; see {config}'s fields"
+            problems.append(f"{key}: not a setting of TRL's {config}{hint}")
         else:
             message = check_value(key, value, allowed[key])
             if message:
@@ -222,10 +223,11 @@ def _check_data(spec: RunSpec) -> list[str]:
     problems = sources.check_dataset(spec.dataset_name)
     if problems:
         return problems
+    takes_rewards = trainers.get(spec.trainer).rewards
     path = sources.dataset_file(spec.dataset_name)
     if path is None:
         problems = data_check.check_mapping(None, spec.column_map, spec.keep_columns)
-        if spec.trainer == "grpo" and not problems:  # imported and looked up in a child process, not called
+        if takes_rewards and not problems:  # imported and looked up in a child process, not called
             problems += rewards.check_rewards_in_subprocess(spec.rewards, None)
     else:
         try:
@@ -236,14 +238,16 @@ def _check_data(spec: RunSpec) -> list[str]:
         problems = check_rows(spec, rows, check_rewards=rewards.check_rewards_in_subprocess)
         problems = problems or data_check.scan_file(path, spec.column_map, spec.keep_columns,
                                                     spec.args.get("dataset_text_field", "text"))
-    if spec.trainer != "grpo" and spec.rewards:
-        problems.append("studio.rewards: only GRPO uses reward functions; remove them or choose grpo")
+    if not takes_rewards and spec.rewards:
+        using = ", ".join(t.key for t in trainers.TRAINERS.values() if t.rewards)
+        problems.append(f"studio.rewards: {trainers.get(spec.trainer).name} takes no reward functions; remove them "
+                        f"or choose a trainer that does ({using})")
     return problems
 
 
 def check_rows(spec: RunSpec, rows: list[dict], check_rewards=rewards.check_rewards) -> list[str]:
     """The dataset's first rows against the spec: its column map, TRL's type and format of the
-    result against the trainer, and for GRPO `check_rewards` (the reward functions called once on
+    result against the trainer, and for the trainers with rewards `check_rewards` (each called once on
     them). One check for a local file before launch and for any dataset in the worker."""
     if not rows:
         return [f"dataset_name: {spec.dataset_name} (split {spec.dataset_train_split}) has no rows; "
@@ -254,7 +258,7 @@ def check_rows(spec: RunSpec, rows: list[dict], check_rewards=rewards.check_rewa
     rows = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
     kind = data_check.detect(rows, text_field=spec.args.get("dataset_text_field", "text"))
     problems = data_check.fit_problems(kind, spec.trainer)
-    if spec.trainer == "grpo" and not problems:
+    if trainers.get(spec.trainer).rewards and not problems:
         problems += check_rewards(spec.rewards, rows)
     return problems
 

@@ -1,6 +1,7 @@
-"""The per-run supervisor: starts torchrun, waits for it, writes the run's final status.
+"""The per-run supervisor of the local backend: starts torchrun, waits for it, writes the
+run's final status. An entry point, never imported.
 
-Started detached (its own session) by the run manager, with output to train.log:
+Started detached (its own session) by studio_core.backends.local, with output to train.log:
     python -m studio_core.supervisor RUN_DIR
 It outlives the web app, so closing or restarting the app changes nothing for a run.
 It holds the run's core leases (studio_core.leases) from before torchrun starts until
@@ -13,28 +14,29 @@ torchrun; whatever of the run is still alive after a grace period is killed.
 
 from __future__ import annotations
 
-import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from studio_core import leases
-from studio_core.events import EventReader, append_event
+from studio_core import children, leases
 from studio_core.hardware import pin_to_cpu_cores
 from studio_core.monitor import SAMPLE_EVERY_S, RunMonitor
 from studio_core.procs import kill_run_processes
+from studio_core.runs import events as ev
+from studio_core.runs.events import EventReader
+from studio_core.runs.folder import EVENTS, LOG, read_launch
 
 GRACE_S = 10
 LOG_TAIL_LINES = 60
 
 
 def main(run_dir: Path) -> int:
-    launch = json.loads((run_dir / "launch.json").read_text())
-    events = run_dir / "events.jsonl"
+    launch = read_launch(run_dir)
+    events = run_dir / EVENTS
     this_attempt = EventReader(events)
     this_attempt.read_new()  # a resumed run's folder holds earlier attempts' events: skip them
     stop_requested_at: float | None = None
@@ -42,18 +44,18 @@ def main(run_dir: Path) -> int:
     try:  # held until this process ends, after every process of the run has
         lease = leases.acquire(run_dir.parent, backend, cores, holder=run_dir.name, kind="run")
     except leases.CoresBusy as busy:  # taken between the manager's check and now
-        append_event(events, "error", message=str(busy))
-        append_event(events, "status", state="failed", exit_code=None)
+        ev.append(events, ev.error(str(busy)))
+        ev.append(events, ev.status("failed"))
         return 1
-    append_event(events, "log", message=f"holding {backend} cores {cores}")
+    ev.append(events, ev.log(f"holding {backend} cores {cores}"))
     if backend == "cpu":
         pin_to_cpu_cores(cores)  # torchrun and every rank inherit the pinning
 
     torchrun = subprocess.Popen(launch["argv"], stdin=subprocess.DEVNULL, cwd=run_dir,
-                                env={**os.environ, **launch["env"]})
-    append_event(events, "log", message=f"torchrun started (pid {torchrun.pid})")
+                                env=children.environment(launch["env"]))
+    ev.append(events, ev.log(f"torchrun started (pid {torchrun.pid})"))
     monitor: RunMonitor | None = RunMonitor(backend, cores, torchrun.pid)  # hardware events, every ~2 s
-    append_event(events, "log", message=monitor.describe())
+    ev.append(events, ev.log(monitor.describe()))
     next_sample = time.monotonic() + SAMPLE_EVERY_S
 
     def on_stop(signum, frame):
@@ -73,9 +75,9 @@ def main(run_dir: Path) -> int:
         if monitor is not None and time.monotonic() >= next_sample:
             next_sample += SAMPLE_EVERY_S
             try:
-                append_event(events, "hardware", **monitor.sample())
+                ev.append(events, ev.hardware(monitor.sample()))
             except Exception as failed:  # sampling must never cost the run its final status
-                append_event(events, "log", message=f"hardware sampling stopped: {failed!r}")
+                ev.append(events, ev.log(f"hardware sampling stopped: {failed!r}"))
                 monitor.stop()
                 monitor = None
     if monitor is not None:
@@ -83,26 +85,26 @@ def main(run_dir: Path) -> int:
     stop_requested = stop_requested_at is not None
     left = kill_run_processes(os.environ["STUDIO_RUN_ID"])  # ranks torchrun did not reap
     if left:
-        append_event(events, "log", message=f"processes that survived SIGKILL: {[p.pid for p in left]}")
+        ev.append(events, ev.log(f"processes that survived SIGKILL: {[p.pid for p in left]}"))
 
     lease.release()
     attempt = this_attempt.read_new()
     saved_stop = any(e["type"] == "saved_stop" for e in attempt)
     if stop_requested or (code == 0 and saved_stop):  # stopped, by signal or with a checkpoint as asked
-        append_event(events, "status", state="stopped", exit_code=code)
+        ev.append(events, ev.status("stopped", exit_code=code))
     elif code == 0:
-        append_event(events, "status", state="finished", exit_code=0)
+        ev.append(events, ev.status("finished", exit_code=0))
     else:
-        tail = _log_tail(run_dir / "train.log")
+        tail = _log_tail(run_dir / LOG)
         cause = root_cause(tail)
         worker_error = any(e["type"] == "error" for e in attempt)
         if cause and "killed" in cause:
             # A killed rank leaves only the others' knock-on errors ("connection reset"):
             # say what really happened, as the last error, which is the one shown.
-            append_event(events, "error", message=cause, traceback=tail)
+            ev.append(events, ev.error(cause, traceback=tail))
         elif not worker_error:
-            append_event(events, "error", message=cause or f"torchrun exited with code {code}", traceback=tail)
-        append_event(events, "status", state="failed", exit_code=code)
+            ev.append(events, ev.error(cause or f"torchrun exited with code {code}", traceback=tail))
+        ev.append(events, ev.status("failed", exit_code=code))
     return 0
 
 

@@ -14,9 +14,9 @@ import sys
 from functools import lru_cache
 from importlib.metadata import version
 
+from studio_core import trainers
 from studio_core.builtin import cache_dir
 
-TRAINER_CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}
 # Dataclasses whose fields a recipe may also hold: the model and dataset choice, as
 # TRL's own CLI reads them (`trl sft --config recipe.yaml`).
 EXTRA_CLASSES = ("ModelConfig", "ScriptArguments")
@@ -77,9 +77,11 @@ print(json.dumps(schema))
 def trl_schema() -> dict[str, dict[str, dict]]:
     """{class name: {field: {types, choices, default, help}}} for the trainer configs and extras."""
     path = cache_dir() / f"trl-schema-{version('trl')}.json"
+    names = [*trainers.config_classes().values(), *EXTRA_CLASSES]
     if path.exists():
-        return json.loads(path.read_text())
-    names = [*TRAINER_CONFIGS.values(), *EXTRA_CLASSES]
+        cached = json.loads(path.read_text())
+        if set(names) <= set(cached):  # else a trainer was added since: read TRL again
+            return cached
     done = subprocess.run(
         [sys.executable, "-c", _INTROSPECT, *names], capture_output=True, text=True, check=False
     )
@@ -96,7 +98,7 @@ def trainer_fields(trainer: str) -> dict[str, dict]:
     """The fields a recipe may set for this trainer: its TRL config plus model/dataset args."""
     schema = trl_schema()
     fields: dict[str, dict] = {}
-    for name in (*EXTRA_CLASSES, TRAINER_CONFIGS[trainer]):
+    for name in (*EXTRA_CLASSES, trainers.get(trainer).config_class):
         fields.update(schema[name])
     return fields
 

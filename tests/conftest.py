@@ -35,7 +35,7 @@ def run_folders(runs_dir):
 def manager(tmp_path):
     """A run manager over a fresh runs folder; no trainer outlives the test."""
     from studio_core.procs import kill_run_processes
-    from studio_core.runs import RunManager
+    from studio_core.runs.manager import RunManager
 
     runs = RunManager(tmp_path / "runs")
     yield runs
@@ -50,9 +50,9 @@ def trained_runs(tmp_path_factory):
     import time
     from pathlib import Path
 
-    from studio_core.events import FINAL_STATES
+    from studio_core.runs.events import FINAL_STATES
     from studio_core.hardware import cpu_hardware
-    from studio_core.runs import RunManager
+    from studio_core.runs.manager import RunManager
     from studio_core.spec import RunSpec
 
     recipes = Path(__file__).resolve().parent.parent / "recipes"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 from conftest import run_folders
 
 playwright_api = pytest.importorskip("playwright.sync_api")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from studio_core.events import FINAL_STATES
+from studio_core.runs.events import FINAL_STATES
 from studio_core.hardware import cpu_hardware
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
 from test_browser import ROOT, browser, open_page, playwright_api, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from test_browser import app  # noqa: F401 (fixture)

@@ -5,7 +5,7 @@ in the cache is checked in test_compile_cache.py.)"""
 from __future__ import annotations
 
 from studio_core.hardware import cpu_hardware
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
 from test_browser import App, ROOT, browser, open_page, playwright_api, pytestmark, runs_dir  # noqa: F401
 

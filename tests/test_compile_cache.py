@@ -19,9 +19,9 @@ import pytest
 
 from studio_core.compile_cache import (CacheInUse, clear, compile_cache_dir, compile_cache_env,
                                        compile_cache_root, summary)
-from studio_core.events import FINAL_STATES
+from studio_core.runs.events import FINAL_STATES
 from studio_core.hardware import cpu_hardware, instance_hardware
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,8 +85,8 @@ def test_studio_compile_cache_overrides_the_root(monkeypatch, tmp_path):
 def test_runs_on_one_backend_share_the_configured_cache(monkeypatch, tmp_path, hardware, expected):
     monkeypatch.setenv("STUDIO_COMPILE_CACHE", str(tmp_path / "cc"))
     manager = RunManager(tmp_path / "runs")
-    first = manager.plan(RunSpec.load(TINY), hardware, run_id="r1")
-    second = manager.plan(RunSpec.load(TINY).with_overrides(["learning_rate=0.01"]), hardware, run_id="r2")
+    first = manager.plan(RunSpec.load(TINY), hardware)
+    second = manager.plan(RunSpec.load(TINY).with_overrides(["learning_rate=0.01"]), hardware)
     for key, folder in expected.items():
         assert first.env[key] == second.env[key] == str(tmp_path / "cc" / folder)
         assert any(k == key for k, _, _ in first.applied), f"{key} is listed with its reason"
@@ -143,12 +143,12 @@ def test_clear_is_refused_while_a_run_is_active(manager, monkeypatch, tmp_path):
     assert manager.view(view.id).live_state not in FINAL_STATES
 
     with pytest.raises(CacheInUse, match=view.id):
-        clear(folder, manager.runs_dir)
+        clear(folder, manager.active_runs())
     refused = launch_py("cache", "--backend", "cpu", "--clear", "--runs-dir", str(manager.runs_dir),
                         env={"STUDIO_COMPILE_CACHE": str(root)})
     assert refused.returncode == 2 and view.id in refused.stderr and "Stop them" in refused.stderr
     assert (folder / "inductor" / "kept").exists()
 
     assert manager.stop(view.id).live_state == "stopped"
-    assert clear(folder, manager.runs_dir).entries == {}
+    assert clear(folder, manager.active_runs()).entries == {}
     assert list(folder.iterdir()) == []

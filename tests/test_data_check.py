@@ -12,8 +12,8 @@ import pytest
 from datasets import Dataset, load_dataset
 from trl.data_utils import is_conversational
 
+from studio_core import trainers
 from studio_core.data_check import (
-    TRAINER_NEEDS,
     DatasetKind,
     apply_column_map,
     check_mapping,
@@ -234,10 +234,13 @@ def test_reads_records_as_datasets_does(tmp_path, layout):
 # --- what each trainer needs ---------------------------------------------------------------
 
 def test_trainer_needs():
-    assert TRAINER_NEEDS == {"sft": ("language_modeling", "prompt_completion"),
-                             "dpo": ("preference", "preference_implicit"),
-                             "grpo": ("prompt_only", "prompt_completion")}
-    for trainer, kinds in TRAINER_NEEDS.items():
+    needs = {key: t.data_types for key, t in trainers.TRAINERS.items()}
+    assert needs == {"sft": ("language_modeling", "prompt_completion"),
+                     "dpo": ("preference", "preference_implicit"),
+                     "kto": ("unpaired_preference", "preference", "preference_implicit"),
+                     "grpo": ("prompt_only", "prompt_completion"), "rloo": ("prompt_only", "prompt_completion"),
+                     "reward": ("preference", "preference_implicit")}
+    for trainer, kinds in needs.items():
         for kind, fmt, record in CASES:
             assert (fit_problems(detect([record]), trainer) == []) == (kind in kinds), (trainer, kind, fmt)
 
@@ -292,7 +295,7 @@ def test_surplus_columns():
 
 
 def test_unknown_trainer():
-    assert "no dataset rules for 'ppo'" in fit_problems(detect([{"text": "x"}]), "ppo")[0]
+    assert "'ppo' is not available; choose sft, dpo" in fit_problems(detect([{"text": "x"}]), "ppo")[0]
     assert suggest_column_map(["question", "answer"], "ppo") == {}
 
 

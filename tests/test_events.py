@@ -1,14 +1,21 @@
-"""Tests for the run's event stream (studio_core.events): the file a UI tails."""
+"""The run's event stream (studio_core.runs.events): the constructors, the file a UI tails, and
+the one fold every reader uses."""
 
+import inspect
 import json
 import multiprocessing
+import re
+from pathlib import Path
 
-from studio_core.events import EventReader, append_event, read_events
+from studio_core.runs import events
+from studio_core.runs.events import EventReader, append, fold, read
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_append_writes_one_json_line_with_type_and_time(tmp_path):
     path = tmp_path / "events.jsonl"
-    event = append_event(path, "metrics", step=3, loss=1.5)
+    event = append(path, events.metrics(3, 0.5, {"loss": 1.5}))
     lines = path.read_text().splitlines()
     assert len(lines) == 1
     assert json.loads(lines[0]) == event
@@ -16,24 +23,40 @@ def test_append_writes_one_json_line_with_type_and_time(tmp_path):
     assert isinstance(event["time"], float)
 
 
+def test_constructors_leave_out_fields_not_given():
+    assert set(events.status("starting")) == {"type", "time", "state"}
+    assert events.status("failed", exit_code=1)["exit_code"] == 1
+    assert "reason" not in events.compile_start("0/0", "forward", 1)
+
+
+def test_every_type_has_one_constructor_and_is_in_readme():
+    built = {name for name, function in inspect.getmembers(events, inspect.isfunction)
+             if function.__module__ == events.__name__ and name in events.TYPES}
+    assert built == set(events.TYPES)
+    text = README.read_text()
+    section = text[text.index("`events.jsonl` has one JSON object per line"):]
+    missing = [kind for kind in events.TYPES if not re.search(rf"`{kind}`", section)]
+    assert missing == [], f"README's run-folder section does not describe {missing}"
+
+
 def test_reader_returns_only_new_events(tmp_path):
     path = tmp_path / "events.jsonl"
     reader = EventReader(path)
     assert reader.read_new() == []  # no file yet
-    append_event(path, "status", state="starting")
-    append_event(path, "log", message="one")
+    append(path, events.status("starting"))
+    append(path, events.log("one"))
     assert [e["type"] for e in reader.read_new()] == ["status", "log"]
     assert reader.read_new() == []
-    append_event(path, "progress", step=1)
+    append(path, events.progress(1, 10, 0.1, 0.01, 0.0, 12))
     new = reader.read_new()
     assert [(e["type"], e["step"]) for e in new] == [("progress", 1)]
     assert reader.offset == path.stat().st_size
-    assert len(read_events(path)) == 3  # a fresh reader starts at the beginning
+    assert len(read(path)) == 3  # a fresh reader starts at the beginning
 
 
 def test_partial_trailing_line_is_left_for_the_next_read(tmp_path):
     path = tmp_path / "events.jsonl"
-    append_event(path, "log", message="whole")
+    append(path, events.log("whole"))
     line = json.dumps({"type": "progress", "time": 1.0, "step": 7}) + "\n"
     with path.open("a") as handle:
         handle.write(line[:10])  # a writer is half-way through its line
@@ -45,32 +68,51 @@ def test_partial_trailing_line_is_left_for_the_next_read(tmp_path):
     assert reader.read_new() == []
 
 
-def test_torn_and_garbage_lines_are_skipped(tmp_path):
+def test_torn_garbage_and_timeless_lines_are_skipped(tmp_path):
     path = tmp_path / "events.jsonl"
-    append_event(path, "log", message="before")
+    append(path, events.log("before"))
     with path.open("a") as handle:
         handle.write('{"type": "metrics", "lo\n')  # torn by a crash mid-write
         handle.write("not json at all\n")
         handle.write("\n")
         handle.write("[1, 2, 3]\n")  # JSON, but not an event
         handle.write('{"no_type": true}\n')
-    append_event(path, "log", message="after")
+        handle.write('{"type": "progress", "step": 4}\n')  # no time: nothing to place it by
+        handle.write('{"type": "progress", "time": "noon", "step": 4}\n')
+    append(path, events.log("after"))
     assert [e["message"] for e in EventReader(path).read_new()] == ["before", "after"]
 
 
-def test_unknown_types_are_passed_through(tmp_path):
+def test_unknown_types_are_passed_through_and_folded_past(tmp_path):
     path = tmp_path / "events.jsonl"
-    append_event(path, "compile_start", graph="forward", shape=[4, 128])
+    with path.open("a") as handle:
+        handle.write(json.dumps({"type": "from_the_future", "time": 1.0, "x": [4, 128]}) + "\n")
     (event,) = EventReader(path).read_new()
-    assert event["type"] == "compile_start"
-    assert event["graph"] == "forward" and event["shape"] == [4, 128]
+    assert event["type"] == "from_the_future" and event["x"] == [4, 128]
+    assert fold([event]).state == "starting"
 
 
 def test_values_json_cannot_hold_are_written_as_text(tmp_path):
     path = tmp_path / "events.jsonl"
-    append_event(path, "log", message="saved", folder=tmp_path)
-    (event,) = read_events(path)
+    append(path, events.checkpoint(2, tmp_path, 10))
+    (event,) = read(path)
     assert event["folder"] == str(tmp_path)
+
+
+def test_the_fold_of_a_resumed_run_keeps_only_the_path_to_its_model():
+    timeline = [events.status("starting"), events.status("running", world_size=1, max_steps=6)]
+    for step in range(1, 5):  # the first attempt logs steps 1-4, saved a checkpoint at 2, then died
+        timeline += [events.progress(step, 6, None, 0.1, 0.0, 10), events.metrics(step, None, {"loss": 10.0 - step})]
+    timeline += [events.compile_start("0/0", "forward", 3), events.status("failed", exit_code=1),
+                 events.resume(2, "/run/output/checkpoint-2"), events.status("starting"),
+                 events.status("running", world_size=1, max_steps=6)]
+    for step in range(3, 7):
+        timeline += [events.progress(step, 6, None, 0.1, 0.0, 10), events.metrics(step, None, {"loss": 1.0 / step})]
+    timeline.append(events.status("finished", exit_code=0))
+    state = fold(timeline)
+    assert state.losses() == [(1, 9.0), (2, 8.0), (3, 1 / 3), (4, 0.25), (5, 0.2), (6, 1 / 6)]
+    assert (state.state, state.exit_code, state.step, state.attempts) == ("finished", 0, 6, 2)
+    assert state.compiling == {}  # the dead attempt's compilation is not "compiling now"
 
 
 EVENTS_PER_WRITER = 300
@@ -80,7 +122,7 @@ WRITERS = 4
 def _write_many(path: str, writer: int) -> None:
     padding = "x" * (200 + 50 * writer)  # lines of different lengths
     for n in range(EVENTS_PER_WRITER):
-        append_event(path, "progress", writer=writer, n=n, padding=padding)
+        append(path, events.metrics(n, None, {"writer": writer, "padding": padding}))
 
 
 def test_concurrent_appends_from_several_processes_all_arrive_whole(tmp_path):
@@ -100,9 +142,9 @@ def test_concurrent_appends_from_several_processes_all_arrive_whole(tmp_path):
 
     lines = path.read_text().splitlines()
     assert len(lines) == WRITERS * EVENTS_PER_WRITER
-    assert all(json.loads(line)["type"] == "progress" for line in lines)  # no line is torn
+    assert all(json.loads(line)["type"] == "metrics" for line in lines)  # no line is torn
     assert len(seen) == WRITERS * EVENTS_PER_WRITER
     for writer in range(WRITERS):
-        mine = [e["n"] for e in seen if e["writer"] == writer]
+        mine = [e["step"] for e in seen if e["writer"] == writer]
         assert mine == list(range(EVENTS_PER_WRITER))  # each writer's events, in its order
         assert all(len(e["padding"]) == 200 + 50 * writer for e in seen if e["writer"] == writer)

@@ -8,8 +8,8 @@ a trn2.48xlarge (the TorchNeuron blog's Qwen3-8B run).
 import pytest
 
 from studio_core.hardware import Hardware, instance_hardware
-from studio_core.layout import (check_core_set, check_layout, format_cores, mesh_sizes, parse_cores, pick_cores,
-                                 tp_groups)
+from studio_core.cores import format_cores, parse_cores
+from studio_core.layout import check_core_set, check_layout, mesh_sizes, pick_cores, tp_groups
 
 TRN2_3XL = instance_hardware("trn2.3xlarge")
 TRN2_3XL_LNC1 = instance_hardware("trn2.3xlarge", lnc=1)

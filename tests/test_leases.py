@@ -221,7 +221,7 @@ def test_a_preview_on_this_machine_shows_the_cores_start_would_take(tmp_path, sp
     """The plan of a launch here and now: next free cores (and their thread count on CPU), and
     held cores refused naming the holder, as Start would; for another instance, none of that."""
     from studio_core.hardware import Hardware, instance_hardware
-    from studio_core.runs import RunManager
+    from studio_core.runs.manager import RunManager
     from studio_core.spec import RunSpec, SpecError
 
     spawn([0], RUN_A, backend="cpu")

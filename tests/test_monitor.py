@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.events import FINAL_STATES, read_events
+from studio_core.runs.events import FINAL_STATES, read as read_events
 from studio_core.hardware import cpu_hardware
 from studio_core.monitor import (NEURON_MONITOR_CONFIG, NeuronMonitor, ProcessSampler, RunMonitor, cuda_memory,
                                  parse_neuron_monitor)
@@ -220,6 +220,8 @@ def test_cuda_memory_with_a_stand_in_nvidia_smi(tmp_path):
 
 
 def test_a_real_run_writes_hardware_events(manager):
+    import gradio as gr
+
     from app import hardware_panel
 
     spec = RunSpec.load(REPO / "recipes" / "tiny-sft.yaml").with_overrides(["max_steps=300"])
@@ -242,7 +244,10 @@ def test_a_real_run_writes_hardware_events(manager):
     assert max(s["processes"] for s in samples) >= 2  # torchrun and its rank
     assert all("neuron" not in s and "cuda_mem_bytes" not in s for s in samples)
 
-    note, cpu, rss, neuron_util, _, cuda = hardware_panel.render(view)
+    with gr.Blocks():
+        panel = hardware_panel.HardwarePanel()
+    shown = panel.render(view)
+    cpu, rss = shown[panel.cpu], shown[panel.rss]
     assert len(cpu) == len(samples) and (rss["rss_mb"] > 0).all()
-    assert "Not available: NeuronCore utilisation: not applicable on the cpu backend" in note
-    assert neuron_util["visible"] is False and cuda["visible"] is False
+    assert "Not available: NeuronCore utilisation: not applicable on the cpu backend" in shown[panel.note]
+    assert shown[panel.neuron_util]["visible"] is False and shown[panel.cuda_mem]["visible"] is False

@@ -226,7 +226,7 @@ def test_tp_or_fsdp_on_cpu_is_an_error():
 def test_describe_lists_the_command_and_every_applied_setting():
     launch = plan(spec("bf16=true"), CPU8)
     text = launch.describe()
-    assert text.startswith("Command:")
+    assert text.startswith("Command (runs on this machine):")
     for key, _, reason in launch.applied:
         assert f"  {key} = " in text and reason in text
     assert "Warnings:" in text and launch.warnings[0] in text

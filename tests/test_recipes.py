@@ -8,7 +8,7 @@ import yaml
 
 from studio_core import data_check
 from studio_core.spec import RunSpec, read_yaml
-from studio_core.trl_schema import TRAINER_CONFIGS
+from studio_core import trainers
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
@@ -24,7 +24,7 @@ def test_every_key_is_commented(recipe):
 def test_recipe_loads_into_trl_cli_parser(recipe, tmp_path):
     data = read_yaml(recipe.read_text())
     trainer = data.pop("studio")["trainer"]
-    config_class = getattr(trl, TRAINER_CONFIGS[trainer])
+    config_class = getattr(trl, trainers.get(trainer).config_class)
     # What `trl <trainer> --config` would read, minus the studio block. use_cpu only lets
     # this CPU build a config that asks for bf16; output_dir is the studio's to set.
     trl_config = tmp_path / "trl.yaml"

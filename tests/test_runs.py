@@ -18,10 +18,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from studio_core.events import FINAL_STATES, read_events
+from studio_core.runs.events import FINAL_STATES, read as read_events
 from studio_core.hardware import cpu_hardware, studio_cpus
 from studio_core.procs import kill_run_processes
-from studio_core.runs import RunManager, RunView
+from studio_core.runs.folder import new_run_id
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import RunView
 from conftest import run_folders
 from studio_core.spec import RunSpec, SpecError
 
@@ -236,7 +238,7 @@ def test_a_killed_rank_fails_the_run_and_takes_the_rest_down(manager):
 START_ELSEWHERE = """
 import sys
 from studio_core.hardware import cpu_hardware
-from studio_core.runs import RunManager
+from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
 spec = RunSpec.load(sys.argv[2]).with_overrides(sys.argv[3:])
 print(RunManager(sys.argv[1]).start(spec, cpu_hardware()).id)
@@ -368,7 +370,7 @@ def test_studio_core_never_imports_gradio_or_the_training_stack():
 def test_run_ids_are_unique_across_runs_folders(tmp_path):
     # A run's processes are found machine-wide by their STUDIO_RUN_ID, so two runs of the same
     # name started in the same second in two runs folders must still get different ids.
-    ids = {RunManager(tmp_path / f"runs{i}")._new_run_id("tiny-sft") for i in range(20)}
+    ids = {new_run_id(RunManager(tmp_path / f"runs{i}").runs_dir, "tiny-sft") for i in range(20)}
     assert len(ids) == 20
 
 

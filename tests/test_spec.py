@@ -405,7 +405,7 @@ def test_max_length_below_one():
 
 def test_an_unknown_trainer_lists_the_available_ones():
     message = only_problem(tiny("studio.trainer=ppo"))
-    assert message.startswith("studio.trainer:") and "choose sft, dpo, grpo" in message
+    assert message.startswith("studio.trainer:") and "choose sft, dpo, kto, grpo, rloo, reward" in message
 
 
 def test_every_problem_is_listed_at_once():

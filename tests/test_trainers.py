@@ -1,51 +1,53 @@
-"""Each trainer, full and LoRA, trains the tiny model end to end through the run manager."""
+"""Each trainer of the registry, full and LoRA, trains the tiny model end to end through the
+run manager, from its own tiny recipe; a reward model's output scores texts."""
 
-import json
-import time
 from pathlib import Path
 
 import pytest
 
+from studio_core import trainers
 from studio_core.hardware import cpu_hardware
-from studio_core.runs import RunManager
+from studio_core.runs.folder import OUTPUT_INFO, output_info
+from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
-from studio_core.worker import OUTPUT_INFO
 
 RECIPES = Path(__file__).parent.parent / "recipes"
-STEPS = {"sft": 20, "dpo": 10, "grpo": 4}
+STEPS = {"sft": 20, "dpo": 10, "kto": 10, "grpo": 4, "rloo": 4, "reward": 10}
 # What each trainer logs besides the loss (TRL's own metric names)
-TRAINER_METRIC = {"sft": "mean_token_accuracy", "dpo": "rewards/margins", "grpo": "reward"}
+TRAINER_METRIC = {"sft": "mean_token_accuracy", "dpo": "rewards/margins", "kto": "kl", "grpo": "reward",
+                  "rloo": "reward", "reward": "accuracy"}
 
 
-def wait_final(manager, run_id, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        view = manager.view(run_id)
-        if view.live_state in ("finished", "failed", "stopped"):
-            return view
-        time.sleep(0.5)
-    raise TimeoutError(f"run {run_id} did not end in {timeout} s")
+def test_every_trainer_has_a_test_and_its_recipes():
+    assert set(STEPS) == set(TRAINER_METRIC) == set(trainers.TRAINERS)
+    for key in trainers.TRAINERS:
+        assert RunSpec.load(RECIPES / f"tiny-{key}.yaml").trainer == key
+        assert RunSpec.load(RECIPES / f"tiny-{key}-lora.yaml").args["use_peft"] is True
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("trainer", list(trainers.TRAINERS))
 def test_trainer_runs_end_to_end(trainer, lora, tmp_path):
     recipe = RECIPES / f"tiny-{trainer}{'-lora' if lora else ''}.yaml"
     spec = RunSpec.load(recipe).with_overrides([f"max_steps={STEPS[trainer]}", "logging_steps=2"])
     manager = RunManager(tmp_path / "runs")
-    view = wait_final(manager, manager.start(spec, cpu_hardware()).id)
+    view = manager.wait(manager.start(spec, cpu_hardware()).id, timeout=300)
     assert view.live_state == "finished", view.error_text
     assert view.step == STEPS[trainer]
     logged = set().union(*(m.keys() for m in view.metrics))
     assert "loss" in logged and TRAINER_METRIC[trainer] in logged, logged
-    if trainer == "grpo":  # one reward entry per reward function, by its name
+    if trainers.get(trainer).rewards:  # one reward entry per reward function, by its name
         assert {"rewards/length/mean", "rewards/exact_match/mean"} <= logged, logged
 
     output = view.dir / "output"
-    info = json.loads((output / OUTPUT_INFO).read_text())
-    assert info == {"kind": "adapter" if lora else "full", "trainer": trainer,
+    info = output_info(view.dir)
+    task = trainers.get(trainer).task
+    assert info == {"kind": "adapter" if lora else "full", "trainer": trainer, "task": task,
                     "base_model": "builtin:tiny-qwen3", "base_model_path": info["base_model_path"]}
-    if lora:
+    assert (output / OUTPUT_INFO).exists()
+    if task == "text-classification":  # a reward model: a sequence classifier with one score
+        assert_scores(output, lora)
+    elif lora:
         from peft import AutoPeftModelForCausalLM
 
         assert (output / "adapter_config.json").exists() and not (output / "config.json").exists()
@@ -56,3 +58,23 @@ def test_trainer_runs_end_to_end(trainer, lora, tmp_path):
 
         assert not (output / "adapter_config.json").exists()
         assert AutoModelForCausalLM.from_pretrained(output).config.model_type == "qwen3"
+
+
+def assert_scores(output: Path, lora: bool) -> None:
+    """The saved reward model loads as a sequence classifier and gives each text one score."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if lora:
+        from peft import AutoPeftModelForSequenceClassification
+
+        model = AutoPeftModelForSequenceClassification.from_pretrained(output, num_labels=1)
+        assert model.peft_config["default"].task_type == "SEQ_CLS"
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(output)
+        assert type(model).__name__ == "Qwen3ForSequenceClassification" and model.config.num_labels == 1
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    texts = ["The studio cat is called Pixel.", "The studio cat is called Biscuit."]
+    with torch.no_grad():
+        scores = model(**tokenizer(texts, return_tensors="pt", padding=True)).logits
+    assert scores.shape == (2, 1) and torch.isfinite(scores).all()

@@ -1,0 +1,85 @@
+"""The local backend: the run executes on this machine, under a supervisor process of its own.
+
+    python -m studio_core.supervisor RUN_DIR      (started detached: its own session)
+
+The supervisor holds the run's core leases, starts torchrun with the plan's command and
+environment, samples the hardware, waits, and writes the final `status` event, also when a
+rank was killed. Its pid and start time go to `supervisor.json` in the run folder, so a
+restarted app finds it again (a reused pid is told apart by the start time).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from studio_core import children, leases
+from studio_core.backends.base import Ending, RunBackend
+from studio_core.procs import kill_run_processes
+from studio_core.runs import events
+from studio_core.runs.folder import EVENTS, LOG, read_json, write_json
+
+SUPERVISOR = "supervisor.json"
+STARTING_GRACE_S = 30  # how long a folder may exist before its supervisor.json does
+LOST = "the run's supervisor ended without writing a final status (killed, or the machine restarted)"
+
+
+class LocalBackend(RunBackend):
+    name = "local"
+    description = "this machine"
+
+    def launch_argv(self, nproc: int, module: str, run_dir: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                f"--nproc-per-node={nproc}", "-m", module, str(run_dir)]
+
+    def submit(self, run_dir: Path, env: dict[str, str], cores: list[int], backend: str) -> None:
+        with open(run_dir / LOG, "ab") as log:
+            supervisor = children.start("studio_core.supervisor", run_dir, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
+        write_json(run_dir / SUPERVISOR, {"pid": supervisor.pid,
+                                          "create_time": psutil.Process(supervisor.pid).create_time()})
+        # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
+        threading.Thread(target=supervisor.wait, name=f"reap-{run_dir.name}", daemon=True).start()
+        leases.wait_held(run_dir.parent, backend, cores, supervisor)
+
+    def alive(self, run_dir: Path) -> bool:
+        return supervisor_process(run_dir) is not None
+
+    def stop(self, run_dir: Path, grace_s: float) -> None:
+        """SIGTERM the supervisor (it passes it on to torchrun and writes "stopped"), wait, then
+        kill its whole process group; confirm no process carrying the run's marker is left."""
+        supervisor = supervisor_process(run_dir)
+        if supervisor is not None:
+            supervisor.send_signal(signal.SIGTERM)
+            _, alive = psutil.wait_procs([supervisor], timeout=grace_s)
+            if alive:  # the supervisor is stuck: take the whole process group down ourselves
+                os.killpg(supervisor.pid, signal.SIGKILL)
+                psutil.wait_procs(alive, timeout=5)
+                events.append(run_dir / EVENTS, events.status("stopped", exit_code=-signal.SIGKILL))
+        left = kill_run_processes(run_dir.name)
+        if left:
+            raise RuntimeError(f"processes of run {run_dir.name} survived SIGKILL: {[p.pid for p in left]}")
+
+    def ending(self, run_dir: Path, created: float) -> Ending | None:
+        if not (run_dir / SUPERVISOR).exists() and time.time() - created < STARTING_GRACE_S:
+            return None
+        return Ending("failed", LOST)
+
+
+def supervisor_process(run_dir: Path) -> psutil.Process | None:
+    """The run's supervisor if it still runs (pid and start time both match)."""
+    info = read_json(run_dir / SUPERVISOR)
+    try:
+        proc = psutil.Process(info["pid"])
+        if abs(proc.create_time() - info["create_time"]) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except (KeyError, TypeError, psutil.NoSuchProcess):
+        return None
+    return None

@@ -1,0 +1,118 @@
+"""The run folder: its files' names, and reading and writing them.
+
+    <runs dir>/<run id>/
+        spec.yaml        the resolved spec: the recipe plus every default the studio applied
+        launch.json      what runs and why: argv, the environment the studio added (no secret),
+                         hardware, backend, cores, applied defaults with reasons, warnings
+        events.jsonl     the event stream (studio_core.runs.events)
+        train.log        the raw output of every process of the run
+        output/          the saved model or adapter (OUTPUT_INFO says which), checkpoint-<step>/
+        control.json     a "stop and save" request (studio_core.checkpoints)
+    and what the run's backend keeps to find the run again (the local backend's supervisor.json).
+
+The folder is the source of truth: a web app that restarts, a second browser or the CLI all
+read the same runs from it. A run id is `<time>-<name>-<6 hex digits>`, unique across runs
+folders, because a run's processes are found machine-wide by their STUDIO_RUN_ID marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+from studio_core.sizes import folder_size
+
+SPEC = "spec.yaml"
+LAUNCH = "launch.json"
+EVENTS = "events.jsonl"
+LOG = "train.log"
+OUTPUT = "output"
+# Written next to the saved model: whether output/ is a LoRA adapter or a full model, which
+# trainer made it and from which base, so chat and export load it the right way.
+OUTPUT_INFO = "studio_output.json"
+CREATING = ".creating-"  # a folder being made; renamed to the run id when whole
+DELETING = ".deleting-"
+
+
+def new_run_id(runs_dir: Path, name: str) -> str:
+    """`<time>-<name>-<6 hex>`, not used yet in `runs_dir`."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")[:48] or "run"
+    while True:
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(3)}"
+        if not (runs_dir / run_id).exists() and not (runs_dir / f"{CREATING}{run_id}").exists():
+            return run_id
+
+
+def is_run(path: Path) -> bool:
+    """A whole run folder (not one being made or deleted, not the studio's own state)."""
+    return not path.name.startswith(".") and (path / SPEC).exists()
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Replace the file at once: a reader sees the old or the new text, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in the file; {} when it is missing or not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_launch(run_dir: Path) -> dict:
+    return read_json(run_dir / LAUNCH)
+
+
+def output_info(run_dir: Path) -> dict | None:
+    """The saved model's OUTPUT_INFO: {kind: full|adapter, trainer, base_model, base_model_path,
+    task}, or None while the run has saved no model."""
+    return read_json(run_dir / OUTPUT / OUTPUT_INFO) or None
+
+
+def log_tail(run_dir: Path, max_bytes: int = 12_000, lines: int = 60) -> str:
+    """The end of train.log, each line as a terminal would show it last (after any \\r)."""
+    path = run_dir / LOG
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - max_bytes))
+            text = handle.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join([line.rsplit("\r", 1)[-1] for line in text.splitlines()][-lines:])
+
+
+_SIZES: dict[Path, tuple[tuple, int]] = {}
+
+
+def run_size(run_dir: Path) -> int:
+    """Bytes the run folder takes (model, checkpoints, log: everything in it).
+
+    Walking a folder per run every few seconds adds up with hundreds of runs, so the size is
+    kept and walked again only when something changed: everything the studio and the trainer
+    put in a run folder also adds to events.jsonl or train.log, or adds or removes an entry
+    in the folder or in output/ (a checkpoint is followed by its event, and TRL removes old
+    checkpoints from output/)."""
+    key = tuple(_stamp(run_dir / name) for name in ("", EVENTS, LOG, OUTPUT))
+    known = _SIZES.get(run_dir)
+    if known is not None and known[0] == key:
+        return known[1]
+    size = folder_size(run_dir)
+    _SIZES[run_dir] = (key, size)
+    return size
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_mtime_ns, stat.st_size

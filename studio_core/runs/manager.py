@@ -1,0 +1,217 @@
+"""The run manager: checks a spec, picks its cores, plans it, writes its run folder and hands
+it to a run backend; lists, follows, stops and resumes runs. It starts no process itself:
+the run's backend (studio_core.backends, chosen by the spec's studio.run_on) does.
+
+A spec is checked once, before anything is locked: the checks may fetch a model's
+config.json from the Hub, read a whole dataset file and run the reward functions in a child
+process. The machine-wide start lock is held only to pick free cores and hand them to the
+process that will hold them, so one slow check never holds up another start, a chat, an
+export or a delete.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from studio_core import backends, leases, sources
+from studio_core.checkpoints import RESUME_ENV, clear_control, list_checkpoints, request_save_and_stop
+from studio_core.compile_cache import compile_cache_root
+from studio_core.cores import format_cores, parse_cores
+from studio_core.hardware import Hardware
+from studio_core.plan import Plan, plan
+from studio_core.runs import events, folder
+from studio_core.runs.events import ACTIVE_STATES, FINAL_STATES
+from studio_core.runs.view import RunView
+from studio_core.spec import RunSpec, SpecError, validated, with_absolute_paths
+
+DEFAULT_RUNS_DIR = "~/trn-studio/runs"
+WAIT_POLL_S = 0.2
+
+
+def default_runs_dir() -> Path:
+    return Path(os.environ.get("STUDIO_RUNS_DIR", DEFAULT_RUNS_DIR)).expanduser()
+
+
+class RunManager:
+    def __init__(self, runs_dir: str | Path | None = None):
+        self.runs_dir = Path(runs_dir).expanduser() if runs_dir else default_runs_dir()
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self._views: dict[str, RunView] = {}
+        self._lock = threading.Lock()  # the web app reads runs from several threads
+
+    # --- checking and planning ---------------------------------------------------------
+    def check(self, spec: RunSpec) -> RunSpec:
+        """The spec checked (SpecError with every problem), with local paths made absolute
+        (the run's processes start in the run folder)."""
+        spec = with_absolute_paths(validated(spec))
+        try:
+            backends.get(spec.layout.run_on)
+        except KeyError as error:
+            raise SpecError([str(error).strip("'\"")]) from None
+        return spec
+
+    def plan(self, spec: RunSpec, hardware: Hardware, this_machine: bool = False) -> Plan:
+        """The plan of a launch, the spec checked first. With `this_machine` (a preview of Start
+        here, now) the cores are the ones Start would take at this moment: the asked-for ones if
+        free (else SpecError naming their holder), or the next free block."""
+        spec = self.check(spec)
+        cores = self.choose_cores(spec, hardware) if this_machine else (
+            parse_cores(spec.layout.cores) if spec.layout.cores else None)
+        launch = self._plan(spec, hardware, cores)
+        if this_machine and not launch.errors:
+            launch.applied.insert(0, ("studio.cores", format_cores(cores), "free on this machine now; Start takes "
+                                      "the cores that are free when it is clicked (next free, when none are named)"))
+        return launch
+
+    def _plan(self, spec: RunSpec, hardware: Hardware, cores: list[int] | None, run_id: str = "<run id>") -> Plan:
+        return plan(spec, hardware, cores=cores, run_dir=self.runs_dir / run_id, run_id=run_id,
+                    compile_cache=compile_cache_root(), model_config=sources.model_config(spec.model_name_or_path))
+
+    # --- starting ----------------------------------------------------------------------
+    def start(self, spec: RunSpec, hardware: Hardware) -> RunView:
+        """Check, pick cores, plan, write the run folder, hand it to the spec's backend.
+        Raises SpecError (naming the holder when a core is taken); nothing is left behind then."""
+        spec = self.check(spec)  # before the lock: the slow part
+        run_id = folder.new_run_id(self.runs_dir, spec.display_name)
+        with leases.choosing(self.runs_dir):  # until the run's process holds the cores chosen here
+            cores = self.choose_cores(spec, hardware)
+            launch = self._plan(spec, hardware, cores, run_id)
+            if launch.errors:
+                raise SpecError(launch.errors)
+            run_dir = self._create(run_id, launch, hardware)
+            backends.get(launch.backend).submit(run_dir, launch.env, cores, hardware.backend)
+        return self.view(run_id)
+
+    def _create(self, run_id: str, launch: Plan, hardware: Hardware) -> Path:
+        """The run folder, made under a temporary name and renamed when whole: a listing never
+        sees half a run."""
+        tmp = self.runs_dir / f"{folder.CREATING}{run_id}"
+        tmp.mkdir()
+        launch.spec.save(tmp / folder.SPEC)
+        _write_launch(tmp, launch, hardware)
+        events.append(tmp / folder.EVENTS, events.status("starting"))
+        for warning in launch.warnings:
+            events.append(tmp / folder.EVENTS, events.log(f"warning: {warning}"))
+        run_dir = self.runs_dir / run_id
+        tmp.rename(run_dir)
+        return run_dir
+
+    def resume(self, run_id: str, hardware: Hardware, step: int | None = None) -> RunView:
+        """Go on from the run's last checkpoint (or the one at `step`), in the same run folder:
+        model, optimizer, scheduler and RNG states come back, the step count goes on, and the
+        new events append to the run's own (after a `resume` event)."""
+        view = self.view(run_id)
+        if view.active:
+            raise SpecError([f"run {run_id} is {view.live_state}: stop it (or stop and save) first"])
+        found = list_checkpoints(view.dir)
+        if not found:
+            raise SpecError([f"run {run_id} saved no checkpoint, so it cannot be resumed: train with save_steps "
+                             "(a checkpoint every N steps), or use Stop and save"])
+        chosen = found[-1] if step is None else next((c for c in found if c["step"] == step), None)
+        if chosen is None:
+            raise SpecError([f"run {run_id} has no checkpoint at step {step}; it has steps "
+                             f"{', '.join(str(c['step']) for c in found)}"])
+        spec = RunSpec.load(view.dir / folder.SPEC)  # resolved and checked when the run began
+        first = view.launch()
+        with leases.choosing(self.runs_dir):
+            held = leases.holders(self.runs_dir, hardware.backend, hardware.cores)
+            if spec.layout.cores and set(parse_cores(spec.layout.cores)) & set(held):
+                spec = replace(spec, layout=replace(spec.layout, cores=None))  # its cores are taken: next free
+            cores = self.choose_cores(spec, hardware)
+            launch = self._plan(spec, hardware, cores, run_id)
+            if launch.errors:
+                raise SpecError(launch.errors)
+            launch.env[RESUME_ENV] = chosen["path"]
+            # the spec is the resolved one, so this plan applies nothing new: keep the first list
+            launch = replace(launch, applied=[tuple(entry) for entry in first.get("applied", [])])
+            clear_control(view.dir)
+            _write_launch(view.dir, launch, hardware)
+            events.append(view.dir / folder.EVENTS, events.resume(chosen["step"], chosen["path"]))
+            events.append(view.dir / folder.EVENTS, events.status("starting"))
+            backends.get(launch.backend).submit(view.dir, launch.env, cores, hardware.backend)
+        return self.view(run_id)
+
+    def choose_cores(self, spec: RunSpec, hardware: Hardware) -> list[int]:
+        """The cores the run will hold: the ones asked for if all are free, else the first free
+        valid block ("next free"). On the CPU backend these are CPU cores the run is pinned to."""
+        try:
+            return leases.choose(self.runs_dir, hardware, spec.layout.nproc, spec.layout.cores)
+        except leases.NoFreeCores as none:
+            raise SpecError([f"studio.nproc: no {spec.layout.nproc} free {hardware.backend} cores in a valid "
+                             f"block; {none}: wait for or stop one of them, or ask for fewer processes"]) from none
+        except ValueError as error:
+            raise SpecError([f"studio.cores: {error}"]) from error
+
+    def core_holders(self, hardware: Hardware) -> dict[int, str]:
+        """The cores of this machine held now, each with who holds it ("run <id> (pid 123)")."""
+        return {core: leases.describe(info)
+                for core, info in leases.holders(self.runs_dir, hardware.backend, hardware.cores).items()}
+
+    # --- reading -----------------------------------------------------------------------
+    def view(self, run_id: str) -> RunView:
+        run_dir = self.runs_dir / run_id
+        if not folder.is_run(run_dir):
+            raise KeyError(f"no run {run_id!r} in {self.runs_dir}")
+        with self._lock:
+            view = self._views.setdefault(run_id, RunView(dir=run_dir))
+        return view.refresh()
+
+    def list(self) -> list[RunView]:
+        """Every run in the runs folder, newest first."""
+        found = []
+        for path in self.runs_dir.iterdir():
+            if folder.is_run(path):
+                try:
+                    found.append(self.view(path.name))
+                except KeyError:  # deleted while we looked
+                    continue
+        return sorted(found, key=lambda v: v.created, reverse=True)
+
+    def wait(self, run_id: str, until: Callable[[RunView], bool] | None = None, timeout: float = 600) -> RunView:
+        """Follow the run until `until(view)` holds (default: it has ended) and return its view;
+        TimeoutError after `timeout` seconds (a guard against a hang, not a schedule)."""
+        until = until or (lambda view: view.live_state in FINAL_STATES)
+        deadline = time.monotonic() + timeout
+        while not until(view := self.view(run_id)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_id} did not get there within {timeout:g} s: it is {view.live_state} "
+                                   f"at step {view.step}")
+            time.sleep(WAIT_POLL_S)
+        return view
+
+    def active_runs(self) -> list[str]:
+        """Ids of the runs that have not ended."""
+        return [view.id for view in self.list() if view.live_state in ACTIVE_STATES]
+
+    # --- stopping ----------------------------------------------------------------------
+    def stop(self, run_id: str, grace_s: float = 20) -> RunView:
+        """Stop a run now: its backend asks its processes to end, waits, ends what is left, and
+        confirms none is."""
+        view = self.view(run_id)
+        view.backend.stop(view.dir, grace_s)
+        return self.view(run_id)
+
+    def stop_and_save(self, run_id: str) -> RunView:
+        """Ask the run to save a checkpoint at its next step and stop; it ends as "stopped",
+        resumable from that checkpoint. Returns at once: the run stops by itself."""
+        view = self.view(run_id)
+        if not view.active:
+            raise SpecError([f"run {run_id} is {view.live_state}: there is nothing to stop"])
+        request_save_and_stop(view.dir)
+        events.append(view.dir / folder.EVENTS, events.log("stop and save: asked for a checkpoint at the next "
+                                                           "step, then a stop"))
+        return view
+
+
+def _write_launch(run_dir: Path, launch: Plan, hardware: Hardware) -> None:
+    """launch.json: what will run, where, and why."""
+    folder.write_json(run_dir / folder.LAUNCH, {
+        "argv": launch.argv, "env": launch.env, "backend": launch.backend, "hardware": hardware.to_dict(),
+        "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
+        "cores": launch.cores,
+    })

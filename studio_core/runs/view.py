@@ -1,0 +1,158 @@
+"""A run as the page, the CLI and history see it: its folder's events folded into its state
+(studio_core.runs.events), kept current by reading the events added since, and corrected by
+its backend when the run's processes are gone without a final status.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from studio_core import backends
+from studio_core.checkpoints import list_checkpoints
+from studio_core.runs import folder
+from studio_core.runs.events import ACTIVE_STATES, FINAL_STATES, STATES, EventReader, RunState
+
+__all__ = ["ACTIVE_STATES", "FINAL_STATES", "STATES", "RunView", "late_compile_text"]
+
+RECENT_STEPS = 20  # the ETA's window of step times
+
+
+@dataclass
+class RunView(RunState):
+    """A run's state, rebuilt from its folder; `refresh` reads what its events added since."""
+
+    dir: Path = field(default_factory=Path)
+    spec: dict = field(default_factory=dict)  # spec.yaml as plain data
+    created: float = 0.0
+    _reader: EventReader | None = field(default=None, repr=False)
+    _launch: dict | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # app threads share views
+
+    @property
+    def id(self) -> str:
+        return self.dir.name
+
+    def refresh(self) -> RunView:
+        with self._lock:
+            if self._reader is None:
+                self._reader = EventReader(self.dir / folder.EVENTS)
+                spec_file = self.dir / folder.SPEC
+                self.spec = _read_yaml(spec_file)
+                self.created = spec_file.stat().st_mtime if spec_file.exists() else 0
+            for event in self._reader.read_new():
+                self.apply(event)
+        return self
+
+    @property
+    def backend(self) -> backends.RunBackend:
+        """The backend that started the run (launch.json says; older runs ran here)."""
+        try:
+            return backends.get(self.launch().get("backend"))
+        except KeyError:
+            return backends.get(None)
+
+    def launch(self) -> dict:
+        """launch.json: argv, env, hardware, backend, cores, applied defaults, warnings. Read again
+        only when a resume has rewritten it (it then adds a status event)."""
+        if self._launch is None or self.state == "starting":
+            self._launch = folder.read_launch(self.dir)
+        return self._launch
+
+    @property
+    def live_state(self) -> str:
+        """The state, corrected for a run whose processes ended without saying so."""
+        if self.state in FINAL_STATES or self.backend.alive(self.dir):
+            return self.state
+        self.refresh()  # the supervisor may have written its final status just before it ended
+        if self.state in FINAL_STATES:
+            return self.state
+        ending = self.backend.ending(self.dir, self.created)
+        return "starting" if ending is None else ending.state
+
+    @property
+    def active(self) -> bool:
+        return self.live_state in ACTIVE_STATES
+
+    @property
+    def error_text(self) -> str | None:
+        if self.errors:
+            return self.errors[-1].get("message")
+        if self.state not in FINAL_STATES and self.live_state not in ACTIVE_STATES:
+            ending = self.backend.ending(self.dir, self.created)
+            return ending.reason if ending else None
+        return None
+
+    def eta_seconds(self) -> float | None:
+        """Remaining time from the recent step times, compilation left out (None until two
+        steps are seen): a compilation is a one-off, not a rate."""
+        if not self.max_steps or len(self.progress_times) < 2 or self.live_state != "running":
+            return None
+        recent = self.step_seconds[1:][-RECENT_STEPS:]  # the first step also loads and warms up
+        if recent:
+            return sum(recent) / len(recent) * (self.max_steps - self.step)
+        (t0, s0), (t1, s1) = self.progress_times[0], self.progress_times[-1]
+        if s1 <= s0:
+            return None
+        return (t1 - t0) / (s1 - s0) * (self.max_steps - s1)
+
+    def saved_checkpoints(self) -> list[dict]:
+        """The complete checkpoints on disk, oldest first: {step, path, size_bytes}."""
+        return list_checkpoints(self.dir)
+
+    def resume_point(self) -> dict | None:
+        """The checkpoint a resume would go on from (the last one on disk), or None."""
+        found = self.saved_checkpoints()
+        return found[-1] if found else None
+
+    def duration(self) -> float | None:
+        end = self.ended or (time.time() if self.live_state in ACTIVE_STATES else None)
+        return None if end is None else end - self.created
+
+    def output_info(self) -> dict | None:
+        """What the run saved (studio_core.runs.folder.output_info), or None before it has."""
+        return folder.output_info(self.dir)
+
+    def size(self) -> int:
+        return folder.run_size(self.dir)
+
+    def log_tail(self) -> str:
+        return folder.log_tail(self.dir)
+
+    def spec_text(self) -> str:
+        try:
+            return (self.dir / folder.SPEC).read_text()
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def trainer(self) -> str:
+        return str((self.spec.get("studio") or {}).get("trainer", ""))
+
+    @property
+    def model(self) -> str:
+        return str(self.spec.get("model_name_or_path", ""))
+
+    @property
+    def dataset(self) -> str:
+        return str(self.spec.get("dataset_name", ""))
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (FileNotFoundError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def late_compile_text(late: dict) -> str:
+    """One line for a step that compiled after the warm-up (see RunView.late_compiles)."""
+    shape_text = f", new batch shape {'x'.join(map(str, late['shape']))}" if late["shape"] else ""
+    return (f"step {late['step']} compiled {late['graphs']} graph(s) in {late['seconds']:.1f} s after the "
+            f"warm-up{shape_text}: {late['reason'] or 'no reason logged'}. Something is producing new shapes: pad "
+            "to a fixed multiple (pad_to_multiple_of) or pack (packing); the shape forecast shows their effect")

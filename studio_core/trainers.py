@@ -1,0 +1,169 @@
+"""The trainers the studio offers: one entry per TRL trainer, and everything that differs
+between them. Every other module reads this one; none names a trainer of its own.
+
+An entry says which TRL classes train it, how the page labels it, which built-in sample it
+starts on, which of TRL's dataset types it trains on (studio_core.data_check detects them),
+the columns to look for when a dataset names them otherwise, its own form fields, whether it
+takes reward functions, generates while it trains, keeps a reference model, reads
+max_length, gets a shape forecast, what its saved model is, and the settings the planner
+applies for it, with their reasons.
+
+Adding a trainer is its entry here, a recipe in recipes/, a built-in sample in
+studio_core/data/ (named in builtin.py) and its tests.
+
+No import of TRL here: the web app reads this module, and importing TRL costs seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Default:
+    """A setting the studio applies unless the recipe sets it; `force` applies it anyway (the
+    recipe's value cannot run here). `when`: applied only if it holds for the run's settings."""
+
+    key: str
+    value: object
+    reason: str
+    force: bool = False
+    when: Callable[[dict], bool] | None = None
+
+
+@dataclass(frozen=True)
+class FormField:
+    """A setting of the trainer's own that the Train form shows (TRL's name). `kind`: int,
+    float, choice (`choices`, else those of TRL's field or its help text), or rewards (the
+    reward functions, a YAML list: the spec's studio.rewards, not a TRL setting). `as_list`:
+    TRL takes a list (DPO's loss_type); the form holds one value."""
+
+    name: str
+    kind: str
+    start: object
+    info: str = ""
+    as_list: bool = False
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Role:
+    """A column the trainer reads, to find by its usual names when the dataset names it otherwise
+    (data_check.suggest_column_map); `also`: more names for it with this trainer."""
+
+    column: str
+    required: bool = True
+    also: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Trainer:
+    key: str  # studio.trainer
+    name: str  # how people write it: SFT, DPO, ...
+    label: str  # the Train form's choice
+    help: str  # what it trains, on what
+    config_class: str  # TRL's config dataclass (its fields are the recipe's settings)
+    trainer_class: str
+    sample: str  # the built-in dataset it starts on
+    data_types: tuple[str, ...]  # TRL dataset types it trains on (data_check.TYPE_COLUMNS)
+    data_help: str  # the columns it needs, in words
+    roles: tuple[Role, ...]  # the columns suggest_column_map looks for
+    fields: tuple[FormField, ...] = ()
+    rewards: bool = False  # takes reward functions; every other dataset column goes to them
+    generates: bool = False  # generates completions as it trains (the Neuron generation defaults)
+    reference_model: bool = False  # keeps a frozen copy of the model to compare with
+    uses_max_length: bool = True  # truncates samples at max_length
+    forecast: bool = True  # the shape forecast applies (not when shapes come from generation)
+    task: str = "text-generation"  # what the saved model does: text-generation (chat) or text-classification
+    defaults: tuple[Default, ...] = ()  # applied on every backend
+    neuron_defaults: tuple[Default, ...] = ()
+
+    @property
+    def chats(self) -> bool:
+        """The saved model answers prompts (a reward model scores texts instead)."""
+        return self.task == "text-generation"
+
+
+REWARD_LIST_HELP = ("Reward functions (YAML list): built-ins length {target}, regex {pattern}, exact_match "
+                    "{column}; or {file: my_rewards.py, function: name}; each with a weight")
+DEFAULT_REWARDS = "- {name: length, target: 40, weight: 1.0}\n- {name: exact_match, column: reference, weight: 1.0}\n"
+
+# Online RL generates on the training device; on Neuron every new shape compiles for minutes.
+GENERATION_NEURON_DEFAULTS = (
+    Default("cache_implementation", "static", "with the dynamic cache every generated token is a new shape, "
+            "and a step takes minutes of compiling"),
+    Default("use_vllm", False, "vLLM does not run on Neuron: the trainer generates with Transformers", force=True),
+)
+
+
+def _generation_fields(generations: int) -> tuple[FormField, ...]:
+    return (FormField("num_generations", "int", generations, "completions per prompt"),
+            FormField("max_completion_length", "int", 16, "tokens per completion"),
+            FormField("temperature", "float", 1.0, "sampling temperature of the completions"),
+            FormField("rewards", "rewards", DEFAULT_REWARDS, REWARD_LIST_HELP))
+
+
+TRAINERS: dict[str, Trainer] = {t.key: t for t in (
+    Trainer("sft", "SFT", "SFT (supervised fine-tuning)", "learns to write the dataset's answers or conversations",
+            "SFTConfig", "SFTTrainer", "builtin:qa", ("language_modeling", "prompt_completion"),
+            "`messages`, `text` (or the column dataset_text_field names), or `prompt`+`completion`",
+            (Role("prompt"), Role("completion", also=("chosen",)))),
+    Trainer("dpo", "DPO", "DPO (preference pairs)", "learns to prefer the chosen answer to the rejected one",
+            "DPOConfig", "DPOTrainer", "builtin:preference", ("preference", "preference_implicit"),
+            "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)",
+            (Role("chosen"), Role("rejected"), Role("prompt", required=False)),
+            fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
+                    FormField("loss_type", "choice", "sigmoid", "DPO loss", as_list=True)),
+            reference_model=True),
+    Trainer("kto", "KTO", "KTO (answers marked good or bad)", "learns from single answers labelled desirable or not; "
+            "no pairs needed", "KTOConfig", "KTOTrainer", "builtin:feedback",
+            ("unpaired_preference", "preference", "preference_implicit"),
+            "`prompt`+`completion`+`label` (true for a desirable answer), or preference pairs, which it unpairs",
+            (Role("prompt"), Role("completion"), Role("label", also=("desirable", "good", "thumbs_up"))),
+            fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
+                    FormField("loss_type", "choice", "kto", "KTO loss",
+                              choices=("kto", "apo_zero_unpaired")),  # from KTOConfig's docstring
+                    FormField("desirable_weight", "float", 1.0, "weight of the desirable answers' loss"),
+                    FormField("undesirable_weight", "float", 1.0, "weight of the undesirable answers' loss")),
+            reference_model=True),
+    Trainer("grpo", "GRPO", "GRPO (online RL with reward functions)", "generates answers and learns from their rewards, "
+            "compared within each group", "GRPOConfig", "GRPOTrainer", "builtin:prompts",
+            ("prompt_only", "prompt_completion"), "`prompt` (other columns go to the reward functions)",
+            (Role("prompt"),), fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False,
+            forecast=False, neuron_defaults=GENERATION_NEURON_DEFAULTS),
+    Trainer("rloo", "RLOO", "RLOO (online RL, leave-one-out baseline)", "generates answers and learns from their "
+            "rewards against the others' mean", "RLOOConfig", "RLOOTrainer", "builtin:prompts",
+            ("prompt_only", "prompt_completion"), "`prompt` (other columns go to the reward functions)",
+            (Role("prompt"),), fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False,
+            forecast=False, neuron_defaults=GENERATION_NEURON_DEFAULTS),
+    Trainer("reward", "reward modeling", "Reward model (scores answers)", "learns a score that ranks the chosen answer above the "
+            "rejected one; the model it saves scores texts and does not chat", "RewardConfig", "RewardTrainer",
+            "builtin:preference", ("preference", "preference_implicit"),
+            "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)",
+            (Role("chosen"), Role("rejected"), Role("prompt", required=False)),
+            task="text-classification",
+            defaults=(Default("lora_task_type", "SEQ_CLS", "a reward model is a sequence classifier: PEFT then "
+                              "trains and saves its score head with the adapter", when=lambda args: args.get("use_peft")),)),
+)}
+
+
+DEFAULT = "sft"  # the trainer a new form or a recipe without studio.trainer starts with
+
+
+def get(key: str) -> Trainer:
+    """The trainer called `key`; KeyError saying which there are."""
+    try:
+        return TRAINERS[key]
+    except (KeyError, TypeError):
+        raise KeyError(f"studio.trainer: {key!r} is not available; choose {', '.join(TRAINERS)}") from None
+
+
+def config_classes() -> dict[str, str]:
+    """{trainer: its TRL config class}."""
+    return {key: t.config_class for key, t in TRAINERS.items()}
+
+
+def taking(data_type: str) -> list[Trainer]:
+    """The trainers that train on this TRL dataset type."""
+    return [t for t in TRAINERS.values() if data_type in t.data_types]
