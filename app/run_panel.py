@@ -45,6 +45,20 @@ class RunPanel:
         return [self.status, self.progress, self.compiles, self.error, self.loss, self.lr, self.log, self.applied,
                 *self.hardware.components]
 
+    def follow(self, timer: gr.Timer, manager: RunManager, run_id: gr.Component) -> None:
+        """Redraw the panel on every tick of `timer`, for the run `run_id` names, but only when
+        what it shows can have changed: a going run every tick (its clock moves), an ended run
+        (or none) once, so an idle page costs next to nothing."""
+        shown = gr.State(None)  # what this page shows now (RunView.shown_as), or None
+
+        def tick(wanted, last):
+            current = _shown_as(manager, wanted)
+            if current is not None and current == last:
+                return {}
+            return {**self.render(manager, wanted), shown: current}
+
+        timer.tick(tick, [run_id, shown], [*self.components, shown], show_progress="hidden")
+
     def render(self, manager: RunManager, run_id: str | None) -> dict:
         """{widget: value} for this run (or for none)."""
         view, message = None, "No run selected."
@@ -62,6 +76,18 @@ class RunPanel:
                 self.compiles: compiles_html(view), self.error: gr.update(value=error, visible=bool(error)),
                 self.loss: _frame("loss", view), self.lr: _frame("learning_rate", view), self.log: view.log_tail(),
                 self.applied: applied_markdown(view), **self.hardware.render(view)}
+
+
+def _shown_as(manager: RunManager, run_id: str | None) -> tuple | None:
+    """What the panel shows for this run, as a value that changes when the view does; None
+    while the run goes (its elapsed time and ETA change every second)."""
+    if not run_id:
+        return ("none",)
+    try:
+        view = manager.view(run_id)
+    except KeyError:
+        return ("missing", run_id)
+    return None if view.active else (run_id, *view.version())
 
 
 def status_markdown(view: RunView) -> str:

@@ -136,8 +136,16 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
     if form is not None:
         _wire_clone(manager, form, tabs, train_tab_id, clone, opened, message)
     timer = gr.Timer(2.0)
-    timer.tick(lambda run_id: panel.render(manager, run_id), opened, panel.components, show_progress="hidden")
-    timer.tick(on_refresh, *refresh_io, show_progress="hidden")
+    panel.follow(timer, manager, opened)
+    listed = gr.State(None)  # the last listing this page was sent
+
+    def on_tick(current, state_, trainer_, model_, sort_, last):
+        # With nothing new (an idle history), nothing is sent: no table of 200 rows every 2 s.
+        shown = on_refresh(current, state_, trainer_, model_, sort_)
+        now = (shown[0].to_json(), repr(shown[1:]))
+        return {} if now == last else dict(zip([*refresh_io[1], listed], [*shown, now]))
+
+    timer.tick(on_tick, [*refresh_io[0], listed], [*refresh_io[1], listed], show_progress="hidden")
     return table, opened, timer
 
 

@@ -258,6 +258,5 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
     stop_btn.click(on_stop, selected, message)
     stop_save_btn.click(on_stop_and_save, selected, message)
     resume_btn.click(on_resume, selected, message)
-    timer = gr.Timer(1.0)
-    timer.tick(lambda run_id: panel.render(manager, run_id), selected, panel.components, show_progress="hidden")
+    panel.follow(gr.Timer(1.0), manager, selected)
     return form

@@ -101,8 +101,8 @@ def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) ->
     trainer = trainers.get(spec.trainer)
     if not trainer.forecast:
         shown = ", ".join(t.name for t in trainers.TRAINERS.values() if t.forecast)
-        raise SpecError([f"shape forecast: {trainer.name}'s shapes come from what the model generates; "
-                         f"{shown} runs are forecast"])
+        raise SpecError([f"shape forecast: {trainer.name} is not forecast: {trainer.not_forecast}; {shown} runs "
+                         "are"])
     try:
         request = json.dumps({"spec": spec.to_yaml(), "backend": backend})
         done = children.run("studio_core.forecast", input=request, capture_output=True, text=True, timeout=timeout)
@@ -247,11 +247,13 @@ class _Epoch:
 
 def _lengths(trainer, dataset, tokenizer) -> list[int]:
     """Each sample's tokenized length as the trainer tokenizes it, before truncation and packing."""
-    columns = trainer.train_dataset.column_names
-    if "chosen_ids" in columns:  # DPO: the collator truncates, so the prepared rows are whole
-        rows = trainer.train_dataset
-        prompts = rows["prompt_ids"] if "prompt_ids" in columns else [[]] * len(rows)
+    columns, rows = trainer.train_dataset.column_names, trainer.train_dataset
+    prompts = rows["prompt_ids"] if "prompt_ids" in columns else [[]] * len(rows)
+    # DPO, reward modeling and KTO truncate in their collators, so their prepared rows are whole
+    if "chosen_ids" in columns:
         return [len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, rows["chosen_ids"], rows["rejected_ids"])]
+    if "completion_ids" in columns and "input_ids" not in columns:
+        return [len(p) + len(c) for p, c in zip(prompts, rows["completion_ids"])]
     args = trainer.args
     kept = args.max_length
     args.max_length = None  # not a copy of the config: making one resets accelerate's state

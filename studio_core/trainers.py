@@ -74,10 +74,15 @@ class Trainer:
     generates: bool = False  # generates completions as it trains (the Neuron generation defaults)
     reference_model: bool = False  # keeps a frozen copy of the model to compare with
     uses_max_length: bool = True  # truncates samples at max_length
-    forecast: bool = True  # the shape forecast applies (not when shapes come from generation)
+    not_forecast: str = ""  # why the shape forecast does not apply, when it does not
     task: str = "text-generation"  # what the saved model does: text-generation (chat) or text-classification
     defaults: tuple[Default, ...] = ()  # applied on every backend
     neuron_defaults: tuple[Default, ...] = ()
+
+    @property
+    def forecast(self) -> bool:
+        """The shape forecast walks this trainer's batches (studio_core.forecast)."""
+        return not self.not_forecast
 
     @property
     def chats(self) -> bool:
@@ -95,6 +100,9 @@ GENERATION_NEURON_DEFAULTS = (
             "and a step takes minutes of compiling"),
     Default("use_vllm", False, "vLLM does not run on Neuron: the trainer generates with Transformers", force=True),
 )
+
+
+GENERATES = "its shapes come from what the model generates"
 
 
 def _generation_fields(generations: int) -> tuple[FormField, ...]:
@@ -126,17 +134,18 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
                               choices=("kto", "apo_zero_unpaired")),  # from KTOConfig's docstring
                     FormField("desirable_weight", "float", 1.0, "weight of the desirable answers' loss"),
                     FormField("undesirable_weight", "float", 1.0, "weight of the undesirable answers' loss")),
-            reference_model=True),
+            reference_model=True, not_forecast="its KL term sends a second batch, of other shapes, through the model "
+            "at each step, and the forecast walks one per step"),
     Trainer("grpo", "GRPO", "GRPO (online RL with reward functions)", "generates answers and learns from their rewards, "
             "compared within each group", "GRPOConfig", "GRPOTrainer", "builtin:prompts",
             ("prompt_only", "prompt_completion"), "`prompt` (other columns go to the reward functions)",
             (Role("prompt"),), fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False,
-            forecast=False, neuron_defaults=GENERATION_NEURON_DEFAULTS),
+            not_forecast=GENERATES, neuron_defaults=GENERATION_NEURON_DEFAULTS),
     Trainer("rloo", "RLOO", "RLOO (online RL, leave-one-out baseline)", "generates answers and learns from their "
             "rewards against the others' mean", "RLOOConfig", "RLOOTrainer", "builtin:prompts",
             ("prompt_only", "prompt_completion"), "`prompt` (other columns go to the reward functions)",
             (Role("prompt"),), fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False,
-            forecast=False, neuron_defaults=GENERATION_NEURON_DEFAULTS),
+            not_forecast=GENERATES, neuron_defaults=GENERATION_NEURON_DEFAULTS),
     Trainer("reward", "reward modeling", "Reward model (scores answers)", "learns a score that ranks the chosen answer above the "
             "rejected one; the model it saves scores texts and does not chat", "RewardConfig", "RewardTrainer",
             "builtin:preference", ("preference", "preference_implicit"),

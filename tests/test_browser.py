@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from studio_core import trainers
 from studio_core.runs.manager import RunManager
 from conftest import run_folders
 
@@ -257,24 +258,31 @@ def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser
     assert RunManager(runs_dir).view(view.id).live_state == "stopped"
 
 
-@pytest.mark.parametrize(("label", "sample", "steps"), [
-    ("DPO (preference pairs)", "builtin:preference", 10),
-    ("GRPO (online RL with reward functions)", "builtin:prompts", 4),
-])
-def test_dpo_and_grpo_from_the_page(browser, app, label, sample, steps):
+@pytest.mark.parametrize(("trainer", "steps"), [("dpo", 10), ("kto", 10), ("grpo", 4), ("rloo", 4), ("reward", 10)])
+def test_each_trainer_from_the_page(browser, app, trainer, steps):
+    entry = trainers.get(trainer)
     page = open_page(browser, app.url)
-    page.get_by_label(label).check()
-    playwright_api.expect(page.locator("#dataset input").first).to_have_value(sample)
+    page.get_by_label(entry.label).check()
+    playwright_api.expect(page.locator("#dataset input").first).to_have_value(entry.sample)
+    for field in entry.fields:  # the trainer's own settings show, and only for it
+        playwright_api.expect(page.locator(f"#{trainer}-{field.name}")).to_be_visible()
     page.get_by_text("Dataset: upload, Hub options").click()
     page.locator("#check-dataset").click()
-    playwright_api.expect(page.locator("#data-report")).to_contain_text("Fits")
+    playwright_api.expect(page.locator("#data-report")).to_contain_text(f"Fits {entry.name}")
     set_number(page, "max_steps", steps)
     set_number(page, "logging_steps", 2)
     page.locator("#start").click()
     page.get_by_text("FINISHED").first.wait_for(timeout=180_000)
     [view] = RunManager(app.runs_dir).list()
-    assert view.spec["studio"]["trainer"] == ("dpo" if "DPO" in label else "grpo")
-    assert view.live_state == "finished" and view.step == steps
+    assert view.trainer == trainer and view.live_state == "finished" and view.step == steps
+    if not entry.chats:  # a reward model: offered for export, not for chat
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#chat-target input").first.click()
+        playwright_api.expect(page.get_by_role("option", name="builtin:tiny-qwen3")).to_be_visible()
+        assert page.get_by_role("option", name=view.id).count() == 0
+        page.get_by_role("tab", name="Export").click()
+        page.locator("#export-run input").first.click()
+        playwright_api.expect(page.get_by_role("option", name=view.id)).to_be_visible()
 
 
 def test_a_dataset_that_does_not_fit_gets_a_one_click_fix(browser, app, tmp_path):

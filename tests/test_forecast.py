@@ -23,6 +23,7 @@ CASES = {
     "sft-padded-128": ("tiny-sft.yaml", ["pad_to_multiple_of=128"]),
     "sft-packed-wrapped": ("tiny-sft.yaml", ["packing=true", "packing_strategy=wrapped"]),
     "dpo-padded": ("tiny-dpo.yaml", ["pad_to_multiple_of=16"]),
+    "reward-padded": ("tiny-reward.yaml", ["pad_to_multiple_of=16"]),  # chosen and rejected in one batch
 }
 
 

@@ -426,3 +426,44 @@ def test_two_starts_in_the_same_moment_take_different_cores(manager):
     for view in views:
         assert wait_until_training(manager, view.id, steps=2).live_state == "running"
         manager.stop(view.id)
+
+
+def test_a_spec_is_checked_once_and_a_slow_check_holds_up_no_other_start(manager, tmp_path):
+    """A spec is checked once, before the start lock. A reward file that takes its time to import
+    (the check imports it in a child process before launch) must not keep another run from
+    starting, and is imported by one check only, from the page or the CLI alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    go_on, imports = tmp_path / "go-on", tmp_path / "imports.txt"
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text("import os, time\n"
+                    "run = os.environ.get('STUDIO_RUN_ID')  # set in a run's processes, not in a check\n"
+                    f"with open({str(imports)!r}, 'a') as f:\n"
+                    "    f.write((run or 'check') + '\\n')\n"
+                    f"while run is None and not os.path.exists({str(go_on)!r}):  # held until the test says so\n"
+                    "    time.sleep(0.05)\n"
+                    "def reward(completions, **kwargs):\n"
+                    "    return [0.0 for _ in completions]\n")
+    grpo = RunSpec.load(REPO / "recipes" / "tiny-grpo.yaml").with_overrides(
+        ["max_steps=3000", f"studio.rewards=[{{file: {slow}, function: reward}}]"])
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(manager.start, grpo, cpu_hardware())
+        while not imports.exists():  # its check has begun
+            time.sleep(0.05)
+        try:
+            quick = pool.submit(manager.start, tiny(*LONG), cpu_hardware()).result(timeout=120)
+            assert not held.done(), "the slow check was over before the other start returned"
+        finally:
+            go_on.touch()
+        slow_run = held.result(timeout=120)
+    assert imports.read_text().splitlines().count("check") == 1
+    for view in (quick, slow_run):
+        assert manager.stop(view.id).live_state == "stopped"
+
+    imports.unlink()
+    recipe = tmp_path / "grpo.yaml"
+    grpo.save(recipe)
+    started = launch_py("train", str(recipe), "--detach", "--runs-dir", str(manager.runs_dir))
+    assert started.returncode == 0, started.stderr
+    assert imports.read_text().splitlines().count("check") == 1  # the CLI checks once too
+    manager.stop(started.stdout.split()[1])

@@ -5,6 +5,7 @@ its backend when the run's processes are gone without a final status.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,15 @@ class RunView(RunState):
         if s1 <= s0:
             return None
         return (t1 - t0) / (s1 - s0) * (self.max_steps - s1)
+
+    def version(self) -> tuple:
+        """A value that changes whenever what the run shows can change: its state, the events
+        read, its log's size (a page redraws an ended run only when this changes)."""
+        try:
+            log_size = os.stat(self.dir / folder.LOG).st_size
+        except FileNotFoundError:
+            log_size = 0
+        return self.live_state, self._reader.offset if self._reader else 0, log_size
 
     def saved_checkpoints(self) -> list[dict]:
         """The complete checkpoints on disk, oldest first: {step, path, size_bytes}."""

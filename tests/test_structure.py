@@ -1,0 +1,113 @@
+"""The shape of the code: dependencies point one way, no import cycles, entry points are not
+imported as libraries, the app reaches the engine through its front doors, the repository
+stands alone, and a trainer is named only in the registry (and its own recipe, sample, tests).
+
+Read from the source with `ast`, so these checks need no import of the modules themselves.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from studio_core import trainers
+from studio_core.builtin import BUILTIN_DATASETS
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("studio_core", "app", "cli")
+ENTRY_POINTS = {"studio_core.worker", "studio_core.supervisor", "studio_core.chat_worker"}
+# What the app may not reach into: run folders' files, leases, processes (the run manager does)
+NOT_FOR_THE_APP = ("studio_core.leases", "studio_core.checkpoints", "studio_core.runs.events",
+                   "studio_core.runs.folder", "studio_core.procs", "studio_core.backends", *ENTRY_POINTS)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules a file imports, at any depth of the file (lazy imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in known}
+    return found
+
+
+GRAPH = {name: imports(path, set(modules())) - {name} for name, path in modules().items()}
+
+
+def test_there_are_no_import_cycles():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dependency in sorted(GRAPH[name]):
+            if state.get(dependency) == 1:
+                cycle = path[path.index(dependency):] + [dependency]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dependency not in state:
+                visit(dependency, path + [dependency])
+        state[name] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_dependencies_point_one_way():
+    for name, path in modules().items():
+        text = path.read_text()
+        if name.startswith("studio_core"):
+            assert not any(m.startswith(("app", "cli")) for m in GRAPH[name]), name
+            assert not re.search(r"^\s*(import|from) gradio", text, re.M), f"{name} imports gradio"
+        if name.startswith("app"):
+            assert not any(m.startswith("cli") for m in GRAPH[name]), name
+
+
+def test_entry_points_are_not_imported_as_libraries():
+    for name, uses in GRAPH.items():
+        assert not uses & ENTRY_POINTS, f"{name} imports {uses & ENTRY_POINTS}"
+
+
+def test_the_app_talks_to_the_engine_through_its_front_doors():
+    for name, uses in GRAPH.items():
+        if name.startswith("app"):
+            assert not any(use.startswith(NOT_FOR_THE_APP) for use in uses), f"{name}: {sorted(uses)}"
+
+
+def test_the_repository_stands_alone():
+    tracked = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".yaml", ".txt", ".sh", "")
+               and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(ROOT).parts)]
+    outside = ("../" + "shared", "shared" + "/notes")  # the team's notes beside the repository
+    pointing = [str(p.relative_to(ROOT)) for p in tracked
+                if any(place in p.read_text(errors="replace") for place in outside)]
+    assert pointing == []
+
+
+def test_a_trainer_is_named_only_by_its_registry_entry_recipes_sample_and_tests():
+    """The files a new trainer touches: KTO, RLOO and reward modeling came through the registry
+    alone. Their keys appear as a whole string nowhere else in the code."""
+    added = {"kto", "rloo", "reward"}
+    touched = {}
+    for name, path in modules().items():
+        strings = {node.value for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+        if strings & added:
+            touched[name] = sorted(strings & added)
+    assert touched == {"studio_core.trainers": sorted(added)}
+    recipes = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")
+                     if any(f"tiny-{key}" in p.name for key in added))
+    assert recipes == sorted(f"tiny-{key}{lora}.yaml" for key in added for lora in ("", "-lora"))
+    assert {t.sample for t in trainers.TRAINERS.values()} <= set(BUILTIN_DATASETS)
