@@ -1,0 +1,120 @@
+"""The command line's parser and main(argv): each command's options, and the exit code of a refused spec."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cli.cache import cmd_cache
+from cli.chat import cmd_chat
+from cli.export import cmd_export
+from cli.serve import cmd_serve
+from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
+from studio_core import compile_cache
+from studio_core.hardware import INSTANCES
+from studio_core.spec import SpecError
+
+USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
+
+    python launch.py                          start the web app on http://127.0.0.1:7860
+    python launch.py train RECIPE.yaml        train, with a progress bar; Ctrl-C stops the run
+    python launch.py plan RECIPE.yaml         print the exact command, environment and shape forecast; runs nothing
+    python launch.py runs                     list the runs in the runs folder
+    python launch.py stop RUN_ID [--save]     stop a run (--save: a checkpoint first, to resume from)
+    python launch.py train --resume RUN_ID    go on from the run's last checkpoint [--from-checkpoint STEP]
+    python launch.py chat RUN_OR_MODEL        chat with a run's model (--prompt TEXT: ask once)
+    python launch.py export RUN_ID --out DIR  a model folder with a card [--merge] [--push REPO_ID]
+    python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
+
+Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
+"""
+
+COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "export")
+
+
+def main(argv: list[str]) -> int:
+    # serve is the default command: `launch.py --port 8000` is `launch.py serve --port 8000`
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as error:
+        print(f"Cannot launch: fix these and try again:\n{error}", file=sys.stderr)
+        return 2
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="launch.py", description=USAGE,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = top.add_subparsers(dest="command", required=True)
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help)
+        sub.add_argument("--runs-dir", help="where run folders go (default $STUDIO_RUNS_DIR or ~/trn-studio/runs)")
+        sub.set_defaults(func=func)
+        return sub
+
+    serve = command("serve", cmd_serve, "start the web app (the default command)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--auth", help="user:password required to log in (needed for a non-loopback --host)")
+    serve.add_argument("--auth-file", help="file with one user:password per line")
+
+    for name, func, help in (("train", cmd_train, "train a recipe, following it in the terminal"),
+                             ("plan", cmd_plan, "print the launch a recipe would make; runs nothing")):
+        sub = command(name, func, help)
+        sub.add_argument("recipe", nargs="?" if name == "train" else None,
+                         help="a recipe YAML file (see recipes/)")
+        sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a recipe key, e.g. --set max_steps=50 --set studio.nproc=2")
+        sub.add_argument("--instance", choices=sorted(INSTANCES),
+                         help="plan for this instance type instead of the detected hardware")
+        sub.add_argument("--backend", choices=("cpu",), help="plan for the CPU even if a device is present")
+        sub.add_argument("--lnc", type=int, choices=(1, 2), default=2, help="with --instance: the LNC setting")
+        for option, key in (("--nproc", "nproc"), ("--tp", "tp_size"), ("--fsdp", "fsdp_size"), ("--cores", "cores")):
+            sub.add_argument(option, dest=key, help=f"the layout's {key} (same as --set studio.{key}=...)")
+        if name == "plan":
+            sub.add_argument("--export-script", metavar="FILE", help="also write a runnable bash launch script")
+            sub.add_argument("--slurm-script", metavar="FILE", help="also write a Slurm batch script for --nodes nodes")
+            sub.add_argument("--nodes", type=int, default=2, help="nodes for --slurm-script (default 2)")
+            sub.add_argument("--no-forecast", action="store_true",
+                             help="skip the shape forecast (it tokenizes the dataset as the trainer will)")
+        if name == "train":
+            sub.add_argument("--detach", action="store_true",
+                             help="start the run and return; it goes on in the background")
+            sub.add_argument("--resume", metavar="RUN_ID", help="go on with a run from its last checkpoint "
+                             "(instead of a recipe), in the same run folder")
+            sub.add_argument("--from-checkpoint", type=int, metavar="STEP", help="with --resume: this checkpoint")
+    command("runs", cmd_runs, "list runs with their state")
+    stop = command("stop", cmd_stop, "stop a run")
+    stop.add_argument("run_id")
+    stop.add_argument("--save", action="store_true", help="save a checkpoint at the next step, then stop "
+                      "(resumable with train --resume)")
+    chat = command("chat", cmd_chat, "chat with a run's model (or any model) in the terminal")
+    chat.add_argument("target", help="a run id (its model or LoRA adapter), or a model: builtin:tiny-qwen3, "
+                      "a Hub id, a local folder")
+    chat.add_argument("--prompt", help="ask this once, print the answer and exit (else: an interactive chat)")
+    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument("--base", action="store_true", help="also answer with the base model, for comparison")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--max-new-tokens", type=int, default=128)
+    chat.add_argument("--cores", help="the core to chat on (default: the first free one)")
+    chat.add_argument("--backend", choices=("cpu",), help="chat on the CPU even if a device is present")
+    export = command("export", cmd_export, "export a finished run as a model folder with a card; push it")
+    export.add_argument("run_id")
+    export.add_argument("--out", required=True, help="a new (or empty) folder for the export")
+    export.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base model")
+    export.add_argument("--push", metavar="REPO_ID", help="then upload it to the Hub in one commit, e.g. you/my-model "
+                        "(token: HF_TOKEN or your saved login)")
+    export.add_argument("--private", dest="private", action="store_true", default=True,
+                        help="a private repo (the default)")
+    export.add_argument("--public", dest="private", action="store_false", help="a public repo")
+    export.add_argument("--update", action="store_true", help="push as a new commit to a repo that exists")
+    export.add_argument("--cores", help="on the CPU backend, the CPU core the export holds (default: next free)")
+    cache = command("cache", cmd_cache, "show the compile cache's folder, size and entries, or clear it")
+    cache.add_argument("--backend", choices=compile_cache.BACKENDS,
+                       help="whose cache (default: this machine's backend)")
+    cache.add_argument("--clear", action="store_true", help="delete it; refused while a run is active")
+    return top

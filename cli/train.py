@@ -1,0 +1,158 @@
+"""train, plan, runs and stop: start and follow runs in the terminal, and what a launch would be."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from cli.options import hardware_for, load_spec
+from studio_core.forecast import forecast_in_subprocess
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import FINAL_STATES, RunView, late_compile_text
+from studio_core.scripts import launch_script, slurm_script
+from studio_core.spec import SpecError
+
+
+def cmd_plan(args) -> int:
+    spec = load_spec(args)
+    hardware = hardware_for(args)
+    launch = RunManager(args.runs_dir).plan(spec, hardware, this_machine=not args.instance)
+    print(f"Hardware: {hardware.describe()}\n")
+    print(launch.describe())
+    if launch.errors:
+        return 2
+    if not args.no_forecast:
+        try:
+            print("\n" + forecast_in_subprocess(launch.spec, hardware.backend).describe())
+        except SpecError as error:
+            print(f"\nNo shape forecast: {error}")
+    for path, text in ((args.export_script, launch_script(launch) if args.export_script else None),
+                       (args.slurm_script, slurm_script(launch, args.nodes) if args.slurm_script else None)):
+        if path:
+            Path(path).write_text(text)
+            Path(path).chmod(0o755)
+            print(f"\nWrote {path}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    manager = RunManager(args.runs_dir)
+    if args.resume:
+        if args.recipe or args.set:
+            raise SpecError(["--resume goes on with the run's own settings: give no recipe and no --set"])
+        view = manager.resume(args.resume, hardware_for(args), step=args.from_checkpoint)
+        print(f"Run {view.id} resumed from step {view.step}; its folder: {view.dir}")
+    elif not args.recipe:
+        raise SpecError(["give a recipe (e.g. recipes/tiny-sft.yaml), or --resume RUN_ID"])
+    else:
+        view = manager.start(load_spec(args), hardware_for(args))
+        print(f"Run {view.id} started; its folder: {view.dir}")
+    if args.detach:
+        return 0
+
+    def stop(signum, frame):
+        print(f"\nStopping run {view.id} ...", file=sys.stderr)
+        manager.stop(view.id)
+        raise SystemExit(130 if signum == signal.SIGINT else 143)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    return follow(manager, view)
+
+
+def follow(manager: RunManager, view: RunView) -> int:
+    from tqdm import tqdm
+
+    bar, shown, warned, fetch = None, 0, 0, None
+    while True:
+        view = manager.view(view.id)
+        if bar is None:
+            fetch = follow_download(view, fetch)
+        if bar is None and view.max_steps:
+            if fetch is not None:
+                fetch.close()
+            bar = tqdm(total=view.max_steps, unit="step", dynamic_ncols=True)
+        for event in view.metrics[shown:]:
+            line = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in event.items()
+                             if k not in ("type", "time"))
+            (bar.write if bar else print)(line)
+        shown = len(view.metrics)
+        finished_steps = [late for late in view.late_compiles()
+                          if late["step"] <= view.step or view.live_state in FINAL_STATES]
+        for late in finished_steps[warned:]:
+            (bar.write if bar else print)(f"warning: {late_compile_text(late)}")
+        warned = len(finished_steps)
+        if bar is not None:
+            bar.update(view.step - bar.n)
+            bar.set_postfix_str(compiling_text(view), refresh=False)
+        state = view.live_state
+        if state in FINAL_STATES:
+            break
+        time.sleep(0.5)
+    for open_bar in (fetch, bar):
+        if open_bar is not None:
+            open_bar.close()
+    print(f"Run {view.id}: {state} (exit code {view.exit_code})")
+    if state == "failed":
+        for event in view.errors[-1:]:
+            print(event.get("traceback") or "", file=sys.stderr)
+        print(f"Error: {view.error_text}", file=sys.stderr)
+        print(f"Full log: {view.dir / 'train.log'}", file=sys.stderr)
+        return 1
+    if state == "finished":
+        print(f"Model saved in {view.dir / 'output'}")
+        return 0
+    return 1
+
+
+def follow_download(view: RunView, fetch):
+    """Before training, a byte bar for the run's download of a Hub model or dataset (its latest
+    `download` event); a new bar when the next one starts. -> the bar, or None."""
+    from tqdm import tqdm
+
+    download = view.download
+    if not download:
+        return fetch
+    what = download.get("model") or f"dataset {download.get('dataset')}"
+    if fetch is None or fetch.desc != f"downloading {what}":
+        if fetch is not None:
+            fetch.close()
+        fetch = tqdm(total=download["total_bytes"], unit="B", unit_scale=True, dynamic_ncols=True,
+                     desc=f"downloading {what}")
+    fetch.total = download["total_bytes"]
+    fetch.update(download["done_bytes"] - fetch.n)
+    return fetch
+
+
+def compiling_text(view: RunView) -> str:
+    """The progress bar's postfix: what compiles now, and the compile time so far."""
+    now = [f"compiling {graph} {phase}" for graph, phase in view.compiling]
+    total = view.compile_seconds()
+    return ", ".join(now + ([f"{len(view.compiles)} compiled in {total:.1f} s"] if view.compiles else []))
+
+
+def cmd_runs(args) -> int:
+    runs = RunManager(args.runs_dir).list()
+    print(f"{'run':48} {'state':9} {'step':>11}  model / dataset")
+    for view in runs:
+        steps = f"{view.step}/{view.max_steps or '?'}"
+        spec = view.spec
+        print(f"{view.id:48} {view.live_state:9} {steps:>11}  "
+              f"{spec.get('model_name_or_path')} / {spec.get('dataset_name')}")
+    return 0
+
+
+def cmd_stop(args) -> int:
+    manager = RunManager(args.runs_dir)
+    if args.save:
+        manager.stop_and_save(args.run_id)
+        view = manager.wait(args.run_id)
+        point = view.resume_point()
+        print(f"Run {view.id}: {view.live_state}" + (f"; resume it from step {point['step']} with "
+                                                     f"`launch.py train --resume {view.id}`" if point else ""))
+        return 0
+    view = manager.stop(args.run_id)
+    print(f"Run {view.id}: {view.live_state}")
+    return 0
