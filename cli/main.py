@@ -12,6 +12,7 @@ from cli.serve import cmd_serve
 from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
 from studio_core import compile_cache
 from studio_core.hardware import INSTANCES
+from studio_core.runs.manager import RunNotFound
 from studio_core.spec import SpecError
 
 USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
@@ -41,6 +42,10 @@ def main(argv: list[str]) -> int:
         return args.func(args)
     except SpecError as error:
         print(f"Cannot launch: fix these and try again:\n{error}", file=sys.stderr)
+        return 2
+    except RunNotFound as error:
+        print(f"{error.args[0]}: `launch.py runs` lists the runs (add --runs-dir for another runs folder)",
+              file=sys.stderr)
         return 2
 
 

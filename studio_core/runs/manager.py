@@ -33,6 +33,10 @@ DEFAULT_RUNS_DIR = "~/trn-studio/runs"
 WAIT_POLL_S = 0.2
 
 
+class RunNotFound(KeyError):
+    """No run of that id in the runs folder; the message names both."""
+
+
 def default_runs_dir() -> Path:
     return Path(os.environ.get("STUDIO_RUNS_DIR", DEFAULT_RUNS_DIR)).expanduser()
 
@@ -156,7 +160,7 @@ class RunManager:
     def view(self, run_id: str) -> RunView:
         run_dir = self.runs_dir / run_id
         if not folder.is_run(run_dir):
-            raise KeyError(f"no run {run_id!r} in {self.runs_dir}")
+            raise RunNotFound(f"no run {run_id!r} in {self.runs_dir}")
         with self._lock:
             view = self._views.setdefault(run_id, RunView(dir=run_dir))
         return view.refresh()
