@@ -121,7 +121,8 @@ class TrainForm:
                                        elem_id="max_steps")
             w["num_train_epochs"] = gr.Number(3, label="num_train_epochs", info="used when max_steps is 0")
             w["learning_rate"] = gr.Number(learning_rate_start(trainers.DEFAULT, BUILTIN_MODEL), label="learning_rate",
-                                           info=learning_rate_info(trainers.DEFAULT, BUILTIN_MODEL), elem_id="learning_rate")
+                                           info=learning_rate_info(trainers.DEFAULT, BUILTIN_MODEL),
+                                           elem_id="learning_rate")
         with gr.Row():
             w["per_device_train_batch_size"] = gr.Number(4, label="per_device_train_batch_size", precision=0,
                                                          elem_id="batch_size")
@@ -283,6 +284,7 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
     `trackers`: the report_to choices offered (default: what is installed here)."""
     fields, args = trainer_fields(spec.trainer), spec.args
     trackers = report_choices() if trackers is None else trackers
+    schedulers = trainer_fields(trainers.DEFAULT)["lr_scheduler_type"]["choices"]
 
     def get(key):
         return args.get(key, fields[key]["default"] if key in fields else None)
@@ -307,8 +309,7 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
          "learning_rate": num("learning_rate"), "per_device_train_batch_size": num("per_device_train_batch_size"),
          "logging_steps": num("logging_steps"), "gradient_accumulation_steps": num("gradient_accumulation_steps"),
          "warmup_steps": num("warmup_steps"), "seed": num("seed"),
-         "lr_scheduler_type": choice("lr_scheduler_type", trainer_fields(trainers.DEFAULT)["lr_scheduler_type"]["choices"],
-                                     "linear"),
+         "lr_scheduler_type": choice("lr_scheduler_type", schedulers, "linear"),
          "save_steps": 0 if get("save_strategy") == "no" else num("save_steps"),
          "use_peft": get("use_peft") is True, "trust_remote_code": get("trust_remote_code") is True,
          "report_to": choice("report_to", trackers, "none")}

@@ -101,8 +101,8 @@ def fit_problems(kind: DatasetKind, trainer: str, extra_columns_ok: set[str] = f
     surplus = _surplus(kind, trainer, extra_columns_ok)
     if surplus:
         keep = ", ".join(_wanted(kind))
-        problems.append(f"dataset: {trainers.get(trainer).name} would not use {_names(surplus)}, since TRL reads this as "
-                        f"{kind.description}; keep only {keep} with studio.keep_columns: [{keep}]")
+        problems.append(f"dataset: {trainers.get(trainer).name} would not use {_names(surplus)}, since TRL reads "
+                        f"this as {kind.description}; keep only {keep} with studio.keep_columns: [{keep}]")
     return problems
 
 

@@ -287,7 +287,8 @@ def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> li
     if hasattr(trainer.args, "packing_strategy") and current.max_length and not packing:  # SFT packs
         packed = build(packing=True, packing_strategy="wrapped")
         found.append(({"packing": True, "packing_strategy": "wrapped"},
-                      f"joins samples into rows of max_length {current.max_length}: one shape, padding only in the last rows",
+                      f"joins samples into rows of max_length {current.max_length}: one shape, padding only in the "
+                      "last rows",
                       _walk(packed, _updates(packed, dp), dp)))
     result = []
     for settings, why, walk in found:

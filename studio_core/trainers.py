@@ -112,48 +112,65 @@ def _generation_fields(generations: int) -> tuple[FormField, ...]:
             FormField("rewards", "rewards", DEFAULT_REWARDS, REWARD_LIST_HELP))
 
 
+PREFERENCE_HELP = "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)"
+PROMPT_HELP = "`prompt` (other columns go to the reward functions)"
+
 TRAINERS: dict[str, Trainer] = {t.key: t for t in (
-    Trainer("sft", "SFT", "SFT (supervised fine-tuning)", "learns to write the dataset's answers or conversations",
-            "SFTConfig", "SFTTrainer", "builtin:qa", ("language_modeling", "prompt_completion"),
-            "`messages`, `text` (or the column dataset_text_field names), or `prompt`+`completion`",
-            (Role("prompt"), Role("completion", also=("chosen",)))),
-    Trainer("dpo", "DPO", "DPO (preference pairs)", "learns to prefer the chosen answer to the rejected one",
-            "DPOConfig", "DPOTrainer", "builtin:preference", ("preference", "preference_implicit"),
-            "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)",
-            (Role("chosen"), Role("rejected"), Role("prompt", required=False)),
-            fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
-                    FormField("loss_type", "choice", "sigmoid", "DPO loss", as_list=True)),
-            reference_model=True),
-    Trainer("kto", "KTO", "KTO (answers marked good or bad)", "learns from single answers labelled desirable or not; "
-            "no pairs needed", "KTOConfig", "KTOTrainer", "builtin:feedback",
-            ("unpaired_preference", "preference", "preference_implicit"),
-            "`prompt`+`completion`+`label` (true for a desirable answer), or preference pairs, which it unpairs",
-            (Role("prompt"), Role("completion"), Role("label", also=("desirable", "good", "thumbs_up"))),
-            fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
-                    FormField("loss_type", "choice", "kto", "KTO loss",
-                              choices=("kto", "apo_zero_unpaired")),  # from KTOConfig's docstring
-                    FormField("desirable_weight", "float", 1.0, "weight of the desirable answers' loss"),
-                    FormField("undesirable_weight", "float", 1.0, "weight of the undesirable answers' loss")),
-            reference_model=True, not_forecast="its KL term sends a second batch, of other shapes, through the model "
-            "at each step, and the forecast walks one per step"),
-    Trainer("grpo", "GRPO", "GRPO (online RL with reward functions)", "generates answers and learns from their rewards, "
-            "compared within each group", "GRPOConfig", "GRPOTrainer", "builtin:prompts",
-            ("prompt_only", "prompt_completion"), "`prompt` (other columns go to the reward functions)",
-            (Role("prompt"),), fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False,
-            not_forecast=GENERATES, neuron_defaults=GENERATION_NEURON_DEFAULTS),
-    Trainer("rloo", "RLOO", "RLOO (online RL, leave-one-out baseline)", "generates answers and learns from their "
-            "rewards against the others' mean", "RLOOConfig", "RLOOTrainer", "builtin:prompts",
-            ("prompt_only", "prompt_completion"), "`prompt` (other columns go to the reward functions)",
-            (Role("prompt"),), fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False,
-            not_forecast=GENERATES, neuron_defaults=GENERATION_NEURON_DEFAULTS),
-    Trainer("reward", "reward modeling", "Reward model (scores answers)", "learns a score that ranks the chosen answer above the "
-            "rejected one; the model it saves scores texts and does not chat", "RewardConfig", "RewardTrainer",
-            "builtin:preference", ("preference", "preference_implicit"),
-            "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)",
-            (Role("chosen"), Role("rejected"), Role("prompt", required=False)),
-            task="text-classification",
-            defaults=(Default("lora_task_type", "SEQ_CLS", "a reward model is a sequence classifier: PEFT then "
-                              "trains and saves its score head with the adapter", when=lambda args: args.get("use_peft")),)),
+    Trainer(
+        key="sft", name="SFT", label="SFT (supervised fine-tuning)",
+        help="learns to write the dataset's answers or conversations",
+        config_class="SFTConfig", trainer_class="SFTTrainer", sample="builtin:qa",
+        data_types=("language_modeling", "prompt_completion"),
+        data_help="`messages`, `text` (or the column dataset_text_field names), or `prompt`+`completion`",
+        roles=(Role("prompt"), Role("completion", also=("chosen",)))),
+    Trainer(
+        key="dpo", name="DPO", label="DPO (preference pairs)",
+        help="learns to prefer the chosen answer to the rejected one",
+        config_class="DPOConfig", trainer_class="DPOTrainer", sample="builtin:preference",
+        data_types=("preference", "preference_implicit"), data_help=PREFERENCE_HELP,
+        roles=(Role("chosen"), Role("rejected"), Role("prompt", required=False)),
+        fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
+                FormField("loss_type", "choice", "sigmoid", "DPO loss", as_list=True)),
+        reference_model=True),
+    Trainer(
+        key="kto", name="KTO", label="KTO (answers marked good or bad)",
+        help="learns from single answers labelled desirable or not; no pairs needed",
+        config_class="KTOConfig", trainer_class="KTOTrainer", sample="builtin:feedback",
+        data_types=("unpaired_preference", "preference", "preference_implicit"),
+        data_help="`prompt`+`completion`+`label` (true for a desirable answer), or preference pairs, which it unpairs",
+        roles=(Role("prompt"), Role("completion"), Role("label", also=("desirable", "good", "thumbs_up"))),
+        fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
+                FormField("loss_type", "choice", "kto", "KTO loss",
+                          choices=("kto", "apo_zero_unpaired")),  # from KTOConfig's docstring
+                FormField("desirable_weight", "float", 1.0, "weight of the desirable answers' loss"),
+                FormField("undesirable_weight", "float", 1.0, "weight of the undesirable answers' loss")),
+        reference_model=True,
+        not_forecast="its KL term sends a second batch, of other shapes, through the model at each step, and the "
+                     "forecast walks one per step"),
+    Trainer(
+        key="grpo", name="GRPO", label="GRPO (online RL with reward functions)",
+        help="generates answers and learns from their rewards, compared within each group",
+        config_class="GRPOConfig", trainer_class="GRPOTrainer", sample="builtin:prompts",
+        data_types=("prompt_only", "prompt_completion"), data_help=PROMPT_HELP, roles=(Role("prompt"),),
+        fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False, not_forecast=GENERATES,
+        neuron_defaults=GENERATION_NEURON_DEFAULTS),
+    Trainer(
+        key="rloo", name="RLOO", label="RLOO (online RL, leave-one-out baseline)",
+        help="generates answers and learns from their rewards against the others' mean",
+        config_class="RLOOConfig", trainer_class="RLOOTrainer", sample="builtin:prompts",
+        data_types=("prompt_only", "prompt_completion"), data_help=PROMPT_HELP, roles=(Role("prompt"),),
+        fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False, not_forecast=GENERATES,
+        neuron_defaults=GENERATION_NEURON_DEFAULTS),
+    Trainer(
+        key="reward", name="reward modeling", label="Reward model (scores answers)",
+        help="learns a score that ranks the chosen answer above the rejected one; the model it saves scores "
+             "texts and does not chat",
+        config_class="RewardConfig", trainer_class="RewardTrainer", sample="builtin:preference",
+        data_types=("preference", "preference_implicit"), data_help=PREFERENCE_HELP,
+        roles=(Role("chosen"), Role("rejected"), Role("prompt", required=False)),
+        task="text-classification",
+        defaults=(Default("lora_task_type", "SEQ_CLS", "a reward model is a sequence classifier: PEFT then trains "
+                          "and saves its score head with the adapter", when=lambda args: args.get("use_peft")),)),
 )}
 
 

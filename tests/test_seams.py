@@ -6,6 +6,7 @@ Run folders here are written by hand, file by file as the studio writes them (sp
 launch.json, events.jsonl, output/studio_output.json), so no model is trained."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,16 @@ def test_the_plan_says_where_the_run_executes_and_an_unknown_place_is_refused(tm
     with pytest.raises(SpecError, match="studio.run_on: 'moon' is not a place runs can execute here; choose local"):
         RunManager(tmp_path / "runs").plan(RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(
             ["studio.run_on=moon"]), cpu_hardware())
+
+
+# --- the studio's children keep the user's PYTHONPATH ----------------------------------------
+def test_a_childs_pythonpath_puts_the_repository_first_and_keeps_the_users(monkeypatch, tmp_path):
+    from studio_core import children
+
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'mine'}:{tmp_path / 'also-mine'}")
+    env = children.environment({"PYTHONPATH": str(children.REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    assert env["PYTHONPATH"].split(":") == [str(children.REPO_ROOT), str(tmp_path / "mine"),
+                                            str(tmp_path / "also-mine")]
+    assert env["OMP_NUM_THREADS"] == "1" and env["HOME"] == os.environ["HOME"]
+    done = children.run("studio_core.cores", env={}, capture_output=True, text=True)  # a module of ours runs
+    assert done.returncode == 0, done.stderr
