@@ -124,5 +124,5 @@ def test_a_childs_pythonpath_puts_the_repository_first_and_keeps_the_users(monke
     assert env["PYTHONPATH"].split(":") == [str(children.REPO_ROOT), str(tmp_path / "mine"),
                                             str(tmp_path / "also-mine")]
     assert env["OMP_NUM_THREADS"] == "1" and env["HOME"] == os.environ["HOME"]
-    done = children.run("studio_core.cores", env={}, capture_output=True, text=True)  # a module of ours runs
+    done = children.run("studio_core.cores", env={}, capture_output=True, text=True, cwd=tmp_path)  # from anywhere
     assert done.returncode == 0, done.stderr
