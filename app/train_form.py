@@ -68,6 +68,12 @@ def help_choices(trainer: str, field: str) -> list[str]:
     return re.findall(r"'([a-z_]+)'", sentence)
 
 
+def trainer_info(trainer: str) -> str:
+    """The line under the trainer's choice: what it learns, and from what data."""
+    entry = trainers.get(trainer)
+    return f"{entry.name} {entry.help}; it reads {entry.data_help}"
+
+
 def field_choices(trainer: str, field: FormField) -> list[str]:
     """A choice field's values: the registry's, else TRL's own for the field, else its help text's."""
     return list(field.choices) or trainer_fields(trainer)[field.name]["choices"] or help_choices(trainer, field.name)
@@ -90,7 +96,7 @@ class TrainForm:
         most = hardware.cores
         w = self.widgets = {}
         w["trainer"] = gr.Radio([(t.label, key) for key, t in trainers.TRAINERS.items()], value=trainers.DEFAULT,
-                                label="Trainer", elem_id="trainer")
+                                label="Trainer", info=trainer_info(trainers.DEFAULT), elem_id="trainer")
         with gr.Row():
             w["model"] = gr.Dropdown([BUILTIN_MODEL, *cached_models()], value=BUILTIN_MODEL,
                                      allow_custom_value=True, label="Model", info="built-in tiny model, one "

@@ -18,7 +18,7 @@ import yaml
 from app import forecast_panel, run_panel
 from app.core_map import core_map_html
 from app.train_form import (THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
-                            learning_rate_start, spec_from_form, target_hardware)
+                            learning_rate_start, spec_from_form, target_hardware, trainer_info)
 from studio_core import data_check, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.cores import parse_cores
@@ -134,7 +134,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         entry = trainers.get(trainer)
         sample = dataset if not str(dataset).startswith("builtin:") else entry.sample
         return {**{group: gr.update(visible=key == trainer) for key, group in form.trainer_groups.items()},
-                w["dataset"]: gr.update(value=sample), w["max_length"]: gr.update(interactive=entry.uses_max_length)}
+                w["trainer"]: gr.update(info=trainer_info(trainer)), w["dataset"]: gr.update(value=sample),
+                w["max_length"]: gr.update(interactive=entry.uses_max_length)}
 
     def on_starting_values(trainer, model, learning_rate, start):
         # A value other than the one the form set is the user's own (typed, or a cloned run's): kept.
@@ -239,7 +240,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
     w["model"].focus(lambda: gr.update(choices=[BUILTIN_MODEL, *sources.cached_models()]), None, w["model"],
                      show_progress="hidden")
     w["trainer"].input(on_trainer, [w["trainer"], w["dataset"]],
-                        [*form.trainer_groups.values(), w["dataset"], w["max_length"]])
+                        [*form.trainer_groups.values(), w["trainer"], w["dataset"], w["max_length"]])
     for picked in (w["trainer"].input, w["model"].input):  # the user's picks only, not a clone's
         picked(on_starting_values, [w["trainer"], w["model"], w["learning_rate"], lr_start],
                [w["learning_rate"], lr_start], show_progress="hidden")

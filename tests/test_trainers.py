@@ -5,7 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from huggingface_hub import ModelCard
+
 from studio_core import trainers
+from studio_core.export import export_run
 from studio_core.hardware import cpu_hardware
 from studio_core.runs.folder import OUTPUT_INFO, output_info
 from studio_core.runs.manager import RunManager
@@ -47,6 +50,11 @@ def test_trainer_runs_end_to_end(trainer, lora, tmp_path):
     assert (output / OUTPUT_INFO).exists()
     if task == "text-classification":  # a reward model: a sequence classifier with one score
         assert_scores(output, lora)
+        exported = export_run(view.dir, tmp_path / "export")["folder"]  # and its export says what it is
+        card = ModelCard.load(Path(exported) / "README.md")
+        assert card.data.pipeline_tag == "text-classification" and "reward-model" in card.data.tags
+        assert "A reward model: it reads a text" in card.text and "ModelForSequenceClassification" in card.text
+        assert_scores(Path(exported), lora)
     elif lora:
         from peft import AutoPeftModelForCausalLM
 
