@@ -45,19 +45,29 @@ class RunPanel:
         return [self.status, self.progress, self.compiles, self.error, self.loss, self.lr, self.log, self.applied,
                 *self.hardware.components]
 
-    def follow(self, timer: gr.Timer, manager: RunManager, run_id: gr.Component) -> None:
-        """Redraw the panel on every tick of `timer`, for the run `run_id` names, but only when
-        what it shows can have changed: a going run every tick (its clock moves), an ended run
-        (or none) once, so an idle page costs next to nothing."""
-        shown = gr.State(None)  # what this page shows now (RunView.shown_as), or None
+    def follow(self, timer: gr.Timer, manager: RunManager, run_id: gr.Component, pause: bool = False) -> None:
+        """Redraw the panel on the ticks of `timer` for the run `run_id` names, but only when what
+        it shows can have changed: a going run every tick (its clock moves), an ended run (or
+        none) once. With `pause`, the timer stops once the run has ended and been drawn (start
+        it again with `gr.Timer(active=True)` when another run is followed): an idle page then
+        sends no request at all."""
+        shown = gr.State(None)  # what this page shows now (see changes), or None
 
         def tick(wanted, last):
-            current = _shown_as(manager, wanted)
-            if current is not None and current == last:
-                return {}
-            return {**self.render(manager, wanted), shown: current}
+            update = self.changes(manager, wanted, last, shown)
+            return update or ({timer: gr.Timer(active=False)} if pause else {shown: last})
 
-        timer.tick(tick, [run_id, shown], [*self.components, shown], show_progress="hidden")
+        timer.tick(tick, [run_id, shown], [*self.components, shown, *([timer] if pause else [])],
+                   show_progress="hidden")
+
+    def changes(self, manager: RunManager, run_id: str | None, last, shown: gr.State) -> dict:
+        """{widget: value} for this run when the page's `shown` state (`last`) is out of date, with
+        the new state; {} when nothing changed (Gradio wants at least one output in a dict: a
+        caller that sends nothing returns {shown: last}, which stays on the server)."""
+        current = _shown_as(manager, run_id)
+        if current is not None and current == last:
+            return {}
+        return {**self.render(manager, run_id), shown: current}
 
     def render(self, manager: RunManager, run_id: str | None) -> dict:
         """{widget: value} for this run (or for none)."""

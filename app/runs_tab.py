@@ -136,16 +136,18 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
     if form is not None:
         _wire_clone(manager, form, tabs, train_tab_id, clone, opened, message)
     timer = gr.Timer(2.0)
-    panel.follow(timer, manager, opened)
-    listed = gr.State(None)  # the last listing this page was sent
+    listed, shown = gr.State(None), gr.State(None)  # the last listing and run view this page was sent
 
-    def on_tick(current, state_, trainer_, model_, sort_, last):
-        # With nothing new (an idle history), nothing is sent: no table of 200 rows every 2 s.
-        shown = on_refresh(current, state_, trainer_, model_, sort_)
-        now = (shown[0].to_json(), repr(shown[1:]))
-        return {} if now == last else dict(zip([*refresh_io[1], listed], [*shown, now]))
+    def on_tick(current, state_, trainer_, model_, sort_, last_listing, last_shown):
+        # One request per tick for the table and the opened run, and nothing sent when nothing
+        # changed: an idle history of 200 runs is not sent to the page every 2 s.
+        listing = on_refresh(current, state_, trainer_, model_, sort_)
+        now = (listing[0].to_json(), repr(listing[1:]))
+        update = {} if now == last_listing else dict(zip([*refresh_io[1], listed], [*listing, now]))
+        return update | panel.changes(manager, current, last_shown, shown) or {shown: last_shown}
 
-    timer.tick(on_tick, [*refresh_io[0], listed], [*refresh_io[1], listed], show_progress="hidden")
+    timer.tick(on_tick, [*refresh_io[0], listed, shown], [*refresh_io[1], listed, *panel.components, shown],
+               show_progress="hidden")
     return table, opened, timer
 
 

@@ -99,7 +99,9 @@ def keep_upload(source: Path, folder: Path) -> Path:
     return target
 
 
-def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainForm:
+def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[TrainForm, gr.Timer]:
+    """The tab, in the current Blocks context; its form, and the timer that redraws the run it
+    follows (`selected`): start it again (gr.Timer(active=True)) when `selected` changes."""
     gr.Markdown(f"**Hardware:** {hardware.describe()}")
     suggested_fix = gr.State({})
     lr_start = gr.State(TINY_LEARNING_RATE)  # the learning rate the form last set by itself
@@ -255,9 +257,12 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> TrainF
         w[name].change(on_layout, inputs, form.core_map, show_progress="hidden", concurrency_id="core-map")
     # one queue for every redraw, so an older one (the accordion opening) never lands after a newer one
     form.layout_box.expand(on_layout, inputs, form.core_map, show_progress="hidden", concurrency_id="core-map")
-    start_btn.click(on_start, inputs, [message, plan_box, selected])
+    start_event = start_btn.click(on_start, inputs, [message, plan_box, selected])
     stop_btn.click(on_stop, selected, message)
     stop_save_btn.click(on_stop_and_save, selected, message)
-    resume_btn.click(on_resume, selected, message)
-    panel.follow(gr.Timer(1.0), manager, selected)
-    return form
+    resume_event = resume_btn.click(on_resume, selected, message)
+    timer = gr.Timer(1.0)
+    panel.follow(timer, manager, selected, pause=True)
+    for started in (start_event, resume_event):  # the panel follows a run again
+        started.then(lambda: gr.Timer(active=True), None, timer)
+    return form, timer

@@ -14,11 +14,11 @@ def cmd_serve(args) -> int:
               "runs. Add --auth user:password (or --auth-file FILE), or keep the default 127.0.0.1.",
               file=sys.stderr)
         return 2
-    from app.main import CSS, build_app
+    from app.main import CSS, build_app, queued
 
     demo = build_app(args.runs_dir)
     print(f"Studio on http://{args.host}:{args.port}", flush=True)
-    demo.queue().launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True,
+    queued(demo).launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True,
                         quiet=True, css=CSS,
                         footer_links=["gradio", "settings"])
     return 0

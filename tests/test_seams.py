@@ -126,3 +126,17 @@ def test_a_childs_pythonpath_puts_the_repository_first_and_keeps_the_users(monke
     assert env["OMP_NUM_THREADS"] == "1" and env["HOME"] == os.environ["HOME"]
     done = children.run("studio_core.cores", env={}, capture_output=True, text=True, cwd=tmp_path)  # from anywhere
     assert done.returncode == 0, done.stderr
+
+
+# --- an idle app costs next to nothing --------------------------------------------------------
+def test_the_apps_queue_polls_at_an_idle_pace_gradio_still_reads(tmp_path):
+    import inspect
+
+    from app.main import PROGRESS_IDLE_S, QUEUE_IDLE_S, build_app, queued
+
+    demo = queued(build_app(tmp_path / "runs", cpu_hardware()))
+    queue = demo._queue
+    assert (queue.sleep_when_free, queue.progress_update_sleep_when_free) == (QUEUE_IDLE_S, PROGRESS_IDLE_S)
+    # a Gradio that no longer reads these would bring back its 1 ms idle loop: say so here
+    assert "self.sleep_when_free" in inspect.getsource(type(queue).start_processing)
+    assert "self.progress_update_sleep_when_free" in inspect.getsource(type(queue).start_progress_updates)
