@@ -47,10 +47,8 @@ def manager(tmp_path):
 def trained_runs(tmp_path_factory):
     """A full SFT run and a LoRA SFT run of the tiny model on the built-in question and answer
     set (recipes/tiny-sft.yaml, recipes/tiny-sft-lora.yaml), finished: (manager, {"full", "lora"})."""
-    import time
     from pathlib import Path
 
-    from studio_core.runs.events import FINAL_STATES
     from studio_core.hardware import cpu_hardware
     from studio_core.runs.manager import RunManager
     from studio_core.spec import RunSpec
@@ -59,10 +57,7 @@ def trained_runs(tmp_path_factory):
     manager = RunManager(tmp_path_factory.mktemp("trained") / "runs")
     ids = {kind: manager.start(RunSpec.load(recipes / recipe), cpu_hardware()).id
            for kind, recipe in (("full", "tiny-sft.yaml"), ("lora", "tiny-sft-lora.yaml"))}
-    deadline = time.monotonic() + 300
     for run_id in ids.values():
-        while (view := manager.view(run_id)).live_state not in FINAL_STATES:
-            assert time.monotonic() < deadline, f"run {run_id} did not finish in time"
-            time.sleep(0.3)
+        view = manager.wait(run_id)
         assert view.live_state == "finished", view.error_text
     return manager, ids

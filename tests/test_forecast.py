@@ -14,7 +14,7 @@ import pytest
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.hardware import cpu_hardware, instance_hardware
 from studio_core.spec import RunSpec, SpecError
-from test_runs import launch_py, wait_until_final
+from test_runs import launch_py
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 COMPILED = ["torch_compile=true", "torch_compile_backend=eager", "max_steps=12", "logging_steps=4"]
@@ -38,7 +38,7 @@ def test_forecast_equals_the_shapes_that_reach_the_model(case, manager):
     hardware = cpu_hardware()
     run = manager.start(spec, hardware)
     predicted = forecast_in_subprocess(manager.plan(spec, hardware).spec, "cpu")  # while the run trains
-    view = wait_until_final(manager, run.id)
+    view = manager.wait(run.id)
     assert view.live_state == "finished", view.error_text
     observed = {tuple(event["shape"]) for event in view.shapes}
     assert observed == {(b, length) for b, length, _ in predicted.shapes}
@@ -98,7 +98,7 @@ def test_plan_prints_the_forecast_for_the_target(tmp_path):
 def test_compile_events_of_a_real_run(manager):
     spec = recipe("tiny-sft.yaml", "torch_compile=true", "torch_compile_backend=aot_eager", "max_steps=8",
                   "logging_steps=4")
-    view = wait_until_final(manager, manager.start(spec, cpu_hardware()).id)
+    view = manager.wait(manager.start(spec, cpu_hardware()).id)
     assert view.live_state == "finished", view.error_text
     assert not view.compiling  # every compile_start has its compile_end
     assert {c["phase"] for c in view.compiles} == {"forward", "backward"}  # aot_eager compiles the backward too

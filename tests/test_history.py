@@ -6,14 +6,12 @@ The runs are the tiny model on the CPU through the run manager, as in test_runs.
 """
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
 
 from app.train_form import form_values, report_choices, spec_from_form
 from studio_core import history, trainers
-from studio_core.runs.events import FINAL_STATES
 from studio_core.hardware import cpu_hardware
 from studio_core.procs import kill_run_processes
 from studio_core.runs.manager import RunManager
@@ -24,19 +22,10 @@ from studio_core.trl_schema import trainer_fields
 from conftest import run_folders
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-RUN_TIMEOUT_S = 180  # a hang guard: these runs take seconds
 
 
 def tiny(recipe: str, *overrides: str) -> RunSpec:
     return RunSpec.load(RECIPES / recipe).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
-
-
-def wait_for(manager: RunManager, run_id: str, condition) -> RunView:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not condition(view := manager.view(run_id)):
-        assert time.monotonic() < deadline, f"run {run_id}: state {view.live_state}, step {view.step}"
-        time.sleep(0.2)
-    return view
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +38,7 @@ def runs(tmp_path_factory):
     try:
         for name, spec in specs.items():  # one at a time: the machine has two cores
             run = manager.start(spec, cpu_hardware())
-            views[name] = wait_for(manager, run.id, lambda v: v.live_state in FINAL_STATES)
+            views[name] = manager.wait(run.id)
             assert views[name].live_state == "finished", views[name].error_text
         yield manager, specs, views
     finally:
@@ -201,7 +190,7 @@ def test_delete_is_refused_while_the_run_goes_and_frees_its_space_after(manager)
     run = manager.start(tiny("tiny-sft.yaml", "max_steps=3000", "logging_steps=50"), cpu_hardware())
     with pytest.raises(history.RunActiveError, match=r"is (starting|running): stop it first"):
         history.delete_run(manager, run.id)
-    wait_for(manager, run.id, lambda v: v.step >= 2 or v.live_state in FINAL_STATES)
+    manager.wait(run.id, lambda v: v.step >= 2 or not v.active)
     with pytest.raises(history.RunActiveError, match="is running: stop it first"):
         history.delete_run(manager, run.id)
     assert run.dir.is_dir()

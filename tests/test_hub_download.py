@@ -21,7 +21,7 @@ from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
 from studio_core.builtin import ensure_tiny_model
 from studio_core.hardware import cpu_hardware
 from studio_core.spec import SpecError, validate
-from test_runs import tiny, wait_until_final
+from test_runs import tiny
 
 TOKEN = "hf_alice_publish_0123456789"
 
@@ -49,8 +49,7 @@ def test_a_hub_model_is_downloaded_with_progress_on_first_use(hub, manager, tmp_
     api.create_repo("alice/tiny-qwen3", private=False)
     api.upload_folder(folder_path=str(ensure_tiny_model()), repo_id="alice/tiny-qwen3")
 
-    view = wait_until_final(manager, manager.start(tiny("max_steps=5", "model_name_or_path=alice/tiny-qwen3"),
-                                                   cpu_hardware()).id)
+    view = manager.wait(manager.start(tiny("max_steps=5", "model_name_or_path=alice/tiny-qwen3"), cpu_hardware()).id)
     assert view.live_state == "finished", view.error_text
     weights = len(hub.repos["alice/tiny-qwen3"]["files"]["model.safetensors"])
     assert view.download["model"] == "alice/tiny-qwen3"

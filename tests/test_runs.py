@@ -1,8 +1,8 @@
 """Real runs end to end: the tiny model, real torchrun on the CPU, real processes.
 
 Each test starts runs in its own runs folder and follows them through RunView, as the
-web app and the CLI do. Waits poll the run's state against a deadline; the deadline
-only guards against a hang, it is not what is tested.
+web app and the CLI do. Waits are RunManager.wait's: its deadline only guards against a
+hang, it is not what is tested.
 """
 
 import json
@@ -29,7 +29,7 @@ from studio_core.spec import RunSpec, SpecError
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny-sft.yaml"
-RUN_TIMEOUT_S = 180  # a hang guard: a 20-step run takes ~10 s on 2 cores
+RUN_TIMEOUT_S = 180  # a hang guard for a CLI command: a 20-step run takes ~10 s on 2 cores
 LONG = ["max_steps=3000", "logging_steps=50"]  # still going when a test acts on it
 
 
@@ -37,26 +37,9 @@ def tiny(*overrides: str) -> RunSpec:
     return RunSpec.load(TINY).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
 
 
-def wait_for(manager: RunManager, run_id: str, what: str, condition, timeout: float = RUN_TIMEOUT_S) -> RunView:
-    deadline = time.monotonic() + timeout
-    while True:
-        view = manager.view(run_id)
-        if condition(view):
-            return view
-        if time.monotonic() > deadline:
-            log = (view.dir / "train.log").read_text(errors="replace")[-3000:]
-            raise AssertionError(f"run {run_id} never reached {what}: state {view.live_state}, "
-                                 f"step {view.step}\n{log}")
-        time.sleep(0.2)
-
-
-def wait_until_final(manager: RunManager, run_id: str) -> RunView:
-    return wait_for(manager, run_id, "a final state", lambda v: v.live_state in FINAL_STATES)
-
-
 def wait_until_training(manager: RunManager, run_id: str, steps: int = 5) -> RunView:
-    view = wait_for(manager, run_id, f"step {steps}",
-                    lambda v: v.step >= steps or v.live_state in FINAL_STATES)
+    """The run once it made `steps` steps, and still running (one that ended first fails here)."""
+    view = manager.wait(run_id, lambda v: v.step >= steps or v.live_state in FINAL_STATES)
     assert view.live_state == "running", view.error_text
     return view
 
@@ -133,7 +116,7 @@ def test_a_malformed_line_among_the_first_rows_is_refused_before_launch(manager,
 def test_one_process_sft_run_finishes_with_a_model(manager, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_do_not_leak_1234")  # must not be written to the run folder
     view = manager.start(tiny(), cpu_hardware())
-    view = wait_until_final(manager, view.id)
+    view = manager.wait(view.id)
 
     assert view.state == "finished", view.error_text
     assert view.exit_code == 0 and view.error_text is None
@@ -168,7 +151,7 @@ def test_one_process_sft_run_finishes_with_a_model(manager, monkeypatch):
 
 def test_two_processes_run_data_parallel(manager):
     view = manager.start(tiny("studio.nproc=2"), cpu_hardware())
-    view = wait_until_final(manager, view.id)
+    view = manager.wait(view.id)
     assert view.state == "finished", view.error_text
     running = [e for e in read_events(view.dir / "events.jsonl")
                if e["type"] == "status" and e["state"] == "running"]
@@ -200,7 +183,8 @@ def test_stop_after_the_supervisor_died_still_ends_every_process(manager):
     supervisor = procs[json.loads((view.dir / "supervisor.json").read_text())["pid"]]
     supervisor.send_signal(signal.SIGKILL)  # torchrun and the rank are orphans now
 
-    view = wait_for(manager, view.id, "the lost supervisor noticed", lambda v: v.live_state == "failed")
+    view = manager.wait(view.id)  # the lost supervisor noticed
+    assert view.live_state == "failed"
     assert "supervisor ended without writing a final status" in view.error_text
     manager.stop(view.id)  # finds the orphans by their STUDIO_RUN_ID marker
     assert wait_until_gone(procs.values()) == []
@@ -210,7 +194,7 @@ def test_stop_after_the_supervisor_died_still_ends_every_process(manager):
 def test_worker_exception_is_surfaced(manager, tmp_path):
     spec = tiny(f"model_name_or_path={broken_model(tmp_path)}")
     view = manager.start(spec, cpu_hardware())
-    view = wait_until_final(manager, view.id)
+    view = manager.wait(view.id)
     assert view.state == "failed"
     assert view.exit_code not in (0, None)
     (error,) = view.errors
@@ -227,7 +211,7 @@ def test_a_killed_rank_fails_the_run_and_takes_the_rest_down(manager):
     rank1 = ranks(procs)["1"]
     rank1.send_signal(signal.SIGKILL)
 
-    view = wait_until_final(manager, view.id)
+    view = manager.wait(view.id)
     assert view.state == "failed"
     assert view.exit_code not in (0, None)
     assert view.error_text == "rank 1 was killed by SIGKILL; torchrun then ended the other ranks"
@@ -261,10 +245,10 @@ def test_a_restarted_app_finds_the_running_run(tmp_path):
         assert supervisor.is_running() and supervisor.ppid() != os.getpid()  # not ours: the starter is gone
 
         first = wait_until_training(manager, run_id, steps=1).step
-        grown = wait_for(manager, run_id, "more steps", lambda v: v.step > first or v.live_state != "running")
+        grown = manager.wait(run_id, lambda v: v.step > first or v.live_state != "running")
         assert grown.step > first
 
-        view = wait_until_final(manager, run_id)
+        view = manager.wait(run_id)
         assert view.state == "finished", view.error_text
         assert view.step == 200 and (view.dir / "output" / "config.json").is_file()
     finally:
@@ -382,7 +366,7 @@ def test_relative_paths_are_made_absolute_for_the_worker(tmp_path, monkeypatch):
     manager = RunManager(tmp_path / "runs")
     view = manager.start(tiny("dataset_name=data/qa.jsonl", "max_steps=3"), cpu_hardware())
     assert view.spec["dataset_name"] == str(tmp_path / "data" / "qa.jsonl")
-    assert wait_until_final(manager, view.id).state == "finished"
+    assert manager.wait(view.id).state == "finished"
 
 
 # --- core reservation -------------------------------------------------------------------
@@ -399,16 +383,16 @@ def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manag
 
     second = manager.start(tiny("max_steps=3"), cpu_hardware())  # "next free": core 1
     assert second.spec["studio"]["cores"] == "1"
-    assert wait_until_final(manager, second.id).state == "finished"
+    assert manager.wait(second.id).state == "finished"
     manager.stop(first.id)
     again = manager.start(tiny("max_steps=3", "studio.cores=0"), cpu_hardware())  # freed by the stop
-    assert wait_until_final(manager, again.id).state == "finished"
+    assert manager.wait(again.id).state == "finished"
 
 
 def test_runs_on_disjoint_cores_run_side_by_side_and_both_finish(manager):
     views = [manager.start(tiny("max_steps=200", "logging_steps=50", f"studio.cores={core}"), cpu_hardware())
              for core in (0, 1)]
-    ended = [wait_until_final(manager, view.id) for view in views]
+    ended = [manager.wait(view.id) for view in views]
     assert [v.live_state for v in ended] == ["finished", "finished"], [v.error_text for v in ended]
     (a_first, a_last), (b_first, b_last) = [  # the span of each run's training steps, from its events
         (min(times), max(times)) for times in
