@@ -1,12 +1,16 @@
-"""Shared test setup: offline, and one studio cache for the whole session.
+"""Shared test setup: offline, one studio cache for the whole session, runs trained once per
+session.
 
 The cache holds the built-in tiny model and TRL's field schema, both made on first use;
 sharing it keeps each test from rebuilding them, while keeping the user's own cache
 (~/.cache/trn-studio) out of the tests.
 """
 
+import json
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +28,8 @@ _CPUS, _WORKER = sorted(os.sched_getaffinity(0)), os.environ.get("PYTEST_XDIST_W
 if _WORKER.startswith("gw") and len(_CPUS) > 1 and CPU_CORES_ENV not in os.environ:
     _FIRST = int(_WORKER[2:]) % len(_CPUS)
     os.environ[CPU_CORES_ENV] = ",".join(map(str, _CPUS[_FIRST:] + _CPUS[:_FIRST]))
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def run_folders(runs_dir):
@@ -43,21 +49,64 @@ def manager(tmp_path):
         kill_run_processes(path.name)
 
 
-@pytest.fixture(scope="session")
-def trained_runs(tmp_path_factory):
-    """A full SFT run and a LoRA SFT run of the tiny model on the built-in question and answer
-    set (recipes/tiny-sft.yaml, recipes/tiny-sft-lora.yaml), finished: (manager, {"full", "lora"})."""
-    from pathlib import Path
+# --- finished runs trained once per test session ---------------------------------------------
+class SharedRuns:
+    """Finished runs trained once per test session, however many pytest-xdist workers run it:
+    the first worker to ask starts them, every other asker waits for the same runs. They are
+    only read through copies (`copy_to`), so a test may hold cores in its runs folder (a chat,
+    an export), write into a run or delete it without touching anyone else's."""
+
+    def __init__(self, runs_dir: Path, ids: dict[str, str]):
+        self.runs_dir, self.ids = runs_dir, ids
+
+    def copy_to(self, runs_dir: Path, *keys: str):
+        """These runs (all by default) copied into `runs_dir`; a run manager over it."""
+        from studio_core.runs.manager import RunManager
+
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        for key in keys or self.ids:
+            shutil.copytree(self.runs_dir / self.ids[key], runs_dir / self.ids[key])
+        return RunManager(runs_dir)
+
+
+def shared_runs(tmp_path_factory, name: str, specs: dict) -> SharedRuns:
+    """The runs of `specs` ({key: RunSpec}), started side by side once per session and finished.
+
+    Under pytest-xdist every worker's temporary folder sits in one folder of the session
+    (getbasetemp().parent), where a file lock lets one worker start the runs and the others
+    find their ids; the runs train in their own processes, so every worker just waits for them."""
+    from filelock import FileLock
 
     from studio_core.hardware import cpu_hardware
     from studio_core.runs.manager import RunManager
-    from studio_core.spec import RunSpec
 
-    recipes = Path(__file__).resolve().parent.parent / "recipes"
-    manager = RunManager(tmp_path_factory.mktemp("trained") / "runs")
-    ids = {kind: manager.start(RunSpec.load(recipes / recipe), cpu_hardware()).id
-           for kind, recipe in (("full", "tiny-sft.yaml"), ("lora", "tiny-sft-lora.yaml"))}
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared-{name}"
+    with FileLock(f"{root}.lock"):
+        index = root / "ids.json"
+        manager = RunManager(root / "runs")
+        if index.exists():
+            ids = json.loads(index.read_text())
+        else:
+            ids = {key: manager.start(spec, cpu_hardware()).id for key, spec in specs.items()}
+            index.write_text(json.dumps(ids))
     for run_id in ids.values():
         view = manager.wait(run_id)
-        assert view.live_state == "finished", view.error_text
-    return manager, ids
+        assert view.live_state == "finished", f"shared run {run_id}: {view.live_state}: {view.error_text}"
+    return SharedRuns(manager.runs_dir, ids)
+
+
+@pytest.fixture(scope="session")
+def sft_runs(tmp_path_factory):
+    """A full SFT run and a LoRA SFT run of the tiny model on the built-in question and answer
+    set (recipes/tiny-sft.yaml, recipes/tiny-sft-lora.yaml, 300 steps), finished: {"full", "lora"}."""
+    from studio_core.spec import RunSpec
+
+    return shared_runs(tmp_path_factory, "sft", {"full": RunSpec.load(RECIPES / "tiny-sft.yaml"),
+                                                 "lora": RunSpec.load(RECIPES / "tiny-sft-lora.yaml")})
+
+
+@pytest.fixture(scope="session")
+def trained_runs(sft_runs, tmp_path_factory):
+    """sft_runs copied into a runs folder of this worker's: (manager, {"full", "lora"})."""
+    return sft_runs.copy_to(tmp_path_factory.mktemp("trained") / "runs"), sft_runs.ids

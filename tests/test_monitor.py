@@ -1,6 +1,6 @@
 """Hardware monitoring: the neuron-monitor parser, the process sampler on a real process
-tree, the neuron-monitor reader and nvidia-smi query against stand-in executables, and a
-real tiny training run whose supervisor writes hardware events.
+tree, the neuron-monitor reader and nvidia-smi query against stand-in executables, and the
+hardware events a real tiny training run's supervisor wrote (conftest's trained_runs).
 
 The neuron-monitor records below were written by hand from the AWS Neuron documentation
 ("Neuron Monitor User Guide", JSON output format); they were not captured on hardware.
@@ -18,13 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.runs.events import FINAL_STATES, read as read_events
-from studio_core.hardware import cpu_hardware
+from studio_core.runs.events import read as read_events
 from studio_core.monitor import (NEURON_MONITOR_CONFIG, NeuronMonitor, ProcessSampler, RunMonitor, cuda_memory,
                                  parse_neuron_monitor)
-from studio_core.spec import RunSpec
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def runtime_entry(pid: int, cores: dict[str, float], memory: dict[str, dict], error: str = "") -> dict:
@@ -219,17 +215,13 @@ def test_cuda_memory_with_a_stand_in_nvidia_smi(tmp_path):
         cuda_memory([1], failing)
 
 
-def test_a_real_run_writes_hardware_events(manager):
+def test_a_real_run_writes_hardware_events(trained_runs):
     import gradio as gr
 
     from app import hardware_panel
 
-    spec = RunSpec.load(REPO / "recipes" / "tiny-sft.yaml").with_overrides(["max_steps=300"])
-    run_id = manager.start(spec, cpu_hardware()).id
-    deadline = time.monotonic() + 300
-    while (view := manager.view(run_id)).live_state not in FINAL_STATES:
-        assert time.monotonic() < deadline, "the run did not finish in time"
-        time.sleep(0.5)
+    manager, ids = trained_runs  # recipes/tiny-sft.yaml: 300 steps, finished
+    view = manager.view(ids["full"])
     assert view.live_state == "finished", view.error_text
     events = read_events(view.dir / "events.jsonl")
     logs = [e["message"] for e in events if e["type"] == "log"]

@@ -73,8 +73,9 @@ def test_a_failed_run_says_from_where_it_can_resume_and_does(manager):
     manager.stop(run.id)
 
 
-def test_resume_refusals_say_what_to_change(manager, tmp_path):
-    run = manager.wait(manager.start(tiny("max_steps=5"), cpu_hardware()).id)
+def test_resume_refusals_say_what_to_change(manager, sft_runs):
+    run = sft_runs.copy_to(manager.runs_dir, "full").view(sft_runs.ids["full"])  # finished, saved no checkpoint
+    assert run.live_state == "finished" and run.saved_checkpoints() == []
     with pytest.raises(SpecError, match="saved no checkpoint"):
         manager.resume(run.id, cpu_hardware())
     done = launch_py("train", "--resume", run.id, "--runs-dir", str(manager.runs_dir))
