@@ -1,32 +1,25 @@
 """The Runs tab in a real browser: two finished runs compared (curves overlaid, the settings
 that differ), one cloned into the Train form, one deleted after one confirmation.
 
-Same set-up as tests/test_browser.py (Debian's Chromium through Playwright, the app as its
-own process); skipped, saying so, where Chromium is missing.
+Chromium through Playwright, the app as its own process (tests/studio_browser.py); skipped,
+saying so, where Chromium is missing.
 """
 
 from __future__ import annotations
 
-import time
-
-from studio_core.runs.events import FINAL_STATES
 from studio_core.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
-from test_browser import ROOT, browser, open_page, playwright_api, pytestmark, runs_dir  # noqa: F401 (fixtures)
-from test_browser import app  # noqa: F401 (fixture)
+from studio_browser import app, browser, new_page, pytestmark  # noqa: F401 (fixtures)
+from studio_browser import ROOT, expect
 
-expect = playwright_api.expect
 SLOW = 30_000  # ms: the page waits on the app, which shares two cores with whatever else runs
 
 
 def finished_runs(runs: RunManager, *specs: RunSpec) -> list[str]:
     ids = [runs.start(spec, cpu_hardware()).id for spec in specs]  # side by side: one core each
-    deadline = time.time() + 180
     for run_id in ids:
-        while (view := runs.view(run_id)).live_state not in FINAL_STATES:
-            assert time.time() < deadline, f"run {run_id} did not finish in time"
-            time.sleep(0.3)
+        view = runs.wait(run_id)
         assert view.live_state == "finished", view.error_text
     return ids
 
@@ -36,13 +29,13 @@ def pick(page, elem_id: str, option: str) -> None:
     page.get_by_role("option", name=option, exact=True).click(timeout=SLOW)
 
 
-def test_compare_clone_and_delete_runs(browser, app, tmp_path):  # noqa: F811 (fixtures)
+def test_compare_clone_and_delete_runs(new_page, app, tmp_path):  # noqa: F811 (fixtures)
     tiny = RunSpec.load(ROOT / "recipes" / "tiny-sft.yaml")
     a, b = finished_runs(RunManager(app.runs_dir),
                          tiny.with_overrides(["max_steps=20", "logging_steps=5"]),
                          tiny.with_overrides(["max_steps=20", "logging_steps=5", "learning_rate=1.0e-4",
                                               "run_name=tiny-sft-b", "max_grad_norm=0.5"]))
-    page = open_page(browser, app.url)
+    page = new_page(app.url)
     page.get_by_role("tab", name="Runs").click()
     table = page.locator("#runs-table")
     expect(table).to_contain_text(a, timeout=SLOW)

@@ -7,19 +7,18 @@ from __future__ import annotations
 from studio_core.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
-from test_browser import App, ROOT, browser, open_page, playwright_api, pytestmark, runs_dir  # noqa: F401
+from studio_browser import browser, new_page, pytestmark, runs_dir  # noqa: F401 (fixtures)
+from studio_browser import App, ROOT, expect
 
-expect = playwright_api.expect
 
-
-def test_the_runs_tab_shows_and_clears_the_compile_cache(browser, runs_dir, tmp_path, monkeypatch):
+def test_the_runs_tab_shows_and_clears_the_compile_cache(new_page, runs_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("STUDIO_COMPILE_CACHE", str(tmp_path / "cc"))  # the app inherits it
     entry = tmp_path / "cc" / "cpu" / "inductor" / "fxgraph" / "ab" / "key" / "entry"
     entry.parent.mkdir(parents=True)
     entry.write_bytes(b"x" * 2048)
-    app = App(runs_dir)
+    app = App(runs_dir)  # an app of its own: it reads the compile cache named above
     try:
-        page = open_page(browser, app.url)
+        page = new_page(app.url)
         page.get_by_role("tab", name="Runs").click()
         page.get_by_text("Compile cache").click()
         panel = page.locator("#compile-cache")
