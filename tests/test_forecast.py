@@ -3,6 +3,10 @@
 Each run is a real torchrun run of the tiny model with torch_compile on and automatic dynamic
 shapes off (the planner's rule), on Dynamo's cheap "eager" backend: Dynamo still traces and
 recompiles per shape, so the shapes and compilations are those of a Trainium run, only fast.
+
+The forecast runs in a child process, as the app and the CLI run it, where it is compared with
+a run; the tests of what the forecast itself says call it in this process (`forecast`: the same
+walk without a Python start and a TRL import each).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.forecast import forecast_in_subprocess
+from studio_core.forecast import forecast, forecast_in_subprocess
 from studio_core.hardware import cpu_hardware, instance_hardware
 from studio_core.spec import RunSpec, SpecError
 from test_runs import launch_py
@@ -54,14 +58,14 @@ def test_forecast_equals_the_shapes_that_reach_the_model(case, manager):
 
 def test_forecast_sees_what_each_setting_changes():
     spec = recipe("tiny-sft.yaml", "max_steps=30")
-    unpadded = forecast_in_subprocess(spec, "cpu")
+    unpadded = forecast(spec, "cpu")
     assert unpadded.graphs > 1 and 0 < unpadded.waste < 0.3
     assert unpadded.truncated == 0 and len(unpadded.lengths) == 12
     # TRL's pad_to_multiple_of "auto" means 128 on Neuron: one shape for this short data
-    on_neuron = forecast_in_subprocess(spec.with_overrides(["pad_to_multiple_of=auto"]), "neuron")
+    on_neuron = forecast(spec.with_overrides(["pad_to_multiple_of=auto"]), "neuron")
     assert [s[:2] for s in on_neuron.shapes] == [[4, 128]] and on_neuron.waste > unpadded.waste
     # a short max_length cuts samples, and the forecast counts them
-    short = forecast_in_subprocess(spec.with_overrides(["max_length=30"]), "cpu")
+    short = forecast(spec.with_overrides(["max_length=30"]), "cpu")
     assert short.truncated == sum(length > 30 for length in short.lengths) > 0
     assert all(length <= 30 for _, length, _ in short.shapes)
     # each suggestion is worth taking, and applying it gives what it promised
@@ -69,13 +73,13 @@ def test_forecast_sees_what_each_setting_changes():
     for suggestion in unpadded.suggestions:
         assert suggestion["graphs"] < unpadded.graphs or suggestion["waste"] < unpadded.waste
     best = unpadded.suggestions[0]
-    applied = forecast_in_subprocess(spec.with_overrides([f"{k}={v}" for k, v in best["set"].items()]), "cpu")
+    applied = forecast(spec.with_overrides([f"{k}={v}" for k, v in best["set"].items()]), "cpu")
     assert applied.graphs == best["graphs"] and applied.waste == pytest.approx(best["waste"], abs=1e-4)
 
 
 def test_data_parallel_processes_share_the_batches():
-    one = forecast_in_subprocess(recipe("tiny-sft.yaml", "max_steps=10"), "cpu")
-    two = forecast_in_subprocess(recipe("tiny-sft.yaml", "max_steps=10", "studio.nproc=2"), "cpu")
+    one = forecast(recipe("tiny-sft.yaml", "max_steps=10"), "cpu")
+    two = forecast(recipe("tiny-sft.yaml", "max_steps=10", "studio.nproc=2"), "cpu")
     assert (one.micro_batches, two.micro_batches) == (10, 20)
     assert two.data_parallel == 2 and two.busiest_rank_shapes <= two.graphs
 
@@ -118,5 +122,5 @@ def test_compile_events_of_a_real_run(manager):
 def test_plan_for_a_trn_instance_uses_neuron_padding_in_the_forecast(manager):
     hardware = instance_hardware("trn2.3xlarge")
     launch = manager.plan(recipe("tiny-dpo.yaml", "max_steps=5"), hardware)
-    predicted = forecast_in_subprocess(launch.spec, hardware.backend)
+    predicted = forecast(launch.spec, hardware.backend)
     assert all(length % 128 == 0 for _, length, _ in predicted.shapes)
