@@ -1,5 +1,5 @@
 """Shared test setup: offline, one studio cache for the whole session, runs trained once per
-session.
+session, and the `fast` subset kept fast.
 
 The cache holds the built-in tiny model and TRL's field schema, both made on first use;
 sharing it keeps each test from rebuilding them, while keeping the user's own cache
@@ -9,6 +9,7 @@ sharing it keeps each test from rebuilding them, while keeping the user's own ca
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -47,6 +48,50 @@ def manager(tmp_path):
     yield runs
     for path in run_folders(runs.runs_dir):
         kill_run_processes(path.name)
+
+
+# --- the fast subset: `python -m pytest -q -m fast` ------------------------------------------
+# What a fast test must not start, as it appears on a child's command line: a run (its
+# supervisor, torchrun, a rank), the browser, or `launch.py` training or serving the app.
+NOT_IN_A_FAST_TEST = ("studio_core.supervisor", "torch.distributed.run", "studio_core.worker", "chromium",
+                      "playwright")
+SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs"}
+
+
+def _heavy_start(args) -> str | None:
+    argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    line = " ".join(argv)
+    for word in NOT_IN_A_FAST_TEST:
+        if word in line:
+            return word
+    launch = next((i for i, a in enumerate(argv) if a.endswith("launch.py")), None)
+    if launch is not None:
+        rest = argv[launch + 1:]
+        if rest[:1] == ["train"] or "--port" in rest:
+            return f"launch.py {' '.join(rest[:2])}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_nothing_heavy(request, monkeypatch):
+    """A test marked fast fails the moment it starts a run, torchrun, the browser or the app."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+    real_init = subprocess.Popen.__init__
+
+    def checked_init(self, args, *more, **kwargs):
+        heavy = _heavy_start(args)
+        if heavy:
+            pytest.fail(f"a test marked fast started {heavy!r}: unmark it, or make it start nothing", pytrace=False)
+        real_init(self, args, *more, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_init)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("fast") and SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid} is marked fast but uses trained runs")
 
 
 # --- finished runs trained once per test session ---------------------------------------------

@@ -84,6 +84,7 @@ def test_data_parallel_processes_share_the_batches():
     assert two.data_parallel == 2 and two.busiest_rank_shapes <= two.graphs
 
 
+@pytest.mark.fast
 def test_grpo_is_not_forecast_and_says_why():
     with pytest.raises(SpecError, match="generates"):
         forecast_in_subprocess(recipe("tiny-grpo.yaml"), "cpu")

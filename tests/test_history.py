@@ -139,6 +139,7 @@ def test_clone_is_the_recipe_without_what_the_planner_added(runs):
         assert_same_run(clone, spec_from_form(form_values(clone)))  # through the Train form and back
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
 def test_every_recipe_goes_through_the_train_form_unchanged(recipe):
     spec = RunSpec.load(RECIPES / recipe)
@@ -148,6 +149,7 @@ def test_every_recipe_goes_through_the_train_form_unchanged(recipe):
         assert values["extra"] == ""  # the widgets hold every setting of the tiny recipes
 
 
+@pytest.mark.fast
 def test_what_the_train_form_cannot_hold():
     # reward functions only exist for GRPO: another trainer's are dropped (validation refuses them anyway)
     sft = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["rewards=[{name: length, target: 5}]"])
@@ -160,6 +162,7 @@ def test_what_the_train_form_cannot_hold():
     assert spec_from_form(form_values(empty)).dataset_train_split == "train"
 
 
+@pytest.mark.fast
 def test_values_a_widget_cannot_hold_go_to_the_extra_box():
     spec = RunSpec.load(RECIPES / "tiny-dpo.yaml").with_overrides(
         ["save_strategy=epoch", "loss_type=[sigmoid, hinge]", "warmup_steps=0.1", "report_to=tensorboard"])
@@ -174,6 +177,7 @@ def test_values_a_widget_cannot_hold_go_to_the_extra_box():
     assert spec_from_form(values).args["report_to"] == "tensorboard"
 
 
+@pytest.mark.fast
 def test_report_to_offers_what_is_installed_and_says_where_to_open_it(tmp_path):
     installed = [name for name in ("tensorboard", "trackio") if importlib.util.find_spec(name)]
     assert report_choices() == ["none", *installed]

@@ -57,6 +57,7 @@ def test_a_hub_model_is_downloaded_with_progress_on_first_use(hub, manager, tmp_
     assert list((tmp_path / "empty-hub-cache").glob("models--alice--tiny-qwen3/snapshots/*/model.safetensors"))
 
 
+@pytest.mark.fast
 def test_a_missing_hub_model_is_refused_before_launch(hub, manager):
     with pytest.raises(SpecError) as refused:
         manager.start(tiny("model_name_or_path=alice/tiny-qwen"), cpu_hardware())
@@ -65,6 +66,7 @@ def test_a_missing_hub_model_is_refused_before_launch(hub, manager):
     assert run_folders(manager.runs_dir) == []
 
 
+@pytest.mark.fast
 def test_a_hub_model_that_is_not_a_causal_lm_is_refused_before_launch(hub, tmp_path):
     publish_config(hub, "alice/classifier", tmp_path, architectures=["BertForSequenceClassification"])
     (message,) = validate(tiny("model_name_or_path=alice/classifier"))
@@ -74,6 +76,7 @@ def test_a_hub_model_that_is_not_a_causal_lm_is_refused_before_launch(hub, tmp_p
         ["/alice/classifier/resolve/main/config.json"]
 
 
+@pytest.mark.fast
 def test_a_hub_model_with_its_own_code_needs_trust_remote_code(hub, tmp_path):
     publish_config(hub, "alice/custom", tmp_path, architectures=["MyForCausalLM"],
                    auto_map={"AutoModelForCausalLM": "modeling.MyForCausalLM"})
@@ -82,6 +85,7 @@ def test_a_hub_model_with_its_own_code_needs_trust_remote_code(hub, tmp_path):
     assert validate(tiny("model_name_or_path=alice/custom", "trust_remote_code=true")) == []
 
 
+@pytest.mark.fast
 def test_a_gated_hub_model_says_to_log_in(hub, tmp_path, monkeypatch):
     publish_config(hub, "alice/gated", tmp_path, architectures=["Qwen3ForCausalLM"])
     hub.repos["alice/gated"]["gated"] = True
@@ -91,6 +95,7 @@ def test_a_gated_hub_model_says_to_log_in(hub, tmp_path, monkeypatch):
     assert validate(tiny("model_name_or_path=alice/gated")) == []
 
 
+@pytest.mark.fast
 def test_an_unreachable_hub_neither_blocks_a_plan_nor_hangs(hub, monkeypatch):
     """Planning for a trn instance from a machine without the network must work; the check is
     only made when the Hub answers."""

@@ -71,6 +71,7 @@ RECORD = {
 }
 
 
+@pytest.mark.fast
 def test_parser_reads_the_run_cores_utilisation_and_memory():
     sample = parse_neuron_monitor(RECORD, [2, 3])
     assert sample == {"cores": {
@@ -79,6 +80,7 @@ def test_parser_reads_the_run_cores_utilisation_and_memory():
     }}  # core 0 belongs to another program and is left out
 
 
+@pytest.mark.fast
 def test_parser_reports_errors_and_cores_not_active():
     record = {"neuron_runtime_data": [runtime_entry(4101, {}, {}, error="failed to connect to the runtime")],
               "neuron_hardware_info": {"error": "Neuron driver not loaded"}}
@@ -96,6 +98,7 @@ BURNER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fast
 def test_process_sampler_on_a_real_process_tree():
     parent = subprocess.Popen([sys.executable, "-c", BURNER])
     try:
@@ -128,6 +131,7 @@ def stand_in(path: Path, body: str) -> str:
     return str(path)
 
 
+@pytest.mark.fast
 def test_neuron_monitor_reader_with_a_stand_in(tmp_path):
     """The reader starts the tool with its config, reads one-line and multi-line reports, and stops it."""
     seen_config = tmp_path / "config-seen.json"
@@ -155,6 +159,7 @@ def test_neuron_monitor_reader_with_a_stand_in(tmp_path):
     assert monitor.exit_code() is not None  # stopped, not left running
 
 
+@pytest.mark.fast
 def test_run_monitor_says_what_is_missing_and_samples_what_is_there(tmp_path):
     missing = RunMonitor("neuron", [0, 1], os.getpid(), neuron_monitor=str(tmp_path / "absent"))
     assert "neuron-monitor not installed: no NeuronCore utilisation" in missing.describe()
@@ -180,6 +185,7 @@ def test_run_monitor_says_what_is_missing_and_samples_what_is_there(tmp_path):
             rank.kill()
 
 
+@pytest.mark.fast
 def test_run_monitor_reports_a_neuron_monitor_that_ends(tmp_path):
     go = tmp_path / "end-now"  # the stand-in ends once the first sample is taken, never before
     exe = stand_in(tmp_path / "neuron-monitor", f"""
@@ -200,6 +206,7 @@ def test_run_monitor_reports_a_neuron_monitor_that_ends(tmp_path):
     assert "sources" not in monitor.sample()  # said once, until something changes again
 
 
+@pytest.mark.fast
 def test_cuda_memory_with_a_stand_in_nvidia_smi(tmp_path):
     smi = stand_in(tmp_path / "nvidia-smi", """
         import sys

@@ -102,6 +102,7 @@ def broken_model(folder: Path) -> Path:
     return path
 
 
+@pytest.mark.fast
 def test_a_malformed_line_among_the_first_rows_is_refused_before_launch(manager, tmp_path):
     path = tmp_path / "early.jsonl"
     good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
@@ -260,6 +261,7 @@ def test_a_restarted_app_finds_the_running_run(tmp_path):
     assert line.split()[1:3] == ["finished", "200/200"]
 
 
+@pytest.mark.fast
 def test_a_run_folder_still_being_made_is_not_listed(manager):
     half_made = manager.runs_dir / ".creating-20260101-000000-tiny-sft"
     half_made.mkdir()
@@ -268,6 +270,7 @@ def test_a_run_folder_still_being_made_is_not_listed(manager):
 
 
 # --- what is refused before anything starts ---------------------------------------------
+@pytest.mark.fast
 @pytest.mark.parametrize("overrides", [["max_step=5"], ["studio.nproc=64"], ["studio.tp_size=2", "studio.nproc=2"]])
 def test_bad_input_to_start_makes_nothing(manager, overrides):
     with pytest.raises(SpecError):
@@ -307,6 +310,7 @@ def test_cli_train_reports_a_failed_run(tmp_path):
     assert str(run_dir / "train.log") in done.stderr
 
 
+@pytest.mark.fast
 def test_cli_plan_prints_the_command_and_runs_nothing(tmp_path):
     runs_dir = tmp_path / "runs"
     # --no-forecast: the shape forecast (a child process importing TRL) is test_forecast's part
@@ -318,6 +322,7 @@ def test_cli_plan_prints_the_command_and_runs_nothing(tmp_path):
     assert not runs_dir.exists() or run_folders(runs_dir) == []
 
 
+@pytest.mark.fast
 def test_cli_plan_for_trainium_without_trainium(tmp_path):
     runs_dir = tmp_path / "runs"
     # --no-forecast: the forecast for a trn instance is test_forecast's part
@@ -344,6 +349,7 @@ print(len(names), sorted(m for m in ("gradio", "torch", "trl") if m in sys.modul
 """
 
 
+@pytest.mark.fast
 def test_studio_core_never_imports_gradio_or_the_training_stack():
     done = subprocess.run([sys.executable, "-c", IMPORT_ALL], cwd=REPO, capture_output=True, text=True,
                           timeout=120, check=False)
@@ -353,6 +359,7 @@ def test_studio_core_never_imports_gradio_or_the_training_stack():
     assert loaded.strip() == "[]"  # the web app's process stays light (see trl_schema.py)
 
 
+@pytest.mark.fast
 def test_run_ids_are_unique_across_runs_folders(tmp_path):
     # A run's processes are found machine-wide by their STUDIO_RUN_ID, so two runs of the same
     # name started in the same second in two runs folders must still get different ids.

@@ -18,6 +18,7 @@ TRAINER_METRIC = {"sft": "mean_token_accuracy", "dpo": "rewards/margins", "kto":
                   "rloo": "reward", "reward": "accuracy"}
 
 
+@pytest.mark.fast
 def test_every_trainer_has_a_test_and_its_recipes():
     assert set(STEPS) == set(TRAINER_METRIC) == set(trainers.TRAINERS)
     for key in trainers.TRAINERS:
