@@ -1,5 +1,5 @@
 """Shared test setup: offline, one studio cache for the whole session, runs trained once per
-session, and the `fast` subset kept fast.
+session, the `fast` subset kept fast, and the slow files scheduled first.
 
 The cache holds the built-in tiny model and TRL's field schema, both made on first use;
 sharing it keeps each test from rebuilding them, while keeping the user's own cache
@@ -88,10 +88,25 @@ def _fast_tests_start_nothing_heavy(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", checked_init)
 
 
+# The files that take longest (trained runs, the browser), longest first: pytest-xdist's
+# --dist loadfile hands out whole files in collection order (pytest.ini turns off its reorder
+# by test count), so the long ones start at once on both workers and the many quick files fill
+# the gaps at the end, instead of one long file starting last and running alone.
+SLOW_FILES_FIRST = [
+    "test_runs.py", "test_trainers.py", "test_forecast.py", "test_browser_trainers.py", "test_browser_train.py",
+    "test_resume.py", "test_browser_lifecycle.py", "test_browser_forecast.py", "test_export.py",
+    "test_browser_data.py", "test_history.py", "test_chat.py", "test_browser_chat_export.py",
+    "test_browser_runs.py", "test_compile_cache.py", "test_spec.py", "test_hub_dataset.py", "test_cache_panel.py",
+    "test_rewards.py", "test_hub_download.py", "test_scripts.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("fast") and SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ())):
             raise pytest.UsageError(f"{item.nodeid} is marked fast but uses trained runs")
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its order
 
 
 # --- finished runs trained once per test session ---------------------------------------------
