@@ -55,7 +55,7 @@ def manager(tmp_path):
 # supervisor, torchrun, a rank), the browser, or `launch.py` training or serving the app.
 NOT_IN_A_FAST_TEST = ("studio_core.supervisor", "torch.distributed.run", "studio_core.worker", "chromium",
                       "playwright")
-SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs"}
+SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs"}
 
 
 def _heavy_start(args) -> str | None:
@@ -129,8 +129,9 @@ class SharedRuns:
         return RunManager(runs_dir)
 
 
-def shared_runs(tmp_path_factory, name: str, specs: dict) -> SharedRuns:
-    """The runs of `specs` ({key: RunSpec}), started side by side once per session and finished.
+def shared_runs(tmp_path_factory, name: str, specs: dict, side_by_side: int = 2) -> SharedRuns:
+    """The runs of `specs` ({key: RunSpec}), started once per session in this order, at most
+    `side_by_side` at a time (one core each), and finished.
 
     Under pytest-xdist every worker's temporary folder sits in one folder of the session
     (getbasetemp().parent), where a file lock lets one worker start the runs and the others
@@ -148,7 +149,12 @@ def shared_runs(tmp_path_factory, name: str, specs: dict) -> SharedRuns:
         if index.exists():
             ids = json.loads(index.read_text())
         else:
-            ids = {key: manager.start(spec, cpu_hardware()).id for key, spec in specs.items()}
+            ids = {}
+            for key, spec in specs.items():
+                going = [run_id for run_id in ids.values() if manager.view(run_id).active]
+                if len(going) >= side_by_side:
+                    manager.wait(going[0])
+                ids[key] = manager.start(spec, cpu_hardware()).id
             index.write_text(json.dumps(ids))
     for run_id in ids.values():
         view = manager.wait(run_id)
@@ -164,6 +170,27 @@ def sft_runs(tmp_path_factory):
 
     return shared_runs(tmp_path_factory, "sft", {"full": RunSpec.load(RECIPES / "tiny-sft.yaml"),
                                                  "lora": RunSpec.load(RECIPES / "tiny-sft-lora.yaml")})
+
+
+def history_specs() -> dict:
+    """The specs of history_runs: two SFT runs of 20 steps that differ in learning rate, run name
+    and max_grad_norm, and a DPO run of 4 steps: {"sft-a", "sft-b", "dpo"}."""
+    from studio_core.spec import RunSpec
+
+    def tiny(recipe: str, *overrides: str) -> RunSpec:
+        return RunSpec.load(RECIPES / recipe).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
+
+    return {"sft-a": tiny("tiny-sft.yaml"),
+            "sft-b": tiny("tiny-sft.yaml", "learning_rate=1.0e-4", "run_name=tiny-sft-b", "max_grad_norm=0.5"),
+            "dpo": tiny("tiny-dpo.yaml", "max_steps=4", "logging_steps=2")}
+
+
+@pytest.fixture(scope="session")
+def history_runs(tmp_path_factory):
+    """The history_specs runs, finished, for the run history's tests (test_history) and the Runs
+    tab's (test_browser_runs). Started one after another, so each took core 0 and they were made
+    in this order."""
+    return shared_runs(tmp_path_factory, "history", history_specs(), side_by_side=1)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 diff, clone (the run's settings back into the Train form and out again), delete (refused
 while the run goes, allowed after it stopped, leases left alone), experiment tracking.
 
-The runs are the tiny model on the CPU through the run manager, as in test_runs.py.
+The runs are the tiny model on the CPU through the run manager, as in test_runs.py: the
+session's history_runs (conftest), read here through a copy of this file's own.
 """
 
 import importlib.util
@@ -13,13 +14,11 @@ import pytest
 from app.train_form import form_values, report_choices, spec_from_form
 from studio_core import history, trainers
 from studio_core.hardware import cpu_hardware
-from studio_core.procs import kill_run_processes
-from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView
 from studio_core.sizes import format_size
 from studio_core.spec import RunSpec
 from studio_core.trl_schema import trainer_fields
-from conftest import run_folders
+from conftest import history_specs, run_folders
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -29,21 +28,11 @@ def tiny(recipe: str, *overrides: str) -> RunSpec:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Three finished runs: two SFT differing in learning rate, one DPO: (manager, {name: spec, view})."""
-    manager = RunManager(tmp_path_factory.mktemp("history") / "runs")
-    specs = {"sft-a": tiny("tiny-sft.yaml"), "sft-b": tiny("tiny-sft.yaml", "learning_rate=1.0e-4"),
-             "dpo": tiny("tiny-dpo.yaml", "max_steps=4", "logging_steps=2")}
-    views = {}
-    try:
-        for name, spec in specs.items():  # one at a time: the machine has two cores
-            run = manager.start(spec, cpu_hardware())
-            views[name] = manager.wait(run.id)
-            assert views[name].live_state == "finished", views[name].error_text
-        yield manager, specs, views
-    finally:
-        for path in run_folders(manager.runs_dir):
-            kill_run_processes(path.name)
+def runs(history_runs, tmp_path_factory):
+    """Three finished runs, made in this order: two SFT runs that differ in learning rate, run name
+    and max_grad_norm, and a DPO run: (manager, {name: spec}, {name: view})."""
+    manager = history_runs.copy_to(tmp_path_factory.mktemp("history") / "runs")
+    return manager, history_specs(), {name: manager.view(run_id) for name, run_id in history_runs.ids.items()}
 
 
 def test_run_size_counts_every_file(runs):
@@ -104,7 +93,8 @@ def test_settings_diff_shows_only_the_differences(runs):
     _, _, views = runs
     a, b, dpo = views["sft-a"], views["sft-b"], views["dpo"]
     rows = history.settings_diff({a.id: a.spec, b.id: b.spec})
-    assert rows == [["learning_rate", str(a.spec["learning_rate"]), "0.0001"]]
+    assert rows == [["run_name", "tiny-sft", "tiny-sft-b"], ["learning_rate", str(a.spec["learning_rate"]), "0.0001"],
+                    ["max_grad_norm", history.NOT_SET, "0.5"]]
 
     rows = {row[0]: row[1:] for row in history.settings_diff({a.id: a.spec, dpo.id: dpo.spec})}
     assert rows["studio.trainer"] == ["sft", "dpo"]
