@@ -399,7 +399,9 @@ def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manag
 
 
 def test_runs_on_disjoint_cores_run_side_by_side_and_both_finish(manager):
-    views = [manager.start(tiny("max_steps=200", "logging_steps=50", f"studio.cores={core}"), cpu_hardware())
+    # 500 steps (about 10 s of training): on a loaded machine one run's start can lag the other's
+    # by 7 s, and 200 steps were then over before the other began
+    views = [manager.start(tiny("max_steps=500", "logging_steps=50", f"studio.cores={core}"), cpu_hardware())
              for core in (0, 1)]
     ended = [manager.wait(view.id) for view in views]
     assert [v.live_state for v in ended] == ["finished", "finished"], [v.error_text for v in ended]
