@@ -93,10 +93,9 @@ def _fast_tests_start_nothing_heavy(request, monkeypatch):
 # by test count), so the long ones start at once on both workers and the many quick files fill
 # the gaps at the end, instead of one long file starting last and running alone.
 SLOW_FILES_FIRST = [
-    "test_runs.py", "test_trainers.py", "test_forecast.py", "test_browser_trainers.py", "test_browser_train.py",
-    "test_resume.py", "test_browser_lifecycle.py", "test_browser_forecast.py", "test_export.py",
-    "test_browser_data.py", "test_history.py", "test_chat.py", "test_browser_chat_export.py",
-    "test_browser_runs.py", "test_compile_cache.py", "test_spec.py", "test_hub_dataset.py", "test_cache_panel.py",
+    "test_runs.py", "test_forecast.py", "test_browser_train.py", "test_trainers.py", "test_browser_trainers.py",
+    "test_resume.py", "test_browser_runs.py", "test_export.py", "test_chat.py", "test_browser_chat_export.py",
+    "test_history.py", "test_browser_data.py", "test_compile_cache.py", "test_spec.py", "test_hub_dataset.py",
     "test_rewards.py", "test_hub_download.py", "test_scripts.py",
 ]
 

@@ -5,13 +5,14 @@ Needs /usr/bin/chromium (apt install chromium); the browser tests are skipped, s
 it is missing. A test file imports the fixtures it uses from here (pytest finds fixtures in the
 test module's names):
 
-    from studio_browser import app, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
+    from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
 
 `app` is one app per test file, over that file's runs folder: starting one takes seconds, so the
-tests of a file share it. Each test opens its own page (`page`, or `new_page(url)` for more than
-one) and finds the runs it started by their ids (`app.new_runs()`), never by assuming the runs
-folder holds only its own; a run a test leaves going is stopped after it, so the next test's
-fresh page follows no run.
+tests of a file share it (a file that needs the app to see another environment overrides
+`app_env`). Each test opens its own page (`page`, or `new_page(url)` for more than one) and finds
+the runs it started by their ids (`app.new_runs()`), never by assuming the runs folder holds only
+its own; a run a test leaves going is stopped after it, so the next test's fresh page follows no
+run.
 """
 
 from __future__ import annotations
@@ -102,11 +103,17 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
+def app_env():
+    """The environment of the file's app: this process's, unless the file overrides this fixture."""
+    return None
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory, app_env):
     """One app for the tests of a file, over a runs folder of its own; no run outlives the file."""
     runs = tmp_path_factory.mktemp("app") / "runs"
     runs.mkdir()
-    server = App(runs)
+    server = App(runs, env=app_env)
     yield server
     server.kill()
     server.stop_runs()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 
-from studio_browser import app, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
+from studio_browser import app, app_env, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from studio_browser import App, expect
 
 

@@ -2,8 +2,9 @@
 not fit fixed in one click (and trained on), a stray prompt column dropped in one click, and a
 model that reaches the Hugging Face cache while the page is open offered at once.
 
-Chromium through Playwright, the app as its own process, one app for this file
-(tests/studio_browser.py); skipped, saying so, where Chromium is missing.
+Chromium through Playwright, the app as its own process, one app for this file, with a Hugging
+Face cache of its own, empty at first (tests/studio_browser.py); skipped, saying so, where Chromium
+is missing.
 """
 
 from __future__ import annotations
@@ -11,8 +12,21 @@ from __future__ import annotations
 import json
 import os
 
-from studio_browser import app, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
-from studio_browser import App, check_dataset_in_page, expect, run_state, set_number
+import pytest
+
+from studio_browser import app, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
+from studio_browser import check_dataset_in_page, expect, run_state, set_number
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("hub-cache")
+
+
+@pytest.fixture(scope="module")
+def app_env(hub_cache):
+    """The app reads this file's own Hugging Face cache, where a test makes a download land."""
+    return {**os.environ, "HF_HUB_CACHE": str(hub_cache)}
 
 
 def test_an_uploaded_dataset_is_kept_and_a_second_one_of_that_name_does_not_replace_it(new_page, app, tmp_path):
@@ -65,20 +79,14 @@ def test_a_stray_prompt_beside_messages_gets_a_one_click_keep_columns_fix(page, 
     assert "Does not fit" not in report.inner_text()
 
 
-def test_a_model_that_reaches_the_hub_cache_while_the_page_is_open_is_listed(new_page, runs_dir, tmp_path):
-    cache = tmp_path / "hub"
-    server = App(runs_dir, env={**os.environ, "HF_HUB_CACHE": str(cache)})  # an app of its own: its own cache
-    try:
-        page = new_page(server.url)
-        # then a download lands, laid out as huggingface_hub writes it: blob, snapshot link, ref
-        repo, revision = cache / "models--alice--tiny-chat", "0123456789abcdef0123456789abcdef01234567"
-        (repo / "blobs").mkdir(parents=True)
-        (repo / "blobs" / "c0ffee").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
-        (repo / "snapshots" / revision).mkdir(parents=True)
-        (repo / "snapshots" / revision / "config.json").symlink_to(repo / "blobs" / "c0ffee")
-        (repo / "refs").mkdir()
-        (repo / "refs" / "main").write_text(revision)
-        page.locator("#model input").first.click()  # opening the list reads the cache again
-        page.get_by_role("option", name="alice/tiny-chat").wait_for(timeout=15_000)
-    finally:
-        server.kill()
+def test_a_model_that_reaches_the_hub_cache_while_the_page_is_open_is_listed(page, hub_cache):
+    # the page is open; then a download lands, laid out as huggingface_hub writes it: blob, snapshot link, ref
+    repo, revision = hub_cache / "models--alice--tiny-chat", "0123456789abcdef0123456789abcdef01234567"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "c0ffee").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    (repo / "snapshots" / revision / "config.json").symlink_to(repo / "blobs" / "c0ffee")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    page.locator("#model input").first.click()  # opening the list reads the cache again
+    page.get_by_role("option", name="alice/tiny-chat").wait_for(timeout=15_000)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from studio_browser import app, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
+from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
 from studio_browser import expect, run_state, set_number
 from studio_core import trainers
 
