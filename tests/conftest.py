@@ -1,12 +1,17 @@
-"""Shared test setup: offline, and one studio cache for the whole session.
+"""Shared test setup: offline, one studio cache for the whole session, runs trained once per
+session, the `fast` subset kept fast, and the slow files scheduled first.
 
 The cache holds the built-in tiny model and TRL's field schema, both made on first use;
 sharing it keeps each test from rebuilding them, while keeping the user's own cache
 (~/.cache/trn-studio) out of the tests.
 """
 
+import json
 import os
+import shutil
+import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +29,8 @@ _CPUS, _WORKER = sorted(os.sched_getaffinity(0)), os.environ.get("PYTEST_XDIST_W
 if _WORKER.startswith("gw") and len(_CPUS) > 1 and CPU_CORES_ENV not in os.environ:
     _FIRST = int(_WORKER[2:]) % len(_CPUS)
     os.environ[CPU_CORES_ENV] = ",".join(map(str, _CPUS[_FIRST:] + _CPUS[:_FIRST]))
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def run_folders(runs_dir):
@@ -43,26 +50,151 @@ def manager(tmp_path):
         kill_run_processes(path.name)
 
 
-@pytest.fixture(scope="session")
-def trained_runs(tmp_path_factory):
-    """A full SFT run and a LoRA SFT run of the tiny model on the built-in question and answer
-    set (recipes/tiny-sft.yaml, recipes/tiny-sft-lora.yaml), finished: (manager, {"full", "lora"})."""
-    import time
-    from pathlib import Path
+# --- the fast subset: `python -m pytest -q -m fast` ------------------------------------------
+# What a fast test must not start, as it appears on a child's command line: a run (its
+# supervisor, torchrun, a rank), the browser, or `launch.py` training or serving the app.
+NOT_IN_A_FAST_TEST = ("studio_core.supervisor", "torch.distributed.run", "studio_core.worker", "chromium",
+                      "playwright")
+SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs"}
 
-    from studio_core.runs.events import FINAL_STATES
+
+def _heavy_start(args) -> str | None:
+    argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    line = " ".join(argv)
+    for word in NOT_IN_A_FAST_TEST:
+        if word in line:
+            return word
+    launch = next((i for i, a in enumerate(argv) if a.endswith("launch.py")), None)
+    if launch is not None:
+        rest = argv[launch + 1:]
+        if rest[:1] == ["train"] or "--port" in rest:
+            return f"launch.py {' '.join(rest[:2])}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_nothing_heavy(request, monkeypatch):
+    """A test marked fast fails the moment it starts a run, torchrun, the browser or the app."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+    real_init = subprocess.Popen.__init__
+
+    def checked_init(self, args, *more, **kwargs):
+        heavy = _heavy_start(args)
+        if heavy:
+            pytest.fail(f"a test marked fast started {heavy!r}: unmark it, or make it start nothing", pytrace=False)
+        real_init(self, args, *more, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_init)
+
+
+# The files that take longest (trained runs, the browser), longest first: pytest-xdist's
+# --dist loadfile hands out whole files in collection order (pytest.ini turns off its reorder
+# by test count), so the long ones start at once on both workers and the many quick files fill
+# the gaps at the end, instead of one long file starting last and running alone. (test_browser_runs
+# comes before test_history: it trains the history runs, one core at a time, while the other
+# worker is busy with a long file, and test_history later finds them made.)
+SLOW_FILES_FIRST = [
+    "test_runs.py", "test_forecast.py", "test_browser_runs.py", "test_browser_train.py", "test_trainers.py",
+    "test_browser_trainers.py", "test_resume.py", "test_export.py", "test_chat.py", "test_browser_chat_export.py",
+    "test_history.py", "test_browser_data.py", "test_compile_cache.py", "test_spec.py", "test_hub_dataset.py",
+    "test_rewards.py", "test_hub_download.py", "test_scripts.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("fast") and SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid} is marked fast but uses trained runs")
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its order
+
+
+# --- finished runs trained once per test session ---------------------------------------------
+class SharedRuns:
+    """Finished runs trained once per test session, however many pytest-xdist workers run it:
+    the first worker to ask starts them, every other asker waits for the same runs. They are
+    only read through copies (`copy_to`), so a test may hold cores in its runs folder (a chat,
+    an export), write into a run or delete it without touching anyone else's."""
+
+    def __init__(self, runs_dir: Path, ids: dict[str, str]):
+        self.runs_dir, self.ids = runs_dir, ids
+
+    def copy_to(self, runs_dir: Path, *keys: str):
+        """These runs (all by default) copied into `runs_dir`; a run manager over it."""
+        from studio_core.runs.manager import RunManager
+
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        for key in keys or self.ids:
+            shutil.copytree(self.runs_dir / self.ids[key], runs_dir / self.ids[key])
+        return RunManager(runs_dir)
+
+
+def shared_runs(tmp_path_factory, name: str, specs: dict, side_by_side: int = 2) -> SharedRuns:
+    """The runs of `specs` ({key: RunSpec}), started once per session in this order, at most
+    `side_by_side` at a time (one core each), and finished.
+
+    Under pytest-xdist every worker's temporary folder sits in one folder of the session
+    (getbasetemp().parent), where a file lock lets one worker start the runs and the others
+    find their ids; the runs train in their own processes, so every worker just waits for them."""
+    from filelock import FileLock
+
     from studio_core.hardware import cpu_hardware
     from studio_core.runs.manager import RunManager
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared-{name}"
+    with FileLock(f"{root}.lock"):
+        index = root / "ids.json"
+        manager = RunManager(root / "runs")
+        if index.exists():
+            ids = json.loads(index.read_text())
+        else:
+            ids = {}
+            for key, spec in specs.items():
+                going = [run_id for run_id in ids.values() if manager.view(run_id).active]
+                if len(going) >= side_by_side:
+                    manager.wait(going[0])
+                ids[key] = manager.start(spec, cpu_hardware()).id
+            index.write_text(json.dumps(ids))
+    for run_id in ids.values():
+        view = manager.wait(run_id)
+        assert view.live_state == "finished", f"shared run {run_id}: {view.live_state}: {view.error_text}"
+    return SharedRuns(manager.runs_dir, ids)
+
+
+@pytest.fixture(scope="session")
+def sft_runs(tmp_path_factory):
+    """A full SFT run and a LoRA SFT run of the tiny model on the built-in question and answer
+    set (recipes/tiny-sft.yaml, recipes/tiny-sft-lora.yaml, 300 steps), finished: {"full", "lora"}."""
     from studio_core.spec import RunSpec
 
-    recipes = Path(__file__).resolve().parent.parent / "recipes"
-    manager = RunManager(tmp_path_factory.mktemp("trained") / "runs")
-    ids = {kind: manager.start(RunSpec.load(recipes / recipe), cpu_hardware()).id
-           for kind, recipe in (("full", "tiny-sft.yaml"), ("lora", "tiny-sft-lora.yaml"))}
-    deadline = time.monotonic() + 300
-    for run_id in ids.values():
-        while (view := manager.view(run_id)).live_state not in FINAL_STATES:
-            assert time.monotonic() < deadline, f"run {run_id} did not finish in time"
-            time.sleep(0.3)
-        assert view.live_state == "finished", view.error_text
-    return manager, ids
+    return shared_runs(tmp_path_factory, "sft", {"full": RunSpec.load(RECIPES / "tiny-sft.yaml"),
+                                                 "lora": RunSpec.load(RECIPES / "tiny-sft-lora.yaml")})
+
+
+def history_specs() -> dict:
+    """The specs of history_runs: two SFT runs of 20 steps that differ in learning rate, run name
+    and max_grad_norm, and a DPO run of 4 steps: {"sft-a", "sft-b", "dpo"}."""
+    from studio_core.spec import RunSpec
+
+    def tiny(recipe: str, *overrides: str) -> RunSpec:
+        return RunSpec.load(RECIPES / recipe).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
+
+    return {"sft-a": tiny("tiny-sft.yaml"),
+            "sft-b": tiny("tiny-sft.yaml", "learning_rate=1.0e-4", "run_name=tiny-sft-b", "max_grad_norm=0.5"),
+            "dpo": tiny("tiny-dpo.yaml", "max_steps=4", "logging_steps=2")}
+
+
+@pytest.fixture(scope="session")
+def history_runs(tmp_path_factory):
+    """The history_specs runs, finished, for the run history's tests (test_history) and the Runs
+    tab's (test_browser_runs). Started one after another, so each took core 0 and they were made
+    in this order."""
+    return shared_runs(tmp_path_factory, "history", history_specs(), side_by_side=1)
+
+
+@pytest.fixture(scope="session")
+def trained_runs(sft_runs, tmp_path_factory):
+    """sft_runs copied into a runs folder of this worker's: (manager, {"full", "lora"})."""
+    return sft_runs.copy_to(tmp_path_factory.mktemp("trained") / "runs"), sft_runs.ids

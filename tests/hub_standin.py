@@ -82,7 +82,9 @@ outside its namespace (401 GatedRepo, as the Hub answers a gated repo without gr
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._server.hub = self
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="hub-standin", daemon=True)
+        # a short poll: shutdown() waits for the server loop's next look, 0.5 s by default
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="hub-standin", daemon=True)
         self._routes = [
             ("GET", r"/api/whoami-v2", self._whoami),
             ("POST", r"/api/repos/create", self._create_repo),

@@ -1,34 +1,46 @@
-"""The Runs tab in a real browser: two finished runs compared (curves overlaid, the settings
-that differ), one cloned into the Train form, one deleted after one confirmation.
+"""Runs in a real browser beyond the Train tab: the Runs tab compares two finished runs (curves
+overlaid, the settings that differ), clones one into the Train form and deletes one after one
+confirmation; its compile cache panel shows the cache, refuses to clear it while a real run goes
+and clears it once the run has stopped (what a real compile leaves in the cache is checked in
+test_compile_cache.py); a run survives the page closing and the app restarting and is stopped
+from a second browser; stop and save, then resume, from the page.
 
-Same set-up as tests/test_browser.py (Debian's Chromium through Playwright, the app as its
-own process); skipped, saying so, where Chromium is missing.
+The compared runs are the session's history_runs (conftest), copied into the app's runs folder.
+Chromium through Playwright, the app as its own process, one app for this file, with a compile
+cache of its own (tests/studio_browser.py); skipped, saying so, where Chromium is missing.
 """
 
 from __future__ import annotations
 
-import time
+import os
+import re
 
-from studio_core.runs.events import FINAL_STATES
+import pytest
+
+from studio_browser import app, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
+from studio_browser import ROOT, App, expect, run_state, set_number
 from studio_core.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
-from test_browser import ROOT, browser, open_page, playwright_api, pytestmark, runs_dir  # noqa: F401 (fixtures)
-from test_browser import app  # noqa: F401 (fixture)
 
-expect = playwright_api.expect
 SLOW = 30_000  # ms: the page waits on the app, which shares two cores with whatever else runs
 
 
-def finished_runs(runs: RunManager, *specs: RunSpec) -> list[str]:
-    ids = [runs.start(spec, cpu_hardware()).id for spec in specs]  # side by side: one core each
-    deadline = time.time() + 180
-    for run_id in ids:
-        while (view := runs.view(run_id)).live_state not in FINAL_STATES:
-            assert time.time() < deadline, f"run {run_id} did not finish in time"
-            time.sleep(0.3)
-        assert view.live_state == "finished", view.error_text
-    return ids
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """This file's compile cache, holding one 2 KB Inductor entry before the app starts (the
+    panel shows the cache as the app found it at its start, until Refresh)."""
+    root = tmp_path_factory.mktemp("compile-cache")
+    entry = root / "cpu" / "inductor" / "fxgraph" / "ab" / "key" / "entry"
+    entry.parent.mkdir(parents=True)
+    entry.write_bytes(b"x" * 2048)
+    return root
+
+
+@pytest.fixture(scope="module")
+def app_env(compile_cache):
+    """The app (and every run it starts) uses this file's own compile cache."""
+    return {**os.environ, "STUDIO_COMPILE_CACHE": str(compile_cache)}
 
 
 def pick(page, elem_id: str, option: str) -> None:
@@ -36,13 +48,36 @@ def pick(page, elem_id: str, option: str) -> None:
     page.get_by_role("option", name=option, exact=True).click(timeout=SLOW)
 
 
-def test_compare_clone_and_delete_runs(browser, app, tmp_path):  # noqa: F811 (fixtures)
-    tiny = RunSpec.load(ROOT / "recipes" / "tiny-sft.yaml")
-    a, b = finished_runs(RunManager(app.runs_dir),
-                         tiny.with_overrides(["max_steps=20", "logging_steps=5"]),
-                         tiny.with_overrides(["max_steps=20", "logging_steps=5", "learning_rate=1.0e-4",
-                                              "run_name=tiny-sft-b", "max_grad_norm=0.5"]))
-    page = open_page(browser, app.url)
+def test_the_runs_tab_shows_and_clears_the_compile_cache(page, app, compile_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("STUDIO_COMPILE_CACHE", str(compile_cache))  # the run started below uses it too
+    entry = compile_cache / "cpu" / "inductor" / "fxgraph" / "ab" / "key" / "entry"
+    page.get_by_role("tab", name="Runs").click()
+    page.get_by_text("Compile cache").click()
+    panel = page.locator("#compile-cache")
+    expect(panel).to_contain_text(str(compile_cache / "cpu"))
+    expect(panel).to_contain_text("Inductor FX graphs")
+    expect(panel).to_contain_text("2.0 KB")
+    page.screenshot(path=str(tmp_path / "compile-cache.png"), full_page=True)
+
+    spec = RunSpec.load(ROOT / "recipes" / "tiny-sft.yaml").with_overrides(["max_steps=3000"])
+    manager = RunManager(app.runs_dir)
+    view = manager.start(spec, cpu_hardware())
+    page.locator("#clear-compile-cache").click()
+    expect(panel).to_contain_text("Not cleared")
+    expect(panel).to_contain_text(view.id)
+    assert entry.exists()
+
+    manager.stop(view.id)
+    page.locator("#clear-compile-cache").click()
+    expect(panel).to_contain_text("Cleared.")
+    expect(panel).to_contain_text("0 B")
+    assert not entry.exists()
+
+
+def test_compare_clone_and_delete_runs(new_page, app, history_runs, tmp_path):
+    history_runs.copy_to(app.runs_dir, "sft-a", "sft-b")  # they differ in learning rate, run name, max_grad_norm
+    a, b = history_runs.ids["sft-a"], history_runs.ids["sft-b"]
+    page = new_page(app.url)
     page.get_by_role("tab", name="Runs").click()
     table = page.locator("#runs-table")
     expect(table).to_contain_text(a, timeout=SLOW)
@@ -101,3 +136,54 @@ def test_compare_clone_and_delete_runs(browser, app, tmp_path):  # noqa: F811 (f
     assert not (app.runs_dir / a).exists() and (app.runs_dir / b).is_dir()
     expect(page.locator("#delete-run")).to_be_visible(timeout=SLOW)
     expect(page.locator("#runs-message")).to_contain_text("freed")  # still there once the table refreshed
+
+
+def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser(new_page, runs_dir):
+    first_app = App(runs_dir)  # apps of its own: the test kills one
+    try:
+        page = new_page(first_app.url)
+        set_number(page, "max_steps", 100_000)
+        set_number(page, "logging_steps", 50)
+        page.locator("#start").click()
+        run_state(page, "RUNNING").wait_for(timeout=120_000)
+        page.close()  # closing the browser changes nothing for the run
+    finally:
+        first_app.kill()  # and neither does the app dying
+
+    manager = RunManager(runs_dir)
+    [view] = manager.list()
+    step = view.step  # a number: the manager keeps one view per run and updates it
+    went_on = manager.wait(view.id, lambda v: v.step > step or not v.active, timeout=60)
+    assert went_on.step > step, f"the run stopped progressing with the app gone: {went_on.live_state}"
+
+    second_app = App(runs_dir)
+    try:
+        other = new_page(second_app.url)  # a fresh page follows the run still going
+        run_state(other, "RUNNING").wait_for(timeout=30_000)
+        assert view.id in other.locator(".run-status").first.inner_text()
+        other.locator("#stop").click()
+        run_state(other, "STOPPED").wait_for(timeout=60_000)
+        expect(other.locator("#train-message")).to_contain_text("none of its processes is left")
+    finally:
+        second_app.kill()
+    assert manager.view(view.id).live_state == "stopped"
+
+
+def test_stop_and_save_then_resume_from_the_page(page):
+    set_number(page, "max_steps", 100_000)
+    set_number(page, "logging_steps", 50)
+    page.locator("#start").click()
+    run_state(page, "RUNNING").wait_for(timeout=120_000)
+    page.locator("#stop-save").click()
+    run_state(page, "STOPPED").wait_for(timeout=120_000)
+    resume_point = page.locator(".resume-point")
+    expect(resume_point).to_contain_text("Can resume from step")
+    step = int(re.search(r"step (\d+)", resume_point.inner_text()).group(1))
+    page.locator("#resume").click()
+    page.locator("#train-message").get_by_text(f"resumed from step {step}").wait_for(timeout=60_000)
+    run_state(page, "RUNNING").wait_for(timeout=120_000)
+    progress = page.locator(".run-progress").first
+    expect(progress).not_to_have_attribute("data-step", str(step), timeout=60_000)
+    assert int(progress.get_attribute("data-step")) > step  # the step count goes on
+    page.locator("#stop").click()
+    run_state(page, "STOPPED").wait_for(timeout=60_000)

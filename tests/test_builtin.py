@@ -19,6 +19,8 @@ from studio_core.builtin import (  # noqa: E402
     ensure_tiny_model,
 )
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 SAMPLE = [
     {"role": "system", "content": "You are a friendly assistant."},
     {"role": "user", "content": "What colour is the studio mascot?"},

@@ -59,6 +59,7 @@ def launch_py(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 # --- where the cache is -----------------------------------------------------------------
+@pytest.mark.fast
 def test_one_folder_per_backend_under_the_studio_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("STUDIO_COMPILE_CACHE", raising=False)
     monkeypatch.setenv("STUDIO_CACHE_DIR", str(tmp_path))
@@ -71,12 +72,14 @@ def test_one_folder_per_backend_under_the_studio_cache(monkeypatch, tmp_path):
         compile_cache_dir("tpu")
 
 
+@pytest.mark.fast
 def test_studio_compile_cache_overrides_the_root(monkeypatch, tmp_path):
     monkeypatch.setenv("STUDIO_COMPILE_CACHE", str(tmp_path / "shared"))
     assert compile_cache_dir("cuda") == tmp_path / "shared" / "cuda"
     assert compile_cache_dir("cuda", root="/elsewhere") == Path("/elsewhere/cuda")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("hardware, expected", [
     (cpu_hardware(), {"TORCHINDUCTOR_CACHE_DIR": "cpu/inductor"}),
     (instance_hardware("trn2.3xlarge"), {"TORCHINDUCTOR_CACHE_DIR": "neuron/inductor",
@@ -109,6 +112,7 @@ def test_a_real_inductor_compile_is_counted_and_hit_by_the_next_process(compiled
     assert "Inductor FX graphs: 1" in cache.describe()
 
 
+@pytest.mark.fast
 def test_a_missing_cache_is_reported_as_not_created(tmp_path):
     cache = summary(tmp_path / "nothing")
     assert not cache.exists and cache.size_bytes == 0 and cache.entries == {}

@@ -26,6 +26,8 @@ from studio_core.data_check import (
 )
 from studio_core.data_files import read_rows
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 DATA = Path(__file__).parent.parent / "studio_core" / "data"
 USER = {"role": "user", "content": "What colour is the studio mascot?"}
 GOOD = {"role": "assistant", "content": "The studio mascot is teal."}

@@ -7,8 +7,12 @@ import multiprocessing
 import re
 from pathlib import Path
 
+import pytest
+
 from studio_core.runs import events
 from studio_core.runs.events import EventReader, append, fold, read
+
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

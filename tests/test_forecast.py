@@ -3,6 +3,10 @@
 Each run is a real torchrun run of the tiny model with torch_compile on and automatic dynamic
 shapes off (the planner's rule), on Dynamo's cheap "eager" backend: Dynamo still traces and
 recompiles per shape, so the shapes and compilations are those of a Trainium run, only fast.
+
+The tests call the forecast in this process (`forecast`: the same walk without a Python start
+and a TRL import each time); the child process the app and the CLI run it in is tested through
+the CLI here (and through the page in test_browser_train.py).
 """
 
 from __future__ import annotations
@@ -11,19 +15,22 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.forecast import forecast_in_subprocess
+from studio_core.forecast import forecast, forecast_in_subprocess
 from studio_core.hardware import cpu_hardware, instance_hardware
 from studio_core.spec import RunSpec, SpecError
-from test_runs import launch_py, wait_until_final
+from test_runs import launch_py
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-COMPILED = ["torch_compile=true", "torch_compile_backend=eager", "max_steps=12", "logging_steps=4"]
+COMPILED = ["torch_compile=true", "torch_compile_backend=eager", "logging_steps=4"]
+# (recipe, overrides, steps): each case trains the fewest steps that reach every batch shape its
+# data makes (a forecast of 12 steps finds no other), since compiling is what a step here costs:
+# the DPO run compiles again at every step, up to Dynamo's cache limit.
 CASES = {
-    "sft-unpadded": ("tiny-sft.yaml", []),
-    "sft-padded-128": ("tiny-sft.yaml", ["pad_to_multiple_of=128"]),
-    "sft-packed-wrapped": ("tiny-sft.yaml", ["packing=true", "packing_strategy=wrapped"]),
-    "dpo-padded": ("tiny-dpo.yaml", ["pad_to_multiple_of=16"]),
-    "reward-padded": ("tiny-reward.yaml", ["pad_to_multiple_of=16"]),  # chosen and rejected in one batch
+    "sft-unpadded": ("tiny-sft.yaml", [], 6),  # its third shape comes at step 6
+    "sft-padded-128": ("tiny-sft.yaml", ["pad_to_multiple_of=128"], 3),
+    "sft-packed-wrapped": ("tiny-sft.yaml", ["packing=true", "packing_strategy=wrapped"], 3),
+    "dpo-padded": ("tiny-dpo.yaml", ["pad_to_multiple_of=16"], 3),
+    "reward-padded": ("tiny-reward.yaml", ["pad_to_multiple_of=16"], 3),  # chosen and rejected in one batch
 }
 
 
@@ -33,16 +40,16 @@ def recipe(name: str, *overrides: str) -> RunSpec:
 
 @pytest.mark.parametrize("case", CASES)
 def test_forecast_equals_the_shapes_that_reach_the_model(case, manager):
-    name, overrides = CASES[case]
-    spec = recipe(name, *COMPILED, *overrides)
+    name, overrides, steps = CASES[case]
+    spec = recipe(name, *COMPILED, f"max_steps={steps}", *overrides)
     hardware = cpu_hardware()
     run = manager.start(spec, hardware)
-    predicted = forecast_in_subprocess(manager.plan(spec, hardware).spec, "cpu")  # while the run trains
-    view = wait_until_final(manager, run.id)
+    predicted = forecast(manager.plan(spec, hardware).spec, "cpu")  # while the run trains
+    view = manager.wait(run.id)
     assert view.live_state == "finished", view.error_text
     observed = {tuple(event["shape"]) for event in view.shapes}
     assert observed == {(b, length) for b, length, _ in predicted.shapes}
-    assert predicted.micro_batches == 12 and not predicted.capped
+    assert predicted.micro_batches == steps and not predicted.capped
     # the same tokens, so the forecast's padding waste is the run's
     assert view.tokens == predicted.real_tokens
     # every new shape made Dynamo compile the model's forward again, saying why
@@ -54,14 +61,14 @@ def test_forecast_equals_the_shapes_that_reach_the_model(case, manager):
 
 def test_forecast_sees_what_each_setting_changes():
     spec = recipe("tiny-sft.yaml", "max_steps=30")
-    unpadded = forecast_in_subprocess(spec, "cpu")
+    unpadded = forecast(spec, "cpu")
     assert unpadded.graphs > 1 and 0 < unpadded.waste < 0.3
     assert unpadded.truncated == 0 and len(unpadded.lengths) == 12
     # TRL's pad_to_multiple_of "auto" means 128 on Neuron: one shape for this short data
-    on_neuron = forecast_in_subprocess(spec.with_overrides(["pad_to_multiple_of=auto"]), "neuron")
+    on_neuron = forecast(spec.with_overrides(["pad_to_multiple_of=auto"]), "neuron")
     assert [s[:2] for s in on_neuron.shapes] == [[4, 128]] and on_neuron.waste > unpadded.waste
     # a short max_length cuts samples, and the forecast counts them
-    short = forecast_in_subprocess(spec.with_overrides(["max_length=30"]), "cpu")
+    short = forecast(spec.with_overrides(["max_length=30"]), "cpu")
     assert short.truncated == sum(length > 30 for length in short.lengths) > 0
     assert all(length <= 30 for _, length, _ in short.shapes)
     # each suggestion is worth taking, and applying it gives what it promised
@@ -69,17 +76,18 @@ def test_forecast_sees_what_each_setting_changes():
     for suggestion in unpadded.suggestions:
         assert suggestion["graphs"] < unpadded.graphs or suggestion["waste"] < unpadded.waste
     best = unpadded.suggestions[0]
-    applied = forecast_in_subprocess(spec.with_overrides([f"{k}={v}" for k, v in best["set"].items()]), "cpu")
+    applied = forecast(spec.with_overrides([f"{k}={v}" for k, v in best["set"].items()]), "cpu")
     assert applied.graphs == best["graphs"] and applied.waste == pytest.approx(best["waste"], abs=1e-4)
 
 
 def test_data_parallel_processes_share_the_batches():
-    one = forecast_in_subprocess(recipe("tiny-sft.yaml", "max_steps=10"), "cpu")
-    two = forecast_in_subprocess(recipe("tiny-sft.yaml", "max_steps=10", "studio.nproc=2"), "cpu")
+    one = forecast(recipe("tiny-sft.yaml", "max_steps=10"), "cpu")
+    two = forecast(recipe("tiny-sft.yaml", "max_steps=10", "studio.nproc=2"), "cpu")
     assert (one.micro_batches, two.micro_batches) == (10, 20)
     assert two.data_parallel == 2 and two.busiest_rank_shapes <= two.graphs
 
 
+@pytest.mark.fast
 def test_grpo_is_not_forecast_and_says_why():
     with pytest.raises(SpecError, match="generates"):
         forecast_in_subprocess(recipe("tiny-grpo.yaml"), "cpu")
@@ -98,7 +106,7 @@ def test_plan_prints_the_forecast_for_the_target(tmp_path):
 def test_compile_events_of_a_real_run(manager):
     spec = recipe("tiny-sft.yaml", "torch_compile=true", "torch_compile_backend=aot_eager", "max_steps=8",
                   "logging_steps=4")
-    view = wait_until_final(manager, manager.start(spec, cpu_hardware()).id)
+    view = manager.wait(manager.start(spec, cpu_hardware()).id)
     assert view.live_state == "finished", view.error_text
     assert not view.compiling  # every compile_start has its compile_end
     assert {c["phase"] for c in view.compiles} == {"forward", "backward"}  # aot_eager compiles the backward too
@@ -118,5 +126,5 @@ def test_compile_events_of_a_real_run(manager):
 def test_plan_for_a_trn_instance_uses_neuron_padding_in_the_forecast(manager):
     hardware = instance_hardware("trn2.3xlarge")
     launch = manager.plan(recipe("tiny-dpo.yaml", "max_steps=5"), hardware)
-    predicted = forecast_in_subprocess(launch.spec, hardware.backend)
+    predicted = forecast(launch.spec, hardware.backend)
     assert all(length % 128 == 0 for _, length, _ in predicted.shapes)

@@ -20,6 +20,7 @@ from studio_core.hardware import (INSTANCES, cpu_hardware, detect_hardware, inst
 GIB = 2**30
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("instance, lnc, cores, chips, memory", [
     ("trn2.3xlarge", 2, 4, 1, 96),
     ("trn2.3xlarge", 1, 8, 1, 96),
@@ -34,6 +35,7 @@ def test_instance_table(instance, lnc, cores, chips, memory):
     assert f"{cores} NeuronCores on {chips} chip(s), LNC={lnc}, {memory} GiB per chip" in hardware.describe()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("instance", ["trn2.48xlarge", "trn2u.48xlarge", "trn3.48xlarge"])
 def test_lnc1_on_16_chips_is_refused(instance):
     with pytest.raises(ValueError, match=r"128 logical NeuronCores.*PyTorch cannot address more than 127 "
@@ -41,12 +43,14 @@ def test_lnc1_on_16_chips_is_refused(instance):
         instance_hardware(instance, lnc=1)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("lnc", [0, 3, 4, "2", None, True])
 def test_lnc_must_be_1_or_2(lnc):
     with pytest.raises(ValueError, match="use 1 or 2"):
         instance_hardware("trn2.3xlarge", lnc=lnc)
 
 
+@pytest.mark.fast
 def test_unknown_instance_lists_every_known_one():
     with pytest.raises(ValueError) as error:
         instance_hardware("trn1.2xlarge")
@@ -75,6 +79,7 @@ TRN2_3XL_LS = json.dumps([{"instance_type": "trn2.3xlarge", "neuron_device": 0, 
                            "memory_size": 96 * GIB, "neuroncore_ids": [0, 1, 2, 3], "neuron_processes": []}])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text, expected", [
     (TRN2_48XL_LS, {"chips": 16, "cores_per_chip": 4, "lnc": 2, "memory_per_chip": 96 * GIB,
                     "instance_type": None}),
@@ -85,6 +90,7 @@ def test_parse_neuron_ls(text, expected):
     assert parse_neuron_ls(text) == expected
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text, message", [
     ("instance-type: trn2.48xlarge", "not JSON"),
     ("{}", "not a list of Neuron devices"),
@@ -162,6 +168,7 @@ def test_neuron_ls_alone_does_not_make_a_neuron_machine(tmp_path, monkeypatch):
     assert detect_hardware().backend in ("cpu", "cuda")
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_cpu_core_numbers_map_onto_the_cpus_this_process_may_use():
     """As in a container limited to some CPUs: started on the last CPU only, the studio's core 0
@@ -175,6 +182,7 @@ def test_cpu_core_numbers_map_onto_the_cpus_this_process_may_use():
     assert done.stdout.strip() == f"[{last}]"
 
 
+@pytest.mark.fast
 def test_studio_cpu_cores_orders_and_limits_the_cpus(monkeypatch):
     cpus = sorted(os.sched_getaffinity(0))
     monkeypatch.setenv("STUDIO_CPU_CORES", ",".join(map(str, reversed(cpus))))

@@ -2,59 +2,37 @@
 diff, clone (the run's settings back into the Train form and out again), delete (refused
 while the run goes, allowed after it stopped, leases left alone), experiment tracking.
 
-The runs are the tiny model on the CPU through the run manager, as in test_runs.py.
+The runs are the tiny model on the CPU through the run manager, as in test_runs.py: the
+session's history_runs (conftest), read here through a copy of this file's own.
 """
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
 
 from app.train_form import form_values, report_choices, spec_from_form
 from studio_core import history, trainers
-from studio_core.runs.events import FINAL_STATES
 from studio_core.hardware import cpu_hardware
-from studio_core.procs import kill_run_processes
-from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView
 from studio_core.sizes import format_size
 from studio_core.spec import RunSpec
 from studio_core.trl_schema import trainer_fields
-from conftest import run_folders
+from conftest import history_specs, run_folders
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-RUN_TIMEOUT_S = 180  # a hang guard: these runs take seconds
 
 
 def tiny(recipe: str, *overrides: str) -> RunSpec:
     return RunSpec.load(RECIPES / recipe).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
 
 
-def wait_for(manager: RunManager, run_id: str, condition) -> RunView:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not condition(view := manager.view(run_id)):
-        assert time.monotonic() < deadline, f"run {run_id}: state {view.live_state}, step {view.step}"
-        time.sleep(0.2)
-    return view
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Three finished runs: two SFT differing in learning rate, one DPO: (manager, {name: spec, view})."""
-    manager = RunManager(tmp_path_factory.mktemp("history") / "runs")
-    specs = {"sft-a": tiny("tiny-sft.yaml"), "sft-b": tiny("tiny-sft.yaml", "learning_rate=1.0e-4"),
-             "dpo": tiny("tiny-dpo.yaml", "max_steps=4", "logging_steps=2")}
-    views = {}
-    try:
-        for name, spec in specs.items():  # one at a time: the machine has two cores
-            run = manager.start(spec, cpu_hardware())
-            views[name] = wait_for(manager, run.id, lambda v: v.live_state in FINAL_STATES)
-            assert views[name].live_state == "finished", views[name].error_text
-        yield manager, specs, views
-    finally:
-        for path in run_folders(manager.runs_dir):
-            kill_run_processes(path.name)
+def runs(history_runs, tmp_path_factory):
+    """Three finished runs, made in this order: two SFT runs that differ in learning rate, run name
+    and max_grad_norm, and a DPO run: (manager, {name: spec}, {name: view})."""
+    manager = history_runs.copy_to(tmp_path_factory.mktemp("history") / "runs")
+    return manager, history_specs(), {name: manager.view(run_id) for name, run_id in history_runs.ids.items()}
 
 
 def test_run_size_counts_every_file(runs):
@@ -115,7 +93,8 @@ def test_settings_diff_shows_only_the_differences(runs):
     _, _, views = runs
     a, b, dpo = views["sft-a"], views["sft-b"], views["dpo"]
     rows = history.settings_diff({a.id: a.spec, b.id: b.spec})
-    assert rows == [["learning_rate", str(a.spec["learning_rate"]), "0.0001"]]
+    assert rows == [["run_name", "tiny-sft", "tiny-sft-b"], ["learning_rate", str(a.spec["learning_rate"]), "0.0001"],
+                    ["max_grad_norm", history.NOT_SET, "0.5"]]
 
     rows = {row[0]: row[1:] for row in history.settings_diff({a.id: a.spec, dpo.id: dpo.spec})}
     assert rows["studio.trainer"] == ["sft", "dpo"]
@@ -150,6 +129,7 @@ def test_clone_is_the_recipe_without_what_the_planner_added(runs):
         assert_same_run(clone, spec_from_form(form_values(clone)))  # through the Train form and back
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
 def test_every_recipe_goes_through_the_train_form_unchanged(recipe):
     spec = RunSpec.load(RECIPES / recipe)
@@ -159,6 +139,7 @@ def test_every_recipe_goes_through_the_train_form_unchanged(recipe):
         assert values["extra"] == ""  # the widgets hold every setting of the tiny recipes
 
 
+@pytest.mark.fast
 def test_what_the_train_form_cannot_hold():
     # reward functions only exist for GRPO: another trainer's are dropped (validation refuses them anyway)
     sft = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["rewards=[{name: length, target: 5}]"])
@@ -171,6 +152,7 @@ def test_what_the_train_form_cannot_hold():
     assert spec_from_form(form_values(empty)).dataset_train_split == "train"
 
 
+@pytest.mark.fast
 def test_values_a_widget_cannot_hold_go_to_the_extra_box():
     spec = RunSpec.load(RECIPES / "tiny-dpo.yaml").with_overrides(
         ["save_strategy=epoch", "loss_type=[sigmoid, hinge]", "warmup_steps=0.1", "report_to=tensorboard"])
@@ -185,6 +167,7 @@ def test_values_a_widget_cannot_hold_go_to_the_extra_box():
     assert spec_from_form(values).args["report_to"] == "tensorboard"
 
 
+@pytest.mark.fast
 def test_report_to_offers_what_is_installed_and_says_where_to_open_it(tmp_path):
     installed = [name for name in ("tensorboard", "trackio") if importlib.util.find_spec(name)]
     assert report_choices() == ["none", *installed]
@@ -201,7 +184,7 @@ def test_delete_is_refused_while_the_run_goes_and_frees_its_space_after(manager)
     run = manager.start(tiny("tiny-sft.yaml", "max_steps=3000", "logging_steps=50"), cpu_hardware())
     with pytest.raises(history.RunActiveError, match=r"is (starting|running): stop it first"):
         history.delete_run(manager, run.id)
-    wait_for(manager, run.id, lambda v: v.step >= 2 or v.live_state in FINAL_STATES)
+    manager.wait(run.id, lambda v: v.step >= 2 or not v.active)
     with pytest.raises(history.RunActiveError, match="is running: stop it first"):
         history.delete_run(manager, run.id)
     assert run.dir.is_dir()

@@ -20,7 +20,7 @@ from studio_core.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec, validate
 from test_hub_download import TOKEN, hub  # noqa: F401 (fixture: the stand-in, an empty Hub cache)
-from test_runs import REPO, TINY, launch_py, tiny, wait_until_final
+from test_runs import REPO, TINY, launch_py, tiny
 
 CHATS = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
                        {"role": "assistant", "content": f"{i + 1}."}]} for i in range(12)]
@@ -92,7 +92,7 @@ def test_a_hub_dataset_that_does_not_fit_fails_before_the_model_is_fetched(hub, 
     spec = tiny("max_steps=2", "dataset_name=alice/stray", "model_name_or_path=alice/tiny-qwen3")
     assert validate(spec) == []  # not read before launch: the run checks it
 
-    view = wait_until_final(manager, manager.start(spec, cpu_hardware()).id)
+    view = manager.wait(manager.start(spec, cpu_hardware()).id)
     assert view.live_state == "failed"
     # the same lines the check before launch gives for the same rows in a local file
     local = tmp_path / "stray.jsonl"
@@ -107,7 +107,7 @@ def test_a_hub_dataset_that_does_not_fit_fails_before_the_model_is_fetched(hub, 
 def test_a_hub_dataset_missing_the_columns_names_the_fix(hub, manager, tmp_path):
     rows = [{"question": f"{i} + 1?", "answer": f"{i + 1}"} for i in range(6)]
     publish(hub, "alice/qa", {"data/train.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}, tmp_path)
-    view = wait_until_final(manager, manager.start(tiny("max_steps=2", "dataset_name=alice/qa"), cpu_hardware()).id)
+    view = manager.wait(manager.start(tiny("max_steps=2", "dataset_name=alice/qa"), cpu_hardware()).id)
     assert view.live_state == "failed"
     assert "studio.column_map: {question: prompt, answer: completion}" in view.error_text, view.error_text
 
@@ -140,7 +140,7 @@ def test_grpo_rewards_on_a_hub_dataset_are_called_on_its_real_rows_in_the_run(hu
 
     spec = grpo_spec("alice/tldr", "reads_a_column_that_is_not_there", rewards_file)
     assert validate(spec) == []
-    view = wait_until_final(manager, manager.start(spec, cpu_hardware()).id)
+    view = manager.wait(manager.start(spec, cpu_hardware()).id)
     assert view.live_state == "failed" and view.started is None
     assert "studio.rewards[0] (" in view.error_text and "calling it on 5 sample rows raised TypeError" in \
         view.error_text, view.error_text

@@ -21,7 +21,7 @@ from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
 from studio_core.builtin import ensure_tiny_model
 from studio_core.hardware import cpu_hardware
 from studio_core.spec import SpecError, validate
-from test_runs import tiny, wait_until_final
+from test_runs import tiny
 
 TOKEN = "hf_alice_publish_0123456789"
 
@@ -49,8 +49,7 @@ def test_a_hub_model_is_downloaded_with_progress_on_first_use(hub, manager, tmp_
     api.create_repo("alice/tiny-qwen3", private=False)
     api.upload_folder(folder_path=str(ensure_tiny_model()), repo_id="alice/tiny-qwen3")
 
-    view = wait_until_final(manager, manager.start(tiny("max_steps=5", "model_name_or_path=alice/tiny-qwen3"),
-                                                   cpu_hardware()).id)
+    view = manager.wait(manager.start(tiny("max_steps=5", "model_name_or_path=alice/tiny-qwen3"), cpu_hardware()).id)
     assert view.live_state == "finished", view.error_text
     weights = len(hub.repos["alice/tiny-qwen3"]["files"]["model.safetensors"])
     assert view.download["model"] == "alice/tiny-qwen3"
@@ -58,6 +57,7 @@ def test_a_hub_model_is_downloaded_with_progress_on_first_use(hub, manager, tmp_
     assert list((tmp_path / "empty-hub-cache").glob("models--alice--tiny-qwen3/snapshots/*/model.safetensors"))
 
 
+@pytest.mark.fast
 def test_a_missing_hub_model_is_refused_before_launch(hub, manager):
     with pytest.raises(SpecError) as refused:
         manager.start(tiny("model_name_or_path=alice/tiny-qwen"), cpu_hardware())
@@ -66,6 +66,7 @@ def test_a_missing_hub_model_is_refused_before_launch(hub, manager):
     assert run_folders(manager.runs_dir) == []
 
 
+@pytest.mark.fast
 def test_a_hub_model_that_is_not_a_causal_lm_is_refused_before_launch(hub, tmp_path):
     publish_config(hub, "alice/classifier", tmp_path, architectures=["BertForSequenceClassification"])
     (message,) = validate(tiny("model_name_or_path=alice/classifier"))
@@ -75,6 +76,7 @@ def test_a_hub_model_that_is_not_a_causal_lm_is_refused_before_launch(hub, tmp_p
         ["/alice/classifier/resolve/main/config.json"]
 
 
+@pytest.mark.fast
 def test_a_hub_model_with_its_own_code_needs_trust_remote_code(hub, tmp_path):
     publish_config(hub, "alice/custom", tmp_path, architectures=["MyForCausalLM"],
                    auto_map={"AutoModelForCausalLM": "modeling.MyForCausalLM"})
@@ -83,6 +85,7 @@ def test_a_hub_model_with_its_own_code_needs_trust_remote_code(hub, tmp_path):
     assert validate(tiny("model_name_or_path=alice/custom", "trust_remote_code=true")) == []
 
 
+@pytest.mark.fast
 def test_a_gated_hub_model_says_to_log_in(hub, tmp_path, monkeypatch):
     publish_config(hub, "alice/gated", tmp_path, architectures=["Qwen3ForCausalLM"])
     hub.repos["alice/gated"]["gated"] = True
@@ -92,6 +95,7 @@ def test_a_gated_hub_model_says_to_log_in(hub, tmp_path, monkeypatch):
     assert validate(tiny("model_name_or_path=alice/gated")) == []
 
 
+@pytest.mark.fast
 def test_an_unreachable_hub_neither_blocks_a_plan_nor_hangs(hub, monkeypatch):
     """Planning for a trn instance from a machine without the network must work; the check is
     only made when the Hub answers."""

@@ -12,6 +12,8 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
 from hub_standin import HubStandIn, point_hub_client_at
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 ALICE, BOB, WRONG = "hf_alice_write_token_0123", "hf_bob_write_token_4567", "hf_not_a_real_token_89"
 READER = "hf_alice_read_token_abcd"
 

@@ -11,6 +11,8 @@ from studio_core.hardware import Hardware, instance_hardware
 from studio_core.cores import format_cores, parse_cores
 from studio_core.layout import check_core_set, check_layout, mesh_sizes, pick_cores, tp_groups
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 TRN2_3XL = instance_hardware("trn2.3xlarge")
 TRN2_3XL_LNC1 = instance_hardware("trn2.3xlarge", lnc=1)
 TRN2_48XL = instance_hardware("trn2.48xlarge")

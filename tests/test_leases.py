@@ -16,6 +16,8 @@ import pytest
 
 from studio_core.leases import CoresBusy, acquire, free_cores, holders, lock_path
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 REPO = Path(__file__).resolve().parents[1]
 RUN_A, RUN_B, RUN_C = (f"20261129-120000-sft-{c * 6}" for c in "abc")
 

@@ -1,6 +1,6 @@
 """Hardware monitoring: the neuron-monitor parser, the process sampler on a real process
-tree, the neuron-monitor reader and nvidia-smi query against stand-in executables, and a
-real tiny training run whose supervisor writes hardware events.
+tree, the neuron-monitor reader and nvidia-smi query against stand-in executables, and the
+hardware events a real tiny training run's supervisor wrote (conftest's trained_runs).
 
 The neuron-monitor records below were written by hand from the AWS Neuron documentation
 ("Neuron Monitor User Guide", JSON output format); they were not captured on hardware.
@@ -18,13 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.runs.events import FINAL_STATES, read as read_events
-from studio_core.hardware import cpu_hardware
+from studio_core.runs.events import read as read_events
 from studio_core.monitor import (NEURON_MONITOR_CONFIG, NeuronMonitor, ProcessSampler, RunMonitor, cuda_memory,
                                  parse_neuron_monitor)
-from studio_core.spec import RunSpec
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def runtime_entry(pid: int, cores: dict[str, float], memory: dict[str, dict], error: str = "") -> dict:
@@ -75,6 +71,7 @@ RECORD = {
 }
 
 
+@pytest.mark.fast
 def test_parser_reads_the_run_cores_utilisation_and_memory():
     sample = parse_neuron_monitor(RECORD, [2, 3])
     assert sample == {"cores": {
@@ -83,6 +80,7 @@ def test_parser_reads_the_run_cores_utilisation_and_memory():
     }}  # core 0 belongs to another program and is left out
 
 
+@pytest.mark.fast
 def test_parser_reports_errors_and_cores_not_active():
     record = {"neuron_runtime_data": [runtime_entry(4101, {}, {}, error="failed to connect to the runtime")],
               "neuron_hardware_info": {"error": "Neuron driver not loaded"}}
@@ -100,6 +98,7 @@ BURNER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fast
 def test_process_sampler_on_a_real_process_tree():
     parent = subprocess.Popen([sys.executable, "-c", BURNER])
     try:
@@ -132,6 +131,7 @@ def stand_in(path: Path, body: str) -> str:
     return str(path)
 
 
+@pytest.mark.fast
 def test_neuron_monitor_reader_with_a_stand_in(tmp_path):
     """The reader starts the tool with its config, reads one-line and multi-line reports, and stops it."""
     seen_config = tmp_path / "config-seen.json"
@@ -159,6 +159,7 @@ def test_neuron_monitor_reader_with_a_stand_in(tmp_path):
     assert monitor.exit_code() is not None  # stopped, not left running
 
 
+@pytest.mark.fast
 def test_run_monitor_says_what_is_missing_and_samples_what_is_there(tmp_path):
     missing = RunMonitor("neuron", [0, 1], os.getpid(), neuron_monitor=str(tmp_path / "absent"))
     assert "neuron-monitor not installed: no NeuronCore utilisation" in missing.describe()
@@ -184,6 +185,7 @@ def test_run_monitor_says_what_is_missing_and_samples_what_is_there(tmp_path):
             rank.kill()
 
 
+@pytest.mark.fast
 def test_run_monitor_reports_a_neuron_monitor_that_ends(tmp_path):
     go = tmp_path / "end-now"  # the stand-in ends once the first sample is taken, never before
     exe = stand_in(tmp_path / "neuron-monitor", f"""
@@ -204,6 +206,7 @@ def test_run_monitor_reports_a_neuron_monitor_that_ends(tmp_path):
     assert "sources" not in monitor.sample()  # said once, until something changes again
 
 
+@pytest.mark.fast
 def test_cuda_memory_with_a_stand_in_nvidia_smi(tmp_path):
     smi = stand_in(tmp_path / "nvidia-smi", """
         import sys
@@ -219,17 +222,13 @@ def test_cuda_memory_with_a_stand_in_nvidia_smi(tmp_path):
         cuda_memory([1], failing)
 
 
-def test_a_real_run_writes_hardware_events(manager):
+def test_a_real_run_writes_hardware_events(trained_runs):
     import gradio as gr
 
     from app import hardware_panel
 
-    spec = RunSpec.load(REPO / "recipes" / "tiny-sft.yaml").with_overrides(["max_steps=300"])
-    run_id = manager.start(spec, cpu_hardware()).id
-    deadline = time.monotonic() + 300
-    while (view := manager.view(run_id)).live_state not in FINAL_STATES:
-        assert time.monotonic() < deadline, "the run did not finish in time"
-        time.sleep(0.5)
+    manager, ids = trained_runs  # recipes/tiny-sft.yaml: 300 steps, finished
+    view = manager.view(ids["full"])
     assert view.live_state == "finished", view.error_text
     events = read_events(view.dir / "events.jsonl")
     logs = [e["message"] for e in events if e["type"] == "log"]

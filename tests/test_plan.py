@@ -13,6 +13,8 @@ from studio_core.hardware import Hardware, instance_hardware
 from studio_core.plan import DYNAMIC_SHAPES_OFF, WORKER_MODULE, plan
 from studio_core.spec import RunSpec
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 TINY = Path(__file__).parent.parent / "recipes" / "tiny-sft.yaml"
 CPU8 = Hardware("cpu", 8, cpu_count=8)
 TRN2_3XL = instance_hardware("trn2.3xlarge")

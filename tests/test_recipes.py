@@ -10,6 +10,8 @@ from studio_core import data_check
 from studio_core.spec import RunSpec, read_yaml
 from studio_core import trainers
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
 

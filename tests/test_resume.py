@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from studio_core.hardware import cpu_hardware
 from studio_core.spec import SpecError
-from test_runs import LONG, launch_py, marked_processes, ranks, tiny, wait_for, wait_until_final
+from test_runs import LONG, launch_py, marked_processes, ranks, tiny
 
 SAVED = ["max_steps=30", "logging_steps=5", "save_strategy=steps", "save_steps=30"]
 
@@ -29,18 +29,18 @@ def progress_steps(view, since_resume: bool = False) -> list[int]:
 
 def test_stop_and_save_then_resume_matches_an_uninterrupted_run(manager):
     hardware = cpu_hardware()
-    straight = wait_until_final(manager, manager.start(tiny(*SAVED), hardware).id)
+    straight = manager.wait(manager.start(tiny(*SAVED), hardware).id)
     assert straight.live_state == "finished", straight.error_text
 
     # asked before training begins, the stop lands on the first step: a checkpoint, then a stop
     run = manager.start(tiny(*SAVED), hardware)
     manager.stop_and_save(run.id)
-    stopped = wait_until_final(manager, run.id)
+    stopped = manager.wait(run.id)
     assert stopped.live_state == "stopped" and stopped.step == 1
     assert [c["step"] for c in stopped.checkpoints] == [1] and stopped.resume_point()["step"] == 1
     assert not (stopped.dir / "output" / "model.safetensors").exists()  # stopped, not finished
 
-    resumed = wait_until_final(manager, manager.resume(run.id, hardware).id)
+    resumed = manager.wait(manager.resume(run.id, hardware).id)
     assert resumed.live_state == "finished", resumed.error_text
     steps = progress_steps(resumed)
     assert steps[:2] == [1, 2] and steps[-1] == 30  # the step count went on from the checkpoint
@@ -57,14 +57,14 @@ def test_stop_and_save_then_resume_matches_an_uninterrupted_run(manager):
 def test_a_failed_run_says_from_where_it_can_resume_and_does(manager):
     hardware = cpu_hardware()
     run = manager.start(tiny(*LONG, "save_strategy=steps", "save_steps=20"), hardware)
-    wait_for(manager, run.id, "a checkpoint", lambda v: len(v.checkpoints) >= 1)
+    manager.wait(run.id, lambda v: len(v.checkpoints) >= 1)  # a checkpoint
     ranks(marked_processes(run.id))["0"].send_signal(signal.SIGKILL)
-    failed = wait_until_final(manager, run.id)
+    failed = manager.wait(run.id)
     assert failed.live_state == "failed"
     point = failed.resume_point()
     assert point and point["step"] % 20 == 0 and point["size_bytes"] > 0
     resumed = manager.resume(run.id, hardware)
-    view = wait_for(manager, run.id, "steps after the checkpoint", lambda v: v.step >= point["step"] + 3)
+    view = manager.wait(run.id, lambda v: v.step >= point["step"] + 3)  # steps after the checkpoint
     assert view.live_state == "running"
     assert progress_steps(view, since_resume=True)[:3] == [point["step"] + 1, point["step"] + 2, point["step"] + 3]
     assert all(m["step"] <= point["step"] or m["time"] > failed.ended for m in view.metrics)
@@ -73,16 +73,16 @@ def test_a_failed_run_says_from_where_it_can_resume_and_does(manager):
     manager.stop(run.id)
 
 
-def test_resume_refusals_say_what_to_change(manager, tmp_path):
-    run = wait_until_final(manager, manager.start(tiny("max_steps=5"), cpu_hardware()).id)
+def test_resume_refusals_say_what_to_change(manager, sft_runs):
+    run = sft_runs.copy_to(manager.runs_dir, "full").view(sft_runs.ids["full"])  # finished, saved no checkpoint
+    assert run.live_state == "finished" and run.saved_checkpoints() == []
     with pytest.raises(SpecError, match="saved no checkpoint"):
         manager.resume(run.id, cpu_hardware())
     done = launch_py("train", "--resume", run.id, "--runs-dir", str(manager.runs_dir))
     assert done.returncode == 2 and "saved no checkpoint" in done.stderr
-    saved = wait_until_final(manager, manager.start(tiny("max_steps=10", "save_strategy=steps", "save_steps=5"),
-                                                    cpu_hardware()).id)
+    saved = manager.wait(manager.start(tiny("max_steps=10", "save_strategy=steps", "save_steps=5"), cpu_hardware()).id)
     wrong = launch_py("train", "--resume", saved.id, "--from-checkpoint", "7", "--runs-dir", str(manager.runs_dir))
     assert wrong.returncode == 2 and "has steps 5, 10" in wrong.stderr
     again = launch_py("train", "--resume", saved.id, "--from-checkpoint", "5", "--runs-dir", str(manager.runs_dir))
     assert again.returncode == 0, again.stderr
-    assert progress_steps(wait_until_final(manager, saved.id), since_resume=True) == [6, 7, 8, 9, 10]
+    assert progress_steps(manager.wait(saved.id), since_resume=True) == [6, 7, 8, 9, 10]

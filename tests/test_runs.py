@@ -1,8 +1,8 @@
 """Real runs end to end: the tiny model, real torchrun on the CPU, real processes.
 
 Each test starts runs in its own runs folder and follows them through RunView, as the
-web app and the CLI do. Waits poll the run's state against a deadline; the deadline
-only guards against a hang, it is not what is tested.
+web app and the CLI do. Waits are RunManager.wait's: its deadline only guards against a
+hang, it is not what is tested.
 """
 
 import json
@@ -29,7 +29,7 @@ from studio_core.spec import RunSpec, SpecError
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny-sft.yaml"
-RUN_TIMEOUT_S = 180  # a hang guard: a 20-step run takes ~10 s on 2 cores
+RUN_TIMEOUT_S = 180  # a hang guard for a CLI command: a 20-step run takes ~10 s on 2 cores
 LONG = ["max_steps=3000", "logging_steps=50"]  # still going when a test acts on it
 
 
@@ -37,26 +37,9 @@ def tiny(*overrides: str) -> RunSpec:
     return RunSpec.load(TINY).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
 
 
-def wait_for(manager: RunManager, run_id: str, what: str, condition, timeout: float = RUN_TIMEOUT_S) -> RunView:
-    deadline = time.monotonic() + timeout
-    while True:
-        view = manager.view(run_id)
-        if condition(view):
-            return view
-        if time.monotonic() > deadline:
-            log = (view.dir / "train.log").read_text(errors="replace")[-3000:]
-            raise AssertionError(f"run {run_id} never reached {what}: state {view.live_state}, "
-                                 f"step {view.step}\n{log}")
-        time.sleep(0.2)
-
-
-def wait_until_final(manager: RunManager, run_id: str) -> RunView:
-    return wait_for(manager, run_id, "a final state", lambda v: v.live_state in FINAL_STATES)
-
-
 def wait_until_training(manager: RunManager, run_id: str, steps: int = 5) -> RunView:
-    view = wait_for(manager, run_id, f"step {steps}",
-                    lambda v: v.step >= steps or v.live_state in FINAL_STATES)
+    """The run once it made `steps` steps, and still running (one that ended first fails here)."""
+    view = manager.wait(run_id, lambda v: v.step >= steps or v.live_state in FINAL_STATES)
     assert view.live_state == "running", view.error_text
     return view
 
@@ -119,6 +102,7 @@ def broken_model(folder: Path) -> Path:
     return path
 
 
+@pytest.mark.fast
 def test_a_malformed_line_among_the_first_rows_is_refused_before_launch(manager, tmp_path):
     path = tmp_path / "early.jsonl"
     good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
@@ -133,7 +117,7 @@ def test_a_malformed_line_among_the_first_rows_is_refused_before_launch(manager,
 def test_one_process_sft_run_finishes_with_a_model(manager, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_do_not_leak_1234")  # must not be written to the run folder
     view = manager.start(tiny(), cpu_hardware())
-    view = wait_until_final(manager, view.id)
+    view = manager.wait(view.id)
 
     assert view.state == "finished", view.error_text
     assert view.exit_code == 0 and view.error_text is None
@@ -168,7 +152,7 @@ def test_one_process_sft_run_finishes_with_a_model(manager, monkeypatch):
 
 def test_two_processes_run_data_parallel(manager):
     view = manager.start(tiny("studio.nproc=2"), cpu_hardware())
-    view = wait_until_final(manager, view.id)
+    view = manager.wait(view.id)
     assert view.state == "finished", view.error_text
     running = [e for e in read_events(view.dir / "events.jsonl")
                if e["type"] == "status" and e["state"] == "running"]
@@ -200,7 +184,8 @@ def test_stop_after_the_supervisor_died_still_ends_every_process(manager):
     supervisor = procs[json.loads((view.dir / "supervisor.json").read_text())["pid"]]
     supervisor.send_signal(signal.SIGKILL)  # torchrun and the rank are orphans now
 
-    view = wait_for(manager, view.id, "the lost supervisor noticed", lambda v: v.live_state == "failed")
+    view = manager.wait(view.id)  # the lost supervisor noticed
+    assert view.live_state == "failed"
     assert "supervisor ended without writing a final status" in view.error_text
     manager.stop(view.id)  # finds the orphans by their STUDIO_RUN_ID marker
     assert wait_until_gone(procs.values()) == []
@@ -210,7 +195,7 @@ def test_stop_after_the_supervisor_died_still_ends_every_process(manager):
 def test_worker_exception_is_surfaced(manager, tmp_path):
     spec = tiny(f"model_name_or_path={broken_model(tmp_path)}")
     view = manager.start(spec, cpu_hardware())
-    view = wait_until_final(manager, view.id)
+    view = manager.wait(view.id)
     assert view.state == "failed"
     assert view.exit_code not in (0, None)
     (error,) = view.errors
@@ -227,7 +212,7 @@ def test_a_killed_rank_fails_the_run_and_takes_the_rest_down(manager):
     rank1 = ranks(procs)["1"]
     rank1.send_signal(signal.SIGKILL)
 
-    view = wait_until_final(manager, view.id)
+    view = manager.wait(view.id)
     assert view.state == "failed"
     assert view.exit_code not in (0, None)
     assert view.error_text == "rank 1 was killed by SIGKILL; torchrun then ended the other ranks"
@@ -261,10 +246,10 @@ def test_a_restarted_app_finds_the_running_run(tmp_path):
         assert supervisor.is_running() and supervisor.ppid() != os.getpid()  # not ours: the starter is gone
 
         first = wait_until_training(manager, run_id, steps=1).step
-        grown = wait_for(manager, run_id, "more steps", lambda v: v.step > first or v.live_state != "running")
+        grown = manager.wait(run_id, lambda v: v.step > first or v.live_state != "running")
         assert grown.step > first
 
-        view = wait_until_final(manager, run_id)
+        view = manager.wait(run_id)
         assert view.state == "finished", view.error_text
         assert view.step == 200 and (view.dir / "output" / "config.json").is_file()
     finally:
@@ -276,6 +261,7 @@ def test_a_restarted_app_finds_the_running_run(tmp_path):
     assert line.split()[1:3] == ["finished", "200/200"]
 
 
+@pytest.mark.fast
 def test_a_run_folder_still_being_made_is_not_listed(manager):
     half_made = manager.runs_dir / ".creating-20260101-000000-tiny-sft"
     half_made.mkdir()
@@ -284,6 +270,7 @@ def test_a_run_folder_still_being_made_is_not_listed(manager):
 
 
 # --- what is refused before anything starts ---------------------------------------------
+@pytest.mark.fast
 @pytest.mark.parametrize("overrides", [["max_step=5"], ["studio.nproc=64"], ["studio.tp_size=2", "studio.nproc=2"]])
 def test_bad_input_to_start_makes_nothing(manager, overrides):
     with pytest.raises(SpecError):
@@ -323,20 +310,24 @@ def test_cli_train_reports_a_failed_run(tmp_path):
     assert str(run_dir / "train.log") in done.stderr
 
 
+@pytest.mark.fast
 def test_cli_plan_prints_the_command_and_runs_nothing(tmp_path):
     runs_dir = tmp_path / "runs"
+    # --no-forecast: the shape forecast (a child process importing TRL) is test_forecast's part
     done = launch_py("plan", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu",
-                     "--set", "studio.nproc=2", timeout=60)
+                     "--set", "studio.nproc=2", "--no-forecast", timeout=60)
     assert done.returncode == 0, done.stderr
     assert "torch.distributed.run --standalone --nnodes=1 --nproc-per-node=2" in done.stdout
     assert "use_cpu = True" in done.stdout
     assert not runs_dir.exists() or run_folders(runs_dir) == []
 
 
+@pytest.mark.fast
 def test_cli_plan_for_trainium_without_trainium(tmp_path):
     runs_dir = tmp_path / "runs"
+    # --no-forecast: the forecast for a trn instance is test_forecast's part
     done = launch_py("plan", str(TINY), "--runs-dir", str(runs_dir), "--instance", "trn2.3xlarge",
-                     "--set", "studio.nproc=4", timeout=60)
+                     "--set", "studio.nproc=4", "--no-forecast", timeout=60)
     assert done.returncode == 0, done.stderr
     assert "NEURON_RT_VISIBLE_CORES=0-3" in done.stdout and "--nproc-per-node=4" in done.stdout
     too_many = launch_py("plan", str(TINY), "--runs-dir", str(runs_dir), "--instance", "trn2.3xlarge",
@@ -358,6 +349,7 @@ print(len(names), sorted(m for m in ("gradio", "torch", "trl") if m in sys.modul
 """
 
 
+@pytest.mark.fast
 def test_studio_core_never_imports_gradio_or_the_training_stack():
     done = subprocess.run([sys.executable, "-c", IMPORT_ALL], cwd=REPO, capture_output=True, text=True,
                           timeout=120, check=False)
@@ -367,6 +359,7 @@ def test_studio_core_never_imports_gradio_or_the_training_stack():
     assert loaded.strip() == "[]"  # the web app's process stays light (see trl_schema.py)
 
 
+@pytest.mark.fast
 def test_run_ids_are_unique_across_runs_folders(tmp_path):
     # A run's processes are found machine-wide by their STUDIO_RUN_ID, so two runs of the same
     # name started in the same second in two runs folders must still get different ids.
@@ -382,7 +375,7 @@ def test_relative_paths_are_made_absolute_for_the_worker(tmp_path, monkeypatch):
     manager = RunManager(tmp_path / "runs")
     view = manager.start(tiny("dataset_name=data/qa.jsonl", "max_steps=3"), cpu_hardware())
     assert view.spec["dataset_name"] == str(tmp_path / "data" / "qa.jsonl")
-    assert wait_until_final(manager, view.id).state == "finished"
+    assert manager.wait(view.id).state == "finished"
 
 
 # --- core reservation -------------------------------------------------------------------
@@ -399,16 +392,18 @@ def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manag
 
     second = manager.start(tiny("max_steps=3"), cpu_hardware())  # "next free": core 1
     assert second.spec["studio"]["cores"] == "1"
-    assert wait_until_final(manager, second.id).state == "finished"
+    assert manager.wait(second.id).state == "finished"
     manager.stop(first.id)
     again = manager.start(tiny("max_steps=3", "studio.cores=0"), cpu_hardware())  # freed by the stop
-    assert wait_until_final(manager, again.id).state == "finished"
+    assert manager.wait(again.id).state == "finished"
 
 
 def test_runs_on_disjoint_cores_run_side_by_side_and_both_finish(manager):
-    views = [manager.start(tiny("max_steps=200", "logging_steps=50", f"studio.cores={core}"), cpu_hardware())
+    # 500 steps (about 10 s of training): on a loaded machine one run's start can lag the other's
+    # by 7 s, and 200 steps were then over before the other began
+    views = [manager.start(tiny("max_steps=500", "logging_steps=50", f"studio.cores={core}"), cpu_hardware())
              for core in (0, 1)]
-    ended = [wait_until_final(manager, view.id) for view in views]
+    ended = [manager.wait(view.id) for view in views]
     assert [v.live_state for v in ended] == ["finished", "finished"], [v.error_text for v in ended]
     (a_first, a_last), (b_first, b_last) = [  # the span of each run's training steps, from its events
         (min(times), max(times)) for times in

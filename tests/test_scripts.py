@@ -5,6 +5,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from studio_core.hardware import cpu_hardware, instance_hardware
 from studio_core.plan import plan
 from studio_core.scripts import launch_script, slurm_script
@@ -25,6 +27,7 @@ def exported_env(script: str) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in pairs)
 
 
+@pytest.mark.fast
 def test_scripts_for_a_trainium_layout_carry_the_plans_environment(tmp_path):
     spec = RunSpec.load(RECIPES / "qwen3-8b-sft-tp4-fsdp8.yaml")
     launch = plan(spec, instance_hardware("trn2.48xlarge"))

@@ -21,6 +21,8 @@ from studio_core.runs import events
 from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec, SpecError
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 USER = {"role": "user", "content": "What colour is the studio mascot?"}
 GOOD = {"role": "assistant", "content": "Teal."}

@@ -18,6 +18,7 @@ def launch(*args, timeout=60):
                           timeout=timeout)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20", "::"])
 def test_a_non_loopback_host_without_a_login_is_refused(host, tmp_path):
     done = launch("--host", host, "--runs-dir", str(tmp_path))
@@ -25,6 +26,7 @@ def test_a_non_loopback_host_without_a_login_is_refused(host, tmp_path):
     assert f"Refusing to listen on {host}" in done.stderr and "--auth" in done.stderr
 
 
+@pytest.mark.fast
 def test_a_malformed_login_is_refused(tmp_path):
     auth_file = tmp_path / "logins"
     auth_file.write_text("alice:secret\nbob-without-password\n")

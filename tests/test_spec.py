@@ -34,6 +34,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 
 # --- recipes ----------------------------------------------------------------------------
+@pytest.mark.fast
 def test_there_are_recipes():
     assert TINY in RECIPES
 
@@ -58,7 +59,10 @@ def recipe_hub(monkeypatch, tmp_path):
         yield hub
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
+# A recipe with reward functions is checked by importing and calling them in a child process:
+# seconds each, so those are left out of the fast subset.
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=r.name, marks=() if RunSpec.load(r).rewards else pytest.mark.fast)
+                                    for r in RECIPES])
 def test_every_recipe_loads_validates_and_round_trips(recipe, tmp_path, recipe_hub):
     # A recipe may name Hub sources; whether they are cached is this machine's business, so the
     # Hub is "on" here, a stand-in for it (a Hub dataset is not read before launch).
@@ -75,6 +79,7 @@ def test_every_recipe_loads_validates_and_round_trips(recipe, tmp_path, recipe_h
     assert again.to_dict() == spec.to_dict()
 
 
+@pytest.mark.fast
 def test_a_reward_file_reading_a_real_column_passes_on_a_hub_dataset(tmp_path, recipe_hub):
     # trl-lib/tldr is not read before launch: the file is imported, its function looked up, not
     # called on a made-up row without the `completion` column it reads (the run calls it on real rows)
@@ -87,6 +92,7 @@ def test_a_reward_file_reading_a_real_column_passes_on_a_hub_dataset(tmp_path, r
     assert problem.startswith("studio.rewards[0] (") and "has no 'g'; it defines: f" in problem
 
 
+@pytest.mark.fast
 def test_recipe_keys_land_where_they_belong():
     spec = RunSpec.load(TINY)
     assert spec.trainer == "sft"
@@ -101,6 +107,7 @@ def test_recipe_keys_land_where_they_belong():
         assert key not in spec.args  # only the trainer's own fields go to TRL's config
 
 
+@pytest.mark.fast
 def test_a_recipe_without_the_studio_block_is_an_sft_run_on_one_process(tmp_path):
     recipe = tmp_path / "plain.yaml"
     recipe.write_text("model_name_or_path: builtin:tiny-qwen3\ndataset_name: builtin:chat\nmax_steps: 3\n")
@@ -109,6 +116,7 @@ def test_a_recipe_without_the_studio_block_is_an_sft_run_on_one_process(tmp_path
     assert spec.args == {"max_steps": 3}
 
 
+@pytest.mark.fast
 def test_save_keeps_values_that_yaml_would_otherwise_retype(tmp_path):
     spec = tiny("run_name=off-by-one", "save_strategy=no", "lr_scheduler_type=constant")
     spec.save(tmp_path / "spec.yaml")
@@ -118,6 +126,7 @@ def test_save_keeps_values_that_yaml_would_otherwise_retype(tmp_path):
 
 
 # --- --set overrides --------------------------------------------------------------------
+@pytest.mark.fast
 def test_overrides_are_typed_as_yaml():
     spec = tiny("max_steps=5", "learning_rate=0.01", "logging_first_step=true", "max_length=null",
                 "dataset_name=builtin:chat")
@@ -129,6 +138,7 @@ def test_overrides_are_typed_as_yaml():
     assert validate(spec) == []
 
 
+@pytest.mark.fast
 def test_overrides_read_values_as_trl_and_yaml_1_2_do():
     # `no` is one of save_strategy's choices, not a boolean; 1e-5 is a float, as in TRL's CLI.
     spec = tiny("save_strategy=no", "learning_rate=1e-5", "report_to=none")
@@ -138,6 +148,7 @@ def test_overrides_read_values_as_trl_and_yaml_1_2_do():
     assert validate(spec) == []
 
 
+@pytest.mark.fast
 def test_a_recipe_may_write_learning_rate_as_trl_recipes_do(tmp_path):
     recipe = tmp_path / "trl.yaml"
     recipe.write_text("model_name_or_path: builtin:tiny-qwen3\ndataset_name: builtin:qa\n"
@@ -147,6 +158,7 @@ def test_a_recipe_may_write_learning_rate_as_trl_recipes_do(tmp_path):
     assert spec.args["save_strategy"] == "no"
 
 
+@pytest.mark.fast
 def test_studio_overrides_change_the_layout_not_the_trainer_args():
     spec = tiny("studio.nproc=2", "studio.cores=0-1")
     assert spec.layout.nproc == 2 and spec.layout.cores == "0-1"
@@ -155,12 +167,14 @@ def test_studio_overrides_change_the_layout_not_the_trainer_args():
     assert tiny("nproc=2").layout.nproc == 2  # the prefix may be left off
 
 
+@pytest.mark.fast
 def test_overrides_leave_the_original_spec_alone():
     spec = RunSpec.load(TINY)
     spec.with_overrides(["max_steps=5", "studio.nproc=2"])
     assert spec.args["max_steps"] == 300 and spec.layout.nproc == 1
 
 
+@pytest.mark.fast
 def test_an_override_without_equals_says_how_to_write_it():
     with pytest.raises(SpecError) as caught:
         tiny("max_steps")
@@ -168,17 +182,20 @@ def test_an_override_without_equals_says_how_to_write_it():
 
 
 # --- what a bad spec is told ----------------------------------------------------------
+@pytest.mark.fast
 def test_unknown_key_suggests_the_close_one():
     message = only_problem(tiny("max_step=5"))
     assert message.startswith("max_step:")
     assert "did you mean max_steps?" in message
 
 
+@pytest.mark.fast
 def test_unknown_key_without_a_close_one_points_to_the_config():
     message = only_problem(tiny("zzzqqq=1"))
     assert message.startswith("zzzqqq:") and "SFTConfig" in message
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("assignment, key, fix", [
     ('learning_rate="fast"', "learning_rate", "expected float"),
     ("max_steps=1.5", "max_steps", "expected int"),
@@ -190,22 +207,26 @@ def test_wrong_value_type_names_the_type_wanted(assignment, key, fix):
     assert fix in message
 
 
+@pytest.mark.fast
 def test_an_int_is_a_fine_float():
     assert validate(tiny("learning_rate=1", "num_train_epochs=2")) == []
 
 
+@pytest.mark.fast
 def test_enum_value_not_in_choices_lists_the_choices():
     message = only_problem(tiny("lr_scheduler_type=wobbly"))
     assert message.startswith("lr_scheduler_type:")
     assert "'wobbly'" in message and "cosine" in message and "linear" in message
 
 
+@pytest.mark.fast
 def test_output_dir_is_the_studios_to_set():
     message = only_problem(tiny("output_dir=/tmp/mine"))
     assert message.startswith("output_dir:")
     assert "output/" in message and "remove it" in message
 
 
+@pytest.mark.fast
 def test_unknown_studio_key_lists_the_studio_keys(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("studio:\n  nprocs: 2\n")
@@ -216,6 +237,7 @@ def test_unknown_studio_key_lists_the_studio_keys(tmp_path):
     assert "nproc" in message and "tp_size" in message
 
 
+@pytest.mark.fast
 def test_unknown_studio_key_through_set_is_told_as_a_studio_key():
     with pytest.raises(SpecError) as caught:
         tiny("studio.nprocs=2")
@@ -223,6 +245,7 @@ def test_unknown_studio_key_through_set_is_told_as_a_studio_key():
     assert message.startswith("studio.nprocs:") and "nproc" in message
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text", ["- a\n- b\n", "just words\n", "42\n"])
 def test_a_recipe_must_be_a_mapping(tmp_path, text):
     recipe = tmp_path / "r.yaml"
@@ -232,6 +255,7 @@ def test_a_recipe_must_be_a_mapping(tmp_path, text):
     assert "mapping" in str(caught.value)
 
 
+@pytest.mark.fast
 def test_studio_block_must_be_a_mapping(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("studio: 2\n")
@@ -240,6 +264,7 @@ def test_studio_block_must_be_a_mapping(tmp_path):
     assert str(caught.value).startswith("- studio:")
 
 
+@pytest.mark.fast
 def test_invalid_yaml_names_the_file(tmp_path):
     recipe = tmp_path / "broken.yaml"
     recipe.write_text("max_steps: [1, 2\nlearning_rate: 0.1\n")
@@ -248,18 +273,21 @@ def test_invalid_yaml_names_the_file(tmp_path):
     assert str(recipe) in str(caught.value) and "not valid YAML" in str(caught.value)
 
 
+@pytest.mark.fast
 def test_missing_recipe_file(tmp_path):
     with pytest.raises(SpecError) as caught:
         RunSpec.load(tmp_path / "nope.yaml")
     assert "nope.yaml not found" in str(caught.value)
 
 
+@pytest.mark.fast
 def test_missing_model_folder(tmp_path):
     message = only_problem(tiny(f"model_name_or_path={tmp_path / 'no-model'}"))
     assert message.startswith("model_name_or_path:")
     assert "not found" in message and "Hub id" in message
 
 
+@pytest.mark.fast
 def test_model_folder_without_config_json(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\0")
     message = only_problem(tiny(f"model_name_or_path={tmp_path}"))
@@ -267,15 +295,18 @@ def test_model_folder_without_config_json(tmp_path):
     assert "no config.json" in message and "save_pretrained" in message
 
 
+@pytest.mark.fast
 def test_a_saved_model_folder_is_fine():
     assert validate(tiny(f"model_name_or_path={ensure_tiny_model()}")) == []
 
 
+@pytest.mark.fast
 def test_unknown_builtin_model():
     message = only_problem(tiny("model_name_or_path=builtin:huge"))
     assert message.startswith("model_name_or_path:") and BUILTIN_MODEL in message
 
 
+@pytest.mark.fast
 def test_uncached_hub_model_while_offline():
     assert constants.HF_HUB_OFFLINE  # tests/conftest.py turns the Hub off
     message = only_problem(tiny("model_name_or_path=studio-tests/no-such-model"))
@@ -283,22 +314,26 @@ def test_uncached_hub_model_while_offline():
     assert "HF_HUB_OFFLINE=1" in message and "local folder" in message
 
 
+@pytest.mark.fast
 def test_uncached_hub_dataset_while_offline():
     message = only_problem(tiny("dataset_name=studio-tests/no-such-dataset"))
     assert message.startswith("dataset_name:") and "HF_HUB_OFFLINE=1" in message
 
 
+@pytest.mark.fast
 def test_missing_dataset_file(tmp_path):
     message = only_problem(tiny(f"dataset_name={tmp_path / 'missing.jsonl'}"))
     assert message.startswith("dataset_name:") and "not found" in message
 
 
+@pytest.mark.fast
 def test_empty_dataset_file(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     message = only_problem(tiny(f"dataset_name={tmp_path / 'empty.jsonl'}"))
     assert message.startswith("dataset_name:") and "is empty" in message
 
 
+@pytest.mark.fast
 def test_malformed_first_jsonl_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"messages": [oops]}\n')
     message = only_problem(tiny(f"dataset_name={tmp_path / 'bad.jsonl'}"))
@@ -306,6 +341,7 @@ def test_malformed_first_jsonl_line(tmp_path):
     assert "line 1 is not valid JSON" in message
 
 
+@pytest.mark.fast
 def test_jsonl_without_a_trainable_column_names_the_columns_it_has(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "a?", "answer": "b"}])
     message = only_problem(tiny(f"dataset_name={path}"))
@@ -314,12 +350,14 @@ def test_jsonl_without_a_trainable_column_names_the_columns_it_has(tmp_path):
     assert "dataset_text_field" in message
 
 
+@pytest.mark.fast
 def test_csv_without_a_trainable_column_names_the_columns_it_has(tmp_path):
     (tmp_path / "d.csv").write_text("title,body\nHello,World\n")
     message = only_problem(tiny(f"dataset_name={tmp_path / 'd.csv'}"))
     assert message.startswith("dataset:") and "`title`, `body`" in message
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("records, extra", [
     ([{"messages": CHAT}], []),
     ([{"prompt": "2+2=", "completion": "4"}], []),
@@ -331,6 +369,7 @@ def test_datasets_sft_can_train_on(tmp_path, records, extra):
     assert validate(tiny(f"dataset_name={path}", *extra)) == []
 
 
+@pytest.mark.fast
 def test_json_and_csv_files_are_read(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps([{"messages": CHAT}]))
     (tmp_path / "d.csv").write_text("prompt,completion\n2+2=,4\n")
@@ -338,36 +377,42 @@ def test_json_and_csv_files_are_read(tmp_path):
     assert validate(tiny(f"dataset_name={tmp_path / 'd.csv'}")) == []
 
 
+@pytest.mark.fast
 def test_unreadable_file_type(tmp_path):
     (tmp_path / "d.txt").write_text("hello\n")
     message = only_problem(tiny(f"dataset_name={tmp_path / 'd.txt'}"))
     assert message.startswith("dataset_name:") and ".jsonl" in message
 
 
+@pytest.mark.fast
 def test_unknown_builtin_dataset_lists_the_builtin_ones():
     message = only_problem(tiny("dataset_name=builtin:nope"))
     assert message.startswith("dataset_name:")
     assert "builtin:qa" in message and "builtin:chat" in message
 
 
+@pytest.mark.fast
 def test_tp_times_fsdp_must_equal_nproc():
     message = only_problem(tiny("studio.nproc=4", "studio.tp_size=2", "studio.fsdp_size=1"))
     assert "studio.tp_size x studio.fsdp_size = 2" in message and "studio.nproc = 4" in message
     assert validate(tiny("studio.nproc=4", "studio.tp_size=2", "studio.fsdp_size=2")) == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("value", ["0", "two", "-1", "1.5", "true"])
 def test_nproc_must_be_a_whole_number(value):
     message = only_problem(tiny(f"studio.nproc={value}"))
     assert message.startswith("studio.nproc:") and "whole number" in message
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["my run", "a/b", "-leading-dash", "x" * 65, "run;rm"])
 def test_run_name_with_bad_characters(name):
     message = only_problem(tiny(f"run_name={name}"))
     assert message.startswith("run_name:") and "letters, digits" in message
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("assignment, key", [
     ("run_name=2024", "run_name"),
     ("run_name=2024-06-01", "run_name"),  # a date, to YAML
@@ -381,11 +426,13 @@ def test_names_that_yaml_reads_as_something_else_must_be_quoted(assignment, key)
     assert message.startswith(f"{key}:") and "write it in quotes" in message
 
 
+@pytest.mark.fast
 def test_a_quoted_number_is_a_fine_run_name():
     spec = tiny("run_name='2024-06-01'")
     assert spec.run_name == "2024-06-01" and validate(spec) == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("key", ["learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps"])
 def test_values_that_must_be_positive(key):
     value = "-0.1" if key == "learning_rate" else "0"
@@ -393,21 +440,25 @@ def test_values_that_must_be_positive(key):
     assert message.startswith(f"{key}:") and "must be above 0" in message
 
 
+@pytest.mark.fast
 def test_no_steps_and_no_epochs():
     message = only_problem(tiny("max_steps=-1", "num_train_epochs=0"))
     assert "max_steps" in message and "num_train_epochs" in message
 
 
+@pytest.mark.fast
 def test_max_length_below_one():
     message = only_problem(tiny("max_length=0"))
     assert message.startswith("max_length:") and "null" in message
 
 
+@pytest.mark.fast
 def test_an_unknown_trainer_lists_the_available_ones():
     message = only_problem(tiny("studio.trainer=ppo"))
     assert message.startswith("studio.trainer:") and "choose sft, dpo, kto, grpo, rloo, reward" in message
 
 
+@pytest.mark.fast
 def test_every_problem_is_listed_at_once():
     with pytest.raises(SpecError) as caught:
         validated(tiny("max_step=5", "learning_rate=-1", "run_name=a b", "studio.nproc=0"))
@@ -424,18 +475,21 @@ def model_folder(tmp_path, **config) -> Path:
     return folder
 
 
+@pytest.mark.fast
 def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
     folder = model_folder(tmp_path, architectures=["BertForSequenceClassification"])
     message = only_problem(tiny(f"model_name_or_path={folder}"))
     assert "BertForSequenceClassification" in message and "not a causal language model" in message
 
 
+@pytest.mark.fast
 def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path):
     folder = model_folder(tmp_path, architectures=["MyForCausalLM"], auto_map={"AutoModelForCausalLM": "m.My"})
     assert "trust_remote_code: true" in only_problem(tiny(f"model_name_or_path={folder}"))
     assert validate(tiny(f"model_name_or_path={folder}", "trust_remote_code=true")) == []
 
 
+@pytest.mark.fast
 def test_models_in_the_local_hub_cache_are_listed_and_pass_offline(tmp_path):
     from huggingface_hub import try_to_load_from_cache
 
@@ -456,6 +510,7 @@ def test_models_in_the_local_hub_cache_are_listed_and_pass_offline(tmp_path):
     assert cached_models(tmp_path / "nothing-here") == []
 
 
+@pytest.mark.fast
 def test_a_bad_record_deep_in_a_local_file_is_refused_before_launch(tmp_path):
     """The first rows fit; record 40 has empty messages: named with its line before anything runs."""
     good = json.dumps({"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]})

@@ -14,6 +14,8 @@ import pytest
 from studio_core import trainers
 from studio_core.builtin import BUILTIN_DATASETS
 
+pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("studio_core", "app", "cli")
 ENTRY_POINTS = {"studio_core.worker", "studio_core.supervisor", "studio_core.chat_worker"}

@@ -1,5 +1,9 @@
 """Each trainer of the registry, full and LoRA, trains the tiny model end to end through the
-run manager, from its own tiny recipe; a reward model's output scores texts."""
+run manager, from its own tiny recipe; a reward model's output scores texts.
+
+SFT's two recipes, as they are (300 steps), are the session's shared runs (conftest's
+sft_runs, which the chat and export tests read too); the other trainers train here for a few
+steps."""
 
 from pathlib import Path
 
@@ -15,12 +19,13 @@ from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
 
 RECIPES = Path(__file__).parent.parent / "recipes"
-STEPS = {"sft": 20, "dpo": 10, "kto": 10, "grpo": 4, "rloo": 4, "reward": 10}
+STEPS = {"sft": 300, "dpo": 10, "kto": 10, "grpo": 4, "rloo": 4, "reward": 10}  # sft: its recipes' own
 # What each trainer logs besides the loss (TRL's own metric names)
 TRAINER_METRIC = {"sft": "mean_token_accuracy", "dpo": "rewards/margins", "kto": "kl", "grpo": "reward",
                   "rloo": "reward", "reward": "accuracy"}
 
 
+@pytest.mark.fast
 def test_every_trainer_has_a_test_and_its_recipes():
     assert set(STEPS) == set(TRAINER_METRIC) == set(trainers.TRAINERS)
     for key in trainers.TRAINERS:
@@ -30,11 +35,15 @@ def test_every_trainer_has_a_test_and_its_recipes():
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("trainer", list(trainers.TRAINERS))
-def test_trainer_runs_end_to_end(trainer, lora, tmp_path):
-    recipe = RECIPES / f"tiny-{trainer}{'-lora' if lora else ''}.yaml"
-    spec = RunSpec.load(recipe).with_overrides([f"max_steps={STEPS[trainer]}", "logging_steps=2"])
-    manager = RunManager(tmp_path / "runs")
-    view = manager.wait(manager.start(spec, cpu_hardware()).id, timeout=300)
+def test_trainer_runs_end_to_end(trainer, lora, tmp_path, request):
+    if trainer == "sft":  # its recipes as they are: the session's shared runs of them
+        shared, key = request.getfixturevalue("sft_runs"), "lora" if lora else "full"
+        view = shared.copy_to(tmp_path / "runs", key).view(shared.ids[key])
+    else:
+        recipe = RECIPES / f"tiny-{trainer}{'-lora' if lora else ''}.yaml"
+        spec = RunSpec.load(recipe).with_overrides([f"max_steps={STEPS[trainer]}", "logging_steps=2"])
+        manager = RunManager(tmp_path / "runs")
+        view = manager.wait(manager.start(spec, cpu_hardware()).id, timeout=300)
     assert view.live_state == "finished", view.error_text
     assert view.step == STEPS[trainer]
     logged = set().union(*(m.keys() for m in view.metrics))

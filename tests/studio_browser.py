@@ -1,0 +1,185 @@
+"""The web app in a real browser, for the tests/test_browser_*.py files: Debian's Chromium driven
+by Playwright, and the app as its own process (`python launch.py`), exactly as a user starts it.
+
+Needs /usr/bin/chromium (apt install chromium); the browser tests are skipped, saying so, where
+it is missing. A test file imports the fixtures it uses from here (pytest finds fixtures in the
+test module's names):
+
+    from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
+
+`app` is one app per test file, over that file's runs folder: starting one takes seconds, so the
+tests of a file share it (a file that needs the app to see another environment overrides
+`app_env`). Each test opens its own page (`page`, or `new_page(url)` for more than one) and finds
+the runs it started by their ids (`app.new_runs()`), never by assuming the runs folder holds only
+its own; a run a test leaves going is stopped after it, so the next test's fresh page follows no
+run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from studio_core.runs.manager import RunManager
+from studio_core.runs.view import RunView
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+expect = playwright_api.expect
+CHROMIUM = "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed")
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class App:
+    """`python launch.py` on a free port over a given runs folder."""
+
+    def __init__(self, runs_dir: Path, env: dict | None = None):
+        self.runs_dir = runs_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = runs_dir.parent / f"app-{self.port}.log"
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "launch.py", "--port", str(self.port), "--runs-dir", str(runs_dir)],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.known: set[str] = set()
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.log_path.read_text()
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError("the app did not answer within 90 s")
+
+    def runs(self) -> list[RunView]:
+        return RunManager(self.runs_dir).list()
+
+    def mark(self) -> None:
+        """Remember the runs there are now: new_runs() gives only the ones started after."""
+        self.known = {view.id for view in self.runs()}
+
+    def new_runs(self) -> list[RunView]:
+        """The runs started since the last mark(), newest first."""
+        return [view for view in self.runs() if view.id not in self.known]
+
+    def stop_runs(self) -> None:
+        """Stop every run still going in the app's runs folder."""
+        manager = RunManager(self.runs_dir)
+        for view in manager.list():
+            if view.live_state in ("starting", "running"):
+                manager.stop(view.id)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def app_env():
+    """The environment of the file's app: this process's, unless the file overrides this fixture."""
+    return None
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory, app_env):
+    """One app for the tests of a file, over a runs folder of its own; no run outlives the file."""
+    runs = tmp_path_factory.mktemp("app") / "runs"
+    runs.mkdir()
+    server = App(runs, env=app_env)
+    yield server
+    server.kill()
+    server.stop_runs()
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    """A runs folder for a test that starts an app of its own; no run outlives the test."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    yield runs
+    for view in RunManager(runs).list():  # never leave a run behind, whatever failed
+        if view.live_state in ("starting", "running"):
+            RunManager(runs).stop(view.id)
+
+
+def open_page(browser, url):
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(url, wait_until="domcontentloaded")
+    page.locator("#start").wait_for()
+    return page
+
+
+@pytest.fixture
+def new_page(browser):
+    """new_page(url): a page on the app at `url`, its Train tab loaded. Every page is closed after
+    the test: an open page keeps asking its app for updates every 2 seconds, and pages left open
+    by earlier tests would take CPU from every later one."""
+    opened = []
+
+    def new(url):
+        opened.append(open_page(browser, url))
+        return opened[-1]
+
+    yield new
+    for page in opened:
+        if not page.is_closed():
+            page.close()
+
+
+@pytest.fixture
+def page(new_page, app):
+    """A fresh page on the file's app; the runs this test starts are app.new_runs(), and any it
+    leaves going is stopped after it."""
+    app.mark()
+    yield new_page(app.url)
+    app.stop_runs()
+
+
+def run_state(page, state: str):
+    """The Train tab's run status once it says `state` (e.g. "FINISHED"): the status line of the
+    run this page follows, not a state named anywhere else on the page."""
+    return page.locator(".run-status").first.get_by_text(state).first
+
+
+def check_dataset_in_page(page, path: Path):
+    """Type a dataset file's path, click Check dataset; the report's locator."""
+    dataset = page.locator("#dataset input").first
+    dataset.fill(str(path))
+    dataset.press("Enter")
+    page.get_by_text("Dataset: upload, Hub options").click()
+    page.locator("#check-dataset").click()
+    return page.locator("#data-report")
+
+
+def set_number(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input").first
+    box.fill(str(value))
+    box.press("Tab")

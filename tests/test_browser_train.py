@@ -1,0 +1,177 @@
+"""The Train tab in a real browser: a run clicked through on the built-in default, bad input
+refused before anything starts, a failed run explained, a two-process layout with its core map
+and exported scripts, cores others hold, the learning rate's starting value, and the shape
+forecast with a suggestion applied and a compiled run's compilations shown live.
+
+Chromium through Playwright, the app as its own process, one app for this file
+(tests/studio_browser.py); skipped, saying so, where Chromium is missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
+from studio_browser import expect, run_state, set_number
+
+
+def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
+    assert page.locator("#model input").first.input_value() == "builtin:tiny-qwen3"
+    assert page.locator("#dataset input").first.input_value() == "builtin:qa"
+    page.locator("#run_name textarea, #run_name input").first.fill("browser-sft")
+    set_number(page, "max_steps", 40)
+
+    page.locator("#preview").click()
+    plan = page.locator("#plan")
+    plan.get_by_text("torch.distributed.run").first.wait_for()
+    assert "use_cpu = True" in plan.inner_text()
+    assert app.new_runs() == []  # a preview launches nothing
+
+    page.locator("#start").click()
+    run_state(page, "FINISHED").wait_for(timeout=120_000)
+    status = page.locator(".run-status").first.inner_text()
+    assert "browser-sft" in status and "loss" in status
+    assert page.locator(".run-progress[data-step='40'][data-total='40']").first.is_visible()
+    page.screenshot(path=str(tmp_path / "train-finished.png"), full_page=True)
+
+    [view] = app.new_runs()
+    assert view.live_state == "finished" and view.metrics and "loss" in view.metrics[-2]
+    shown_loss = float(status.split("loss")[-1].strip())
+    assert shown_loss == pytest.approx(next(m["loss"] for m in reversed(view.metrics) if "loss" in m), abs=1e-4)
+
+    page.get_by_role("tab", name="Runs").click()
+    table = page.locator("#runs-table")
+    expect(table).to_contain_text(view.id)
+    expect(table).to_contain_text("finished")
+
+
+def test_bad_input_is_refused_in_the_page_and_launches_nothing(page, app):
+    dataset = page.locator("#dataset input").first
+    dataset.fill("/no/such/data.jsonl")
+    dataset.press("Enter")
+    page.get_by_text("Advanced").click()
+    page.locator("#extra .cm-content").first.fill("max_step: 5")
+    # checked as it is typed, before anything is started
+    page.locator("#extra-check").get_by_text("did you mean max_steps").wait_for()
+    page.locator("#start").click()
+    message = page.locator("#train-message")
+    message.get_by_text("Nothing was launched").wait_for()
+    text = message.inner_text()
+    assert "/no/such/data.jsonl" in text and "did you mean max_steps" in text
+    assert app.new_runs() == []
+    # the form keeps what the user typed, so they can correct it
+    assert page.locator("#dataset input").first.input_value() == "/no/such/data.jsonl"
+
+
+def test_a_failed_run_shows_failed_its_exit_code_and_the_error(page, app, tmp_path):
+    """A model folder whose config.json is fine (so it passes the checks) but whose weights are
+    cut short: the worker fails loading it, and the page says so."""
+    from test_runs import broken_model
+
+    model = page.locator("#model input").first
+    model.fill(str(broken_model(tmp_path)))
+    model.press("Enter")
+    page.locator("#start").click()
+    run_state(page, "FAILED").wait_for(timeout=120_000)
+    [view] = app.new_runs()
+    assert view.live_state == "failed" and view.exit_code not in (0, None)
+    expect(page.locator(".run-status").first).to_contain_text(f"exit code {view.exit_code}")
+    error = page.locator(".run-error").first
+    expect(error).to_contain_text(view.error_text.splitlines()[0][:60])
+    expect(error).to_contain_text("Traceback")
+
+
+def test_a_two_process_layout_from_the_page(page, app):
+    page.get_by_text("Layout: processes, parallelism, cores").click()
+    core_map = page.locator("#core-map")
+    core_map.locator(".core").first.wait_for()  # drawn for the opened accordion before nproc changes
+    set_number(page, "nproc", 2)
+    # the map is redrawn by the server: allow for a machine busy with another test worker's run
+    expect(core_map.locator(".core[data-state='r1']")).to_have_count(1, timeout=30_000)
+    expect(core_map).to_contain_text("2 of 2 CPU cores for this run", timeout=30_000)
+    set_number(page, "max_steps", 10)
+    page.locator("#export").click()
+    expect(page.locator("#train-message")).to_contain_text("launch.sh")
+    exported = sorted(p.name for p in (app.runs_dir / "exports").iterdir())  # no other test here exports
+    assert exported == ["sft-builtin-tiny-qwen3-launch.sh", "sft-builtin-tiny-qwen3-slurm.sh"]
+    assert "--nproc-per-node=2" in (app.runs_dir / "exports" / exported[0]).read_text()
+    page.locator("#start").click()
+    run_state(page, "FINISHED").wait_for(timeout=180_000)
+    [view] = app.new_runs()
+    assert view.world_size == 2 and view.spec["studio"]["cores"] == "0-1"
+
+
+def test_the_core_map_marks_the_cores_others_hold_and_names_them(new_page, app):
+    from studio_core import leases
+
+    holder = "20261130-000000-other-abcdef"
+    with leases.acquire(app.runs_dir, "cpu", [0], holder=holder, kind="run"):  # as a run's supervisor does
+        page = new_page(app.url)
+        page.get_by_text("Layout: processes, parallelism, cores").click()
+        core_map = page.locator("#core-map")
+        expect(core_map.locator(".core[data-state='busy']")).to_have_count(1, timeout=30_000)
+        expect(core_map.locator(".core[data-core='1']")).to_have_attribute("data-state", "r0")
+        cores = page.locator("#cores input, #cores textarea").first
+        cores.fill("0")
+        cores.press("Tab")
+        expect(core_map).to_contain_text(f"core 0 is held by run {holder}", timeout=30_000)
+        page.locator("#preview").click()  # and the preview refuses it the same way
+        expect(page.locator("#train-message")).to_contain_text(f"core 0 is held by run {holder}")
+
+
+def test_learning_rate_starts_at_trls_default_for_another_model_unless_typed(page):
+    from studio_core.trl_schema import trainer_fields
+
+    def shown(trainer_text: str) -> float:
+        expect(box).to_contain_text(trainer_text)
+        return float(page.locator("#learning_rate input").first.input_value())
+
+    box = page.locator("#learning_rate")
+    assert shown("suit the built-in tiny model") == 2e-3  # seconds on a CPU
+    model = page.locator("#model input").first
+    model.fill("Qwen/Qwen3-0.6B")
+    model.press("Enter")
+    assert shown("TRL's default for SFT (SFTConfig) is 2e-05;") == trainer_fields("sft")["learning_rate"]["default"]
+    page.get_by_label("DPO (preference pairs)").check()
+    assert shown("TRL's default for DPO (DPOConfig) is 1e-06;") == trainer_fields("dpo")["learning_rate"]["default"]
+    set_number(page, "learning_rate", 5e-5)  # the user's own value stays
+    page.get_by_label("GRPO (online RL with reward functions)").check()
+    assert shown("your value; TRL's default for GRPO (GRPOConfig) is 1e-06") == 5e-5
+
+
+def test_shape_forecast_suggestion_and_live_compilations(page, app, tmp_path):
+    report = page.locator("#forecast-report")
+    page.locator("#forecast").click()
+    report.get_by_text("distinct batch shape").wait_for(timeout=120_000)
+    assert "padding waste" in report.inner_text()
+    assert page.locator("#length-histogram").is_visible()
+    # the best suggestion goes into "Other TRL settings" and the forecast is made again with it
+    suggestions = page.locator("#suggestions")
+    best = suggestions.locator("label").first.inner_text()
+    assert "shape(s)" in best and "->" in best
+    page.locator("#apply-suggestion").click()
+    page.get_by_text("Advanced").click()
+    setting = best.split(":")[0].strip()  # e.g. "packing" or "pad_to_multiple_of"
+    expect(page.locator("#extra .cm-content")).to_contain_text(setting)
+    shapes = int(best.split("->")[1].split("shape")[0])
+    report.get_by_text(f"{shapes} distinct batch shape").wait_for(timeout=120_000)
+
+    # a compiled run: its compilations show as they happen, with totals and a timeline
+    editor = page.locator("#extra .cm-content").first
+    editor.fill(editor.inner_text() + "\ntorch_compile: true\ntorch_compile_backend: eager")
+    page.locator("#extra-check").get_by_text("recognised").wait_for()
+    set_number(page, "max_steps", 6)
+    page.locator("#start").click()
+    compiles = page.locator(".compiles .compile-totals")
+    compiles.get_by_text("batch shape(s) reached the model").wait_for(timeout=120_000)
+    run_state(page, "FINISHED").wait_for(timeout=120_000)
+    assert page.locator(".compile-timeline .compile-span").count() > 0
+    text = compiles.inner_text()
+    assert f"{shapes} batch shape(s)" in text and "compilation(s)" in text
+    page.screenshot(path=str(tmp_path / "compiles.png"), full_page=True)
+    if os.environ.get("STUDIO_SCREENSHOTS"):
+        page.screenshot(path=os.environ["STUDIO_SCREENSHOTS"] + "/compiles.png", full_page=True)
+    [view] = app.new_runs()
+    assert len({tuple(e["shape"]) for e in view.shapes}) == shapes

@@ -1,0 +1,41 @@
+"""Every trainer of the registry from the page, in a real browser: picked, its own settings
+shown, its sample data checked, trained to its end; a reward model is offered for export and
+not for chat.
+
+Chromium through Playwright, the app as its own process, one app for this file
+(tests/studio_browser.py); skipped, saying so, where Chromium is missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
+from studio_browser import expect, run_state, set_number
+from studio_core import trainers
+
+
+@pytest.mark.parametrize(("trainer", "steps"), [("dpo", 10), ("kto", 10), ("grpo", 4), ("rloo", 4), ("reward", 10)])
+def test_each_trainer_from_the_page(page, app, trainer, steps):
+    entry = trainers.get(trainer)
+    page.get_by_label(entry.label).check()
+    expect(page.locator("#dataset input").first).to_have_value(entry.sample)
+    for field in entry.fields:  # the trainer's own settings show, and only for it
+        expect(page.locator(f"#{trainer}-{field.name}")).to_be_visible()
+    page.get_by_text("Dataset: upload, Hub options").click()
+    page.locator("#check-dataset").click()
+    expect(page.locator("#data-report")).to_contain_text(f"Fits {entry.name}")
+    set_number(page, "max_steps", steps)
+    set_number(page, "logging_steps", 2)
+    page.locator("#start").click()
+    run_state(page, "FINISHED").wait_for(timeout=180_000)
+    [view] = app.new_runs()
+    assert view.trainer == trainer and view.live_state == "finished" and view.step == steps
+    if not entry.chats:  # a reward model: offered for export, not for chat
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#chat-target input").first.click()
+        expect(page.get_by_role("option", name="builtin:tiny-qwen3")).to_be_visible()
+        assert page.get_by_role("option", name=view.id).count() == 0
+        page.get_by_role("tab", name="Export").click()
+        page.locator("#export-run input").first.click()
+        expect(page.get_by_role("option", name=view.id)).to_be_visible()
