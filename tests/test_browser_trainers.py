@@ -15,7 +15,7 @@ from studio_browser import expect, run_state, set_number
 from studio_core import trainers
 
 
-@pytest.mark.parametrize(("trainer", "steps"), [("dpo", 10), ("kto", 10), ("grpo", 4), ("rloo", 4), ("reward", 10)])
+@pytest.mark.parametrize(("trainer", "steps"), [("dpo", 10), ("kto", 10), ("grpo", 2), ("rloo", 2), ("reward", 10)])
 def test_each_trainer_from_the_page(page, app, trainer, steps):
     entry = trainers.get(trainer)
     page.get_by_label(entry.label).check()

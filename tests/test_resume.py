@@ -78,11 +78,13 @@ def test_resume_refusals_say_what_to_change(manager, sft_runs):
     assert run.live_state == "finished" and run.saved_checkpoints() == []
     with pytest.raises(SpecError, match="saved no checkpoint"):
         manager.resume(run.id, cpu_hardware())
-    done = launch_py("train", "--resume", run.id, "--runs-dir", str(manager.runs_dir))
+    done = launch_py("train", "--resume", run.id, "--runs-dir", str(manager.runs_dir), "--backend", "cpu")
     assert done.returncode == 2 and "saved no checkpoint" in done.stderr
     saved = manager.wait(manager.start(tiny("max_steps=10", "save_strategy=steps", "save_steps=5"), cpu_hardware()).id)
-    wrong = launch_py("train", "--resume", saved.id, "--from-checkpoint", "7", "--runs-dir", str(manager.runs_dir))
+    wrong = launch_py("train", "--resume", saved.id, "--from-checkpoint", "7", "--runs-dir", str(manager.runs_dir),
+                      "--backend", "cpu")
     assert wrong.returncode == 2 and "has steps 5, 10" in wrong.stderr
-    again = launch_py("train", "--resume", saved.id, "--from-checkpoint", "5", "--runs-dir", str(manager.runs_dir))
+    again = launch_py("train", "--resume", saved.id, "--from-checkpoint", "5", "--runs-dir", str(manager.runs_dir),
+                      "--backend", "cpu")
     assert again.returncode == 0, again.stderr
     assert progress_steps(manager.wait(saved.id), since_resume=True) == [6, 7, 8, 9, 10]

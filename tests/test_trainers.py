@@ -19,7 +19,7 @@ from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec
 
 RECIPES = Path(__file__).parent.parent / "recipes"
-STEPS = {"sft": 300, "dpo": 10, "kto": 10, "grpo": 4, "rloo": 4, "reward": 10}  # sft: its recipes' own
+STEPS = {"sft": 300, "dpo": 10, "kto": 10, "grpo": 2, "rloo": 2, "reward": 10}  # sft: its recipes' own
 # What each trainer logs besides the loss (TRL's own metric names)
 TRAINER_METRIC = {"sft": "mean_token_accuracy", "dpo": "rewards/margins", "kto": "kl", "grpo": "reward",
                   "rloo": "reward", "reward": "accuracy"}
