@@ -62,7 +62,7 @@ def build(manager: RunManager) -> gr.Dropdown:
         names = history.metric_names(views)
         chosen = current if current in names else (names[0] if names else None)
         rows = history.settings_diff({v.id: v.spec for v in views}) if len(views) >= 2 else []
-        plot, table = curves(views, chosen)
+        shown_plot, table = curves(views, chosen)
         notes = [f"Not found (deleted?): {', '.join(missing)}."] if missing else []
         if len(views) < 2:
             notes.append("Pick two or more runs.")
@@ -70,9 +70,8 @@ def build(manager: RunManager) -> gr.Dropdown:
             notes.append("Their settings are the same.")
         elif not names:
             notes.append("These runs have no logged metric in common yet.")
-        return (gr.update(choices=names, value=chosen), plot, table,
-                pd.DataFrame(rows, columns=["setting", *[v.id for v in views]]),
-                " ".join(notes))
+        return {metric: gr.update(choices=names, value=chosen), plot: shown_plot, last: table,
+                diff: pd.DataFrame(rows, columns=["setting", *[v.id for v in views]]), note: " ".join(notes)}
 
     def on_metric(run_ids, name):
         return curves(_views(manager, run_ids)[0], name)

@@ -53,7 +53,8 @@ def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
     inputs, extra = form.components(), form.widgets["extra"]
 
     def on_forecast(values):
-        hidden = (gr.update(visible=False), gr.update(visible=False, choices=[]), gr.update(visible=False), {})
+        hidden = {histogram: gr.update(visible=False), choice: gr.update(visible=False, choices=[]),
+                  apply: gr.update(visible=False), offered: {}}
         try:
             v = form.named(values)
             target = target_hardware(v, hardware)
@@ -62,13 +63,13 @@ def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
                 raise SpecError(launch.errors)
             result = forecast_in_subprocess(launch.spec, target.backend)
         except SpecError as error:
-            return ("**No forecast:**\n" + "\n".join(f"- {p}" for p in error.problems), *hidden)
+            return {report: "**No forecast:**\n" + "\n".join(f"- {p}" for p in error.problems), **hidden}
         bars = pd.DataFrame(result.histogram(), columns=["tokens", "samples"])
         labels = {suggestion_label(s): s["set"] for s in result.suggestions}
-        return (forecast_markdown(result, target.backend),
-                gr.update(value=bars, visible=True, sort=list(bars["tokens"])),  # buckets in length order
-                gr.update(choices=list(labels), value=next(iter(labels), None), visible=bool(labels)),
-                gr.update(visible=bool(labels)), labels)
+        return {report: forecast_markdown(result, target.backend),
+                histogram: gr.update(value=bars, visible=True, sort=list(bars["tokens"])),  # buckets in length order
+                choice: gr.update(choices=list(labels), value=next(iter(labels), None), visible=bool(labels)),
+                apply: gr.update(visible=bool(labels)), offered: labels}
 
     def on_apply(label, labels, text):
         if label not in labels:

@@ -95,27 +95,31 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
     def on_select(frame: pd.DataFrame, event: gr.SelectData):
         return frame.iloc[event.index[0]]["run"]
 
-    hide_confirm = (gr.update(visible=True), gr.update(visible=False), gr.update(visible=False))
+    def said(text: str) -> dict:
+        """The message, and the delete button back in place of its confirmation."""
+        return {message: text, pending: None, delete: gr.update(visible=True), confirm: gr.update(visible=False),
+                cancel: gr.update(visible=False)}
 
     def on_delete(run_id):
         if not run_id:
-            return "Open a run first.", None, *hide_confirm
+            return said("Open a run first.")
         try:
             view = manager.view(run_id)
         except KeyError as error:
-            return str(error).strip("'\""), None, *hide_confirm
+            return said(str(error).strip("'\""))
         if view.active:
-            return (f"Run `{run_id}` is {view.live_state}: stop it before deleting it.", None, *hide_confirm)
+            return said(f"Run `{run_id}` is {view.live_state}: stop it before deleting it.")
         size = format_size(view.size())
-        return ("", run_id, gr.update(visible=False),
-                gr.update(value=f"Really delete {run_id}? Frees {size}", visible=True), gr.update(visible=True))
+        return {message: "", pending: run_id, delete: gr.update(visible=False),
+                confirm: gr.update(value=f"Really delete {run_id}? Frees {size}", visible=True),
+                cancel: gr.update(visible=True)}
 
     def on_confirm(run_id):
         try:
             freed = history.delete_run(manager, run_id)
         except (history.RunActiveError, KeyError) as error:
-            return str(error).strip("'\""), None, *hide_confirm
-        return f"Deleted run `{run_id}` and its files: {format_size(freed)} freed.", None, *hide_confirm
+            return said(str(error).strip("'\""))
+        return said(f"Deleted run `{run_id}` and its files: {format_size(freed)} freed.")
 
     refresh_io = ([opened, *filters], [table, opened, model, picked])
     refresh.click(on_refresh, *refresh_io)
@@ -128,10 +132,10 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
     in_order = {"concurrency_id": "delete-run", "concurrency_limit": 1}
     confirm_io = [message, pending, delete, confirm, cancel]
     # another run opened: no pending deletion (a deleted run closing keeps its message)
-    opened.change(lambda run_id: (gr.update() if run_id is None else "", None, *hide_confirm), opened,
+    opened.change(lambda run_id: {**said(""), message: gr.update() if run_id is None else ""}, opened,
                   confirm_io, **in_order)
     delete.click(on_delete, opened, confirm_io, **in_order)
-    cancel.click(lambda: ("", None, *hide_confirm), None, confirm_io, **in_order)
+    cancel.click(lambda: said(""), None, confirm_io, **in_order)
     confirm.click(on_confirm, pending, confirm_io, **in_order).then(on_refresh, *refresh_io)
     if form is not None:
         _wire_clone(manager, form, tabs, train_tab_id, clone, opened, message)

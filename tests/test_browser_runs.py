@@ -187,3 +187,10 @@ def test_stop_and_save_then_resume_from_the_page(page):
     assert int(progress.get_attribute("data-step")) > step  # the step count goes on
     page.locator("#stop").click()
     run_state(page, "STOPPED").wait_for(timeout=60_000)
+
+
+def test_delete_without_an_opened_run_says_what_to_do(page):
+    page.get_by_role("tab", name="Runs").click()
+    page.locator("#delete-run").click()
+    expect(page.locator("#runs-message")).to_contain_text("Open a run first.")
+    expect(page.locator("#confirm-delete")).to_be_hidden()

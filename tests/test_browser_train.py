@@ -175,3 +175,14 @@ def test_shape_forecast_suggestion_and_live_compilations(page, app, tmp_path):
         page.screenshot(path=os.environ["STUDIO_SCREENSHOTS"] + "/compiles.png", full_page=True)
     [view] = app.new_runs()
     assert len({tuple(e["shape"]) for e in view.shapes}) == shapes
+
+
+def test_a_forecast_that_cannot_be_made_says_why(page, tmp_path):
+    dataset = page.locator("#dataset input").first
+    dataset.fill(str(tmp_path / "missing.jsonl"))
+    dataset.press("Enter")
+    page.locator("#forecast").click()
+    report = page.locator("#forecast-report")
+    expect(report).to_contain_text("No forecast:", timeout=60_000)
+    expect(report).to_contain_text("missing.jsonl")
+    expect(page.locator("#suggestions")).to_be_hidden()
