@@ -406,6 +406,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.runs < 1 or args.rounds < 1 or args.window <= 0:
         parser.error("--runs and --rounds must be at least 1 and --window positive")
+    # Started in the background of a non-interactive shell, this process ignores SIGINT, and so
+    # would the apps it starts (an ignored signal is inherited): with a handler of our own here,
+    # they get the default one again, and stop on the Ctrl-C the measurement sends them.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return run_bench("runs_tab_cpu", args, measure, print_report)
 
 
