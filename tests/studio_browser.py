@@ -46,6 +46,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_runs(runs_dir: Path) -> None:
+    """Stop every run still going in a runs folder."""
+    manager = RunManager(runs_dir)
+    for view in manager.list():
+        if view.active:
+            manager.stop(view.id)
+
+
 class App:
     """`python launch.py` on a free port over a given runs folder."""
 
@@ -80,13 +88,6 @@ class App:
         """The runs started since the last mark(), newest first."""
         return [view for view in self.runs() if view.id not in self.known]
 
-    def stop_runs(self) -> None:
-        """Stop every run still going in the app's runs folder."""
-        manager = RunManager(self.runs_dir)
-        for view in manager.list():
-            if view.live_state in ("starting", "running"):
-                manager.stop(view.id)
-
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -116,7 +117,7 @@ def app(tmp_path_factory, app_env):
     server = App(runs, env=app_env)
     yield server
     server.kill()
-    server.stop_runs()
+    stop_runs(server.runs_dir)
 
 
 @pytest.fixture
@@ -125,9 +126,7 @@ def runs_dir(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
     yield runs
-    for view in RunManager(runs).list():  # never leave a run behind, whatever failed
-        if view.live_state in ("starting", "running"):
-            RunManager(runs).stop(view.id)
+    stop_runs(runs)  # never leave a run behind, whatever failed
 
 
 def open_page(browser, url):
@@ -160,7 +159,7 @@ def page(new_page, app):
     leaves going is stopped after it."""
     app.mark()
     yield new_page(app.url)
-    app.stop_runs()
+    stop_runs(app.runs_dir)
 
 
 def run_state(page, state: str):
