@@ -104,6 +104,11 @@ def status_markdown(view: RunView) -> str:
     state = view.live_state
     colour = STATE_COLOURS.get(state, "#586e75")
     parts = [f"<span style='color:{colour};font-weight:700'>{state.upper()}</span>", f"run `{view.id}`"]
+    where = view.where()
+    if where:
+        parts.append(f"<span class='run-where'>{html.escape(where)}</span>")
+    if state == "stopped" and view.reason:
+        parts.append(html.escape(view.reason))
     if view.world_size:
         parts.append(f"{view.world_size} process{'es' if view.world_size > 1 else ''}")
     if view.exit_code is not None and state in ("failed", "stopped", "finished"):

@@ -23,6 +23,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
     python launch.py runs                     list the runs in the runs folder
     python launch.py stop RUN_ID [--save]     stop a run (--save: a checkpoint first, to resume from)
     python launch.py train --resume RUN_ID    go on from the run's last checkpoint [--from-checkpoint STEP]
+    python launch.py train RECIPE --slurm     submit to a Slurm cluster [--nodes N --partition P --time T]
     python launch.py chat RUN_OR_MODEL        chat with a run's model (--prompt TEXT: ask once)
     python launch.py export RUN_ID --out DIR  a model folder with a card [--merge] [--push REPO_ID]
     python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
@@ -79,10 +80,20 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--lnc", type=int, choices=(1, 2), default=2, help="with --instance: the LNC setting")
         for option, key in (("--nproc", "nproc"), ("--tp", "tp_size"), ("--fsdp", "fsdp_size"), ("--cores", "cores")):
             sub.add_argument(option, dest=key, help=f"the layout's {key} (same as --set studio.{key}=...)")
+        slurm = sub.add_argument_group("Slurm", "run on a Slurm cluster (from its login node); --nproc is per node")
+        slurm.add_argument("--slurm", action="store_true", help="submit the run to Slurm (sbatch) instead of "
+                           "running it here" if name == "train" else "plan a run on Slurm (no cluster needed)")
+        slurm.add_argument("--nodes", type=int, help="nodes of the job (default 1; with --slurm-script: 2)")
+        slurm.add_argument("--partition", help="the partition (default: the cluster's default)")
+        slurm.add_argument("--time", help="the job's time limit, as sbatch reads it: 90, 1:30:00, 2-00:00:00")
+        slurm.add_argument("--account", help="the account charged for the job")
+        slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
+                           help="another sbatch option, e.g. --sbatch-arg=--qos=high (repeat for more)")
+        slurm.add_argument("--auto-resume", action="store_true", help="SageMaker HyperPod: srun --auto-resume=1")
         if name == "plan":
             sub.add_argument("--export-script", metavar="FILE", help="also write a runnable bash launch script")
-            sub.add_argument("--slurm-script", metavar="FILE", help="also write a Slurm batch script for --nodes nodes")
-            sub.add_argument("--nodes", type=int, default=2, help="nodes for --slurm-script (default 2)")
+            sub.add_argument("--slurm-script", metavar="FILE", help="also write a standalone Slurm batch script for "
+                             "--nodes nodes (default 2)")
             sub.add_argument("--no-forecast", action="store_true",
                              help="skip the shape forecast (it tokenizes the dataset as the trainer will)")
         if name == "train":

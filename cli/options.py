@@ -22,4 +22,17 @@ def load_spec(args) -> RunSpec:
               if (value := getattr(args, key)) is not None]
     if args.cores is not None:
         layout[-1] = f"studio.cores='{args.cores}'"  # a core set is text, even "3"
-    return RunSpec.load(args.recipe).with_overrides([*args.set, *layout])  # checked once, by plan or start
+    spec = RunSpec.load(args.recipe).with_overrides([*args.set, *layout])  # checked once, by plan or start
+    slurm = {key: value for key, value in (("partition", args.partition), ("time", args.time),
+                                           ("account", args.account)) if value is not None}
+    slurm |= {"sbatch_args": args.sbatch_arg} if args.sbatch_arg else {}
+    slurm |= {"auto_resume": True} if args.auto_resume else {}
+    if args.slurm:
+        spec.layout.run_on = "slurm"
+        spec.layout.slurm = {**spec.layout.slurm, **slurm}
+        spec.layout.nodes = args.nodes if args.nodes is not None else spec.layout.nodes
+    elif slurm or args.nodes is not None and not getattr(args, "slurm_script", None):
+        given = [f"--{k.replace('_', '-')}" for k in ("nodes", *slurm) if k == "nodes" and args.nodes is not None
+                 or k in slurm]
+        raise SpecError([f"{', '.join(given)}: these are for a run on Slurm: add --slurm"])
+    return spec

@@ -29,7 +29,7 @@ def cmd_plan(args) -> int:
         except SpecError as error:
             print(f"\nNo shape forecast: {error}")
     for path, text in ((args.export_script, launch_script(launch) if args.export_script else None),
-                       (args.slurm_script, slurm_script(launch, args.nodes) if args.slurm_script else None)):
+                       (args.slurm_script, slurm_script(launch, args.nodes or 2) if args.slurm_script else None)):
         if path:
             Path(path).write_text(text)
             Path(path).chmod(0o755)
@@ -48,7 +48,8 @@ def cmd_train(args) -> int:
         raise SpecError(["give a recipe (e.g. recipes/tiny-sft.yaml), or --resume RUN_ID"])
     else:
         view = manager.start(load_spec(args), hardware_for(args))
-        print(f"Run {view.id} started; its folder: {view.dir}")
+        where = view.where()
+        print(f"Run {view.id} started; its folder: {view.dir}" + (f" ({where})" if where else ""))
     if args.detach:
         return 0
 
@@ -94,7 +95,7 @@ def follow(manager: RunManager, view: RunView) -> int:
     for open_bar in (fetch, bar):
         if open_bar is not None:
             open_bar.close()
-    print(f"Run {view.id}: {state} (exit code {view.exit_code})")
+    print(f"Run {view.id}: {state} (exit code {view.exit_code})" + (f": {view.reason}" if view.reason else ""))
     if state == "failed":
         for event in view.errors[-1:]:
             print(event.get("traceback") or "", file=sys.stderr)
@@ -138,9 +139,11 @@ def cmd_runs(args) -> int:
     print(f"{'run':48} {'state':9} {'step':>11}  model / dataset")
     for view in runs:
         steps = f"{view.step}/{view.max_steps or '?'}"
-        spec = view.spec
+        spec, where = view.spec, view.where()
         print(f"{view.id:48} {view.live_state:9} {steps:>11}  "
-              f"{spec.get('model_name_or_path')} / {spec.get('dataset_name')}")
+              f"{spec.get('model_name_or_path')} / {spec.get('dataset_name')}" + (f"  [{where}]" if where else ""))
+        if view.live_state in ("failed", "stopped") and view.error_text:
+            print(f"    {view.error_text}")
     return 0
 
 

@@ -79,7 +79,7 @@ class Plan:
         lines += [f"  {key} = {value!r}: {reason}" for key, value, reason in self.applied] or ["  none"]
         lines += ["", "Warnings:", *[f"  {w}" for w in self.warnings]] if self.warnings else []
         lines += ["", "Cannot launch:", *[f"  {e}" for e in self.errors]] if self.errors else []
-        return "\n".join(lines)
+        return "\n".join(lines + backends.get(self.backend).describe_launch(self))
 
 
 def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_dir: str | Path = "<run folder>",
@@ -118,9 +118,12 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
                         "compile (TRL issue 7660); each shape compiles once instead"))
     errors = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size,
                           cores if cores is not None else spec.layout.cores, hardware, model_config)
-    env = _environment(spec, hardware, run_id, compile_cache, cores, applied)
     backend = backends.get(spec.layout.run_on)
-    argv = backend.launch_argv(spec.layout.nproc, WORKER_MODULE, str(run_dir))
+    env = _environment(spec, hardware, run_id, compile_cache, cores, applied, backend.local_cores)
+    more_applied, more_warnings = backend.planned(spec, hardware, env, run_dir, compile_cache)
+    applied += more_applied
+    warnings += more_warnings
+    argv = backend.launch_argv(spec.layout, WORKER_MODULE, str(run_dir))
     final = resolved(spec, args)
     if cores is not None:
         final.layout.cores = format_cores(cores)
@@ -168,9 +171,10 @@ def _neuron_warnings(args: dict, trainer: trainers.Trainer) -> list[str]:
 
 
 def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, chosen: list[int] | None,
-                 applied) -> dict[str, str]:
+                 applied, local_cores: bool = True) -> dict[str, str]:
     """`chosen`: the run's cores; None for a plan that picks none (the spec's own are shown, else
-    the first ones)."""
+    the first ones). Without `local_cores` (a Slurm run: each node is the job's alone) no core
+    is named: every process sees its node's devices."""
     layout = spec.layout
     named = _spec_cores(spec)
     cores = chosen if chosen is not None else named or list(range(layout.nproc))
@@ -194,8 +198,9 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
         env["OMP_NUM_THREADS"] = str(threads)
         applied.append(("OMP_NUM_THREADS", str(threads), "the run's CPU cores shared out between its processes"))
     if hardware.backend == "neuron":
-        # the run's leased cores, written as the spec wrote them when it named these ("0,1", as TRL's guide)
-        env["NEURON_RT_VISIBLE_CORES"] = layout.cores if named == cores else format_cores(cores)
+        if local_cores:
+            # the run's leased cores, written as the spec wrote them when it named these ("0,1", as TRL's guide)
+            env["NEURON_RT_VISIBLE_CORES"] = layout.cores if named == cores else format_cores(cores)
         env["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
         applied.append(("HF_DEACTIVATE_ASYNC_LOAD", "1", "Transformers' async weight loading hangs on Neuron"))
         applied.append(("TORCH_NEURONX_NEFF_CACHE_DIR", env["TORCH_NEURONX_NEFF_CACHE_DIR"],
@@ -203,7 +208,7 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
                         "graphs: same model, shapes, dtype, layout and compiler version"))
         if hardware.lnc:
             env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.lnc)
-    if hardware.backend == "cuda":
+    if hardware.backend == "cuda" and local_cores:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cores))
     if layout.tp_size > 1 or layout.fsdp_size > 1:
         env["TP_SIZE"], env["FSDP_SIZE"] = str(layout.tp_size), str(layout.fsdp_size)

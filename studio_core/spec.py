@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from studio_core import data_check, rewards, sources, trainers
+from studio_core import data_check, rewards, slurm, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.data_files import read_rows
 from studio_core.layout import check_sizes
@@ -76,6 +76,14 @@ class Layout:
     tp_size: int = 1
     fsdp_size: int = 1
     run_on: str = "local"  # where the run executes: a run backend (studio_core.backends)
+    nodes: int = 1  # machines, each running nproc processes (several: run_on slurm)
+    slurm: dict = field(default_factory=dict)  # run_on slurm: SLURM_KEYS
+
+
+# The studio.slurm block: the job's sbatch settings the user chooses.
+SLURM_KEYS = {"partition": "the partition (default: the cluster's default)", "time": "the time limit",
+              "account": "the account charged", "sbatch_args": "a list of other sbatch options",
+              "auto_resume": "true: HyperPod's srun --auto-resume=1"}
 
 
 @dataclass
@@ -100,7 +108,8 @@ class RunSpec:
         data = dict(data)
         studio = data.pop("studio", None) or {}
         if not isinstance(studio, dict):
-            raise SpecError(["studio: must be a mapping (trainer, nproc, cores, tp_size, fsdp_size, run_on)"])
+            raise SpecError(["studio: must be a mapping (trainer, nproc, cores, tp_size, fsdp_size, run_on, nodes, "
+                             "slurm)"])
         layout_keys = {f.name for f in fields(Layout)}
         unknown = set(studio) - layout_keys - STUDIO_KEYS
         if unknown:
@@ -120,7 +129,11 @@ class RunSpec:
         return spec
 
     def to_dict(self) -> dict:
-        studio = {"trainer": self.trainer, **asdict(self.layout)}
+        layout = asdict(self.layout)
+        for key, unset in (("nodes", 1), ("slurm", {})):  # written only when they say something
+            if layout[key] == unset:
+                del layout[key]
+        studio = {"trainer": self.trainer, **layout}
         studio |= {k: getattr(self, k) for k in ("column_map", "keep_columns", "rewards") if getattr(self, k)}
         out = {"studio": studio,
                "model_name_or_path": self.model_name_or_path,
@@ -291,6 +304,40 @@ def _check_layout(layout: Layout) -> list[str]:
     problems = check_sizes(layout.nproc, layout.tp_size, layout.fsdp_size)
     if layout.cores is not None and not isinstance(layout.cores, str):
         problems.append(f"studio.cores: {layout.cores!r} is not a core set; write it like \"0-3\" or \"0,1\"")
+    if not isinstance(layout.nodes, int) or isinstance(layout.nodes, bool) or layout.nodes < 1:
+        problems.append(f"studio.nodes: {layout.nodes!r} must be a whole number of machines, 1 or more")
+    elif layout.nodes > 1 and layout.run_on == "local":
+        problems.append(f"studio.nodes: {layout.nodes} nodes need a cluster: set studio.run_on: slurm (or "
+                        "nodes: 1 to run on this machine)")
+    return problems + _check_slurm(layout)
+
+
+def _check_slurm(layout: Layout) -> list[str]:
+    """The studio.slurm block, without asking the cluster (the Slurm backend checks the
+    partition and its nodes when the run starts)."""
+    options = layout.slurm
+    if not isinstance(options, dict):
+        return ["studio.slurm: must be a mapping of " + ", ".join(SLURM_KEYS)]
+    if options and layout.run_on != "slurm":
+        return [f"studio.slurm: these settings are for studio.run_on: slurm, but the run is {layout.run_on}"]
+    problems = [f"studio.slurm.{key}: unknown key; it takes " + "; ".join(f"{k} ({why})" for k, why in
+                                                                            SLURM_KEYS.items())
+                for key in options if key not in SLURM_KEYS]
+    for key in ("partition", "time", "account"):
+        if key in options and not isinstance(options[key], str):
+            problems.append(f"studio.slurm.{key}: {options[key]!r} is not text; write it in quotes")
+    if isinstance(options.get("time"), str):
+        problems += [p for p in [slurm.check_time(options["time"])] if p]
+    extra = options.get("sbatch_args", [])
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        problems.append("studio.slurm.sbatch_args: write a list of options, e.g. [--qos=high, --exclusive]")
+    else:
+        problems += slurm.check_sbatch_args(extra)
+    if not isinstance(options.get("auto_resume", False), bool):
+        problems.append("studio.slurm.auto_resume: write true or false")
+    if layout.run_on == "slurm" and layout.cores:
+        problems.append("studio.cores: Slurm picks the nodes and the job has each node to itself; leave cores "
+                        "empty for a Slurm run")
     return problems
 
 
@@ -309,6 +356,6 @@ def with_absolute_paths(spec: RunSpec) -> RunSpec:
 
 def resolved(spec: RunSpec, args: dict) -> RunSpec:
     """A copy of the spec with the planner's final TRL arguments."""
-    return replace(spec, args=dict(args), layout=replace(spec.layout), column_map=dict(spec.column_map),
+    return replace(spec, args=dict(args), layout=replace(spec.layout, slurm=dict(spec.layout.slurm)), column_map=dict(spec.column_map),
                    keep_columns=list(spec.keep_columns) if spec.keep_columns else None,
                    rewards=[dict(r) for r in spec.rewards])

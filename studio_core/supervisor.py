@@ -1,9 +1,15 @@
-"""The per-run supervisor of the local backend: starts torchrun, waits for it, writes the
-run's final status. An entry point, never imported.
+"""The per-run supervisor: starts torchrun, waits for it, writes the run's final status. An
+entry point, never imported.
 
-Started detached (its own session) by studio_core.backends.local, with output to train.log:
     python -m studio_core.supervisor RUN_DIR
-It outlives the web app, so closing or restarting the app changes nothing for a run.
+Local backend: started detached (its own session) by studio_core.backends.local, with output
+to train.log. It outlives the web app, so closing or restarting the app changes nothing for a run.
+Slurm backend: the batch script's `srun` starts one on every node of the job (see `on_slurm`):
+it holds no lease (the job has its nodes to itself), sets the rendezvous address for its
+node's torchrun, tags its hardware samples with the node, and only the first node's writes
+the final status. When Slurm ends the job (scancel, time limit), it writes none: the Slurm
+backend records Slurm's own reason once the job is gone.
+
 It holds the run's core leases (studio_core.leases) from before torchrun starts until
 every process of the run has ended; on the CPU backend it pins itself, and so torchrun
 and every rank, to those CPU cores.
@@ -20,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from studio_core import children, leases
@@ -31,6 +38,7 @@ from studio_core.runs.events import EventReader
 from studio_core.runs.folder import EVENTS, LOG, read_launch
 
 GRACE_S = 10
+RDZV_BASE_PORT = 29500  # a Slurm job's rendezvous port: this plus its job id modulo 1000
 LOG_TAIL_LINES = 60
 
 
@@ -41,21 +49,33 @@ def main(run_dir: Path) -> int:
     this_attempt.read_new()  # a resumed run's folder holds earlier attempts' events: skip them
     stop_requested_at: float | None = None
     backend, cores = launch["hardware"]["backend"], launch["cores"]
-    try:  # held until this process ends, after every process of the run has
-        lease = leases.acquire(run_dir.parent, backend, cores, holder=run_dir.name, kind="run")
-    except leases.CoresBusy as busy:  # taken between the manager's check and now
-        ev.append(events, ev.error(str(busy)))
-        ev.append(events, ev.status("failed"))
-        return 1
-    ev.append(events, ev.log(f"holding {backend} cores {cores}"))
-    if backend == "cpu":
-        pin_to_cpu_cores(cores)  # torchrun and every rank inherit the pinning
+    node = on_slurm(launch)
+    argv = launch["argv"]
+    if node is not None:
+        os.environ.update(slurm_rendezvous(node))
+        argv = [os.path.expandvars(arg) for arg in argv]  # $HEAD_ADDR, $RDZV_PORT, $SLURM_JOB_ID
+        nproc = next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--nproc-per-node="))
+        cores, lease = list(range(nproc)), None  # the node is the job's: its first nproc cores
+        if node.first:
+            ev.append(events, ev.log(f"Slurm job {node.job_id} runs on {node.names}; rendezvous at "
+                                     f"{os.environ['HEAD_ADDR']}:{os.environ['RDZV_PORT']}"))
+    else:
+        try:  # held until this process ends, after every process of the run has
+            lease = leases.acquire(run_dir.parent, backend, cores, holder=run_dir.name, kind="run")
+        except leases.CoresBusy as busy:  # taken between the manager's check and now
+            ev.append(events, ev.error(str(busy)))
+            ev.append(events, ev.status("failed"))
+            return 1
+        ev.append(events, ev.log(f"holding {backend} cores {cores}"))
+        if backend == "cpu":
+            pin_to_cpu_cores(cores)  # torchrun and every rank inherit the pinning
 
-    torchrun = subprocess.Popen(launch["argv"], stdin=subprocess.DEVNULL, cwd=run_dir,
-                                env=children.environment(launch["env"]))
-    ev.append(events, ev.log(f"torchrun started (pid {torchrun.pid})"))
+    torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=run_dir, env=children.environment(launch["env"]))
+    where = f" on node {node.name}" if node else ""
+    ev.append(events, ev.log(f"torchrun started{where} (pid {torchrun.pid})"))
     monitor: RunMonitor | None = RunMonitor(backend, cores, torchrun.pid)  # hardware events, every ~2 s
-    ev.append(events, ev.log(monitor.describe()))
+    if node is None or node.first:
+        ev.append(events, ev.log(monitor.describe()))
     next_sample = time.monotonic() + SAMPLE_EVERY_S
 
     def on_stop(signum, frame):
@@ -75,7 +95,7 @@ def main(run_dir: Path) -> int:
         if monitor is not None and time.monotonic() >= next_sample:
             next_sample += SAMPLE_EVERY_S
             try:
-                ev.append(events, ev.hardware(monitor.sample()))
+                ev.append(events, ev.hardware({**monitor.sample(), **({"node": node.name} if node else {})}))
             except Exception as failed:  # sampling must never cost the run its final status
                 ev.append(events, ev.log(f"hardware sampling stopped: {failed!r}"))
                 monitor.stop()
@@ -83,11 +103,17 @@ def main(run_dir: Path) -> int:
     if monitor is not None:
         monitor.stop()  # before the leftover check below: neuron-monitor carries the run's marker too
     stop_requested = stop_requested_at is not None
-    left = kill_run_processes(os.environ["STUDIO_RUN_ID"])  # ranks torchrun did not reap
+    left = kill_run_processes(os.environ["STUDIO_RUN_ID"], node.name if node else None)  # ranks torchrun left
     if left:
         ev.append(events, ev.log(f"processes that survived SIGKILL: {[p.pid for p in left]}"))
 
-    lease.release()
+    if lease is not None:
+        lease.release()
+    if node is not None and not node.first:
+        return 0  # the first node says how the run ended
+    if node is not None and stop_requested:
+        ev.append(events, ev.log(f"Slurm asked job {node.job_id} to end (SIGTERM): torchrun exited with {code}"))
+        return 0  # the Slurm backend writes the final status, with Slurm's reason, once the job is gone
     attempt = this_attempt.read_new()
     saved_stop = any(e["type"] == "saved_stop" for e in attempt)
     if stop_requested or (code == 0 and saved_stop):  # stopped, by signal or with a checkpoint as asked
@@ -106,6 +132,33 @@ def main(run_dir: Path) -> int:
             ev.append(events, ev.error(cause or f"torchrun exited with code {code}", traceback=tail))
         ev.append(events, ev.status("failed", exit_code=code))
     return 0
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    name: str  # this node's Slurm name
+    names: str  # the job's nodes, as Slurm writes them (n[1-2])
+    job_id: str
+    first: bool  # the first node: the rendezvous host, and the one that writes the final status
+
+
+def on_slurm(launch: dict) -> SlurmNode | None:
+    """This node, when the supervisor runs as a task of a Slurm job of the Slurm backend."""
+    if launch.get("backend") != "slurm" or "SLURM_JOB_ID" not in os.environ:
+        return None
+    return SlurmNode(os.environ.get("SLURMD_NODENAME", "?"), os.environ.get("SLURM_JOB_NODELIST", "?"),
+                     os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_NODEID", "0") == "0")
+
+
+def slurm_rendezvous(node: SlurmNode) -> dict[str, str]:
+    """HEAD_ADDR (the first node's address, as Slurm knows it: NodeAddr) and RDZV_PORT for torchrun."""
+    names = subprocess.run(["scontrol", "show", "hostnames", node.names], capture_output=True, text=True,
+                           check=True).stdout.split()
+    shown = subprocess.run(["scontrol", "show", "node", "-o", names[0]], capture_output=True, text=True,
+                           check=True).stdout
+    address = re.search(r"NodeAddr=(\S+)", shown)
+    return {"HEAD_ADDR": address.group(1) if address else names[0],
+            "RDZV_PORT": str(RDZV_BASE_PORT + int(node.job_id) % 1000)}
 
 
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?"

@@ -1,15 +1,16 @@
 """Run backends: where a run's processes execute (base.py says what each one does).
 
 `studio.run_on` in a spec names the backend; a run folder's launch.json says which one
-started it. One backend today, this machine; a cluster scheduler is one more module here.
+started it: this machine (local.py) or a Slurm cluster (slurm.py).
 """
 
 from __future__ import annotations
 
-from studio_core.backends.base import Ending, RunBackend
+from studio_core.backends.base import Ending, RunBackend, SubmitError
 from studio_core.backends.local import LocalBackend
+from studio_core.backends.slurm import SlurmBackend
 
-BACKENDS: dict[str, RunBackend] = {backend.name: backend for backend in (LocalBackend(),)}
+BACKENDS: dict[str, RunBackend] = {backend.name: backend for backend in (LocalBackend(), SlurmBackend())}
 DEFAULT = "local"
 
 
@@ -22,4 +23,4 @@ def get(name: str | None) -> RunBackend:
                        f"{', '.join(BACKENDS)}") from None
 
 
-__all__ = ["BACKENDS", "DEFAULT", "Ending", "RunBackend", "get"]
+__all__ = ["BACKENDS", "DEFAULT", "Ending", "RunBackend", "SubmitError", "get"]

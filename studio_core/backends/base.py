@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+class SubmitError(RuntimeError):
+    """The place refused the run, or could not be reached; the message says what it said."""
+
+
 @dataclass(frozen=True)
 class Ending:
     """How a run ended that has no final status in its events: the state to show, and why."""
@@ -28,15 +32,33 @@ class Ending:
 class RunBackend(ABC):
     name: str  # the value of the spec's studio.run_on
     description: str  # for people: where the run's processes execute
+    local_cores: bool = True  # does a run hold cores of this machine (leased by the manager)?
 
     @abstractmethod
-    def launch_argv(self, nproc: int, module: str, run_dir: str) -> list[str]:
-        """The command that starts `nproc` processes of `module` on the run folder. Pure."""
+    def launch_argv(self, layout, module: str, run_dir: str) -> list[str]:
+        """The command that starts the layout's processes of `module` on the run folder. Pure."""
+
+    def planned(self, spec, hardware, env: dict, run_dir, compile_cache) -> tuple[list, list]:
+        """What this backend adds to a plan: it may add to `env`; returns (applied, warnings),
+        applied as (key, value, reason). Pure but for looking at where folders are."""
+        return [], []
+
+    def describe_launch(self, plan) -> list[str]:
+        """Lines the plan's description adds for this backend (what it submits, and how)."""
+        return []
+
+    def check(self, layout) -> list[str]:
+        """Problems only the place itself can tell (asked before anything is made)."""
+        return []
 
     @abstractmethod
-    def submit(self, run_dir: Path, env: dict[str, str], cores: list[int], backend: str) -> None:
-        """Start the run whose folder is written; return once it holds its `cores` (on the
-        hardware `backend`: neuron, cuda or cpu) or has ended trying. `env`: the plan's."""
+    def submit(self, run_dir: Path, launch, backend: str) -> None:
+        """Start the run whose folder is written, as `launch` (its Plan) says; return once it holds
+        its cores (on the hardware `backend`: neuron, cuda or cpu), is queued, or has ended trying."""
+
+    def where(self, run_dir: Path, live: bool) -> str | None:
+        """Where the run is, for people (a Slurm job's id; with `live`, its state and nodes now), or None."""
+        return None
 
     @abstractmethod
     def alive(self, run_dir: Path) -> bool:

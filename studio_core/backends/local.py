@@ -35,19 +35,19 @@ class LocalBackend(RunBackend):
     name = "local"
     description = "this machine"
 
-    def launch_argv(self, nproc: int, module: str, run_dir: str) -> list[str]:
+    def launch_argv(self, layout, module: str, run_dir: str) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                f"--nproc-per-node={nproc}", "-m", module, str(run_dir)]
+                f"--nproc-per-node={layout.nproc}", "-m", module, str(run_dir)]
 
-    def submit(self, run_dir: Path, env: dict[str, str], cores: list[int], backend: str) -> None:
+    def submit(self, run_dir: Path, launch, backend: str) -> None:
         with open(run_dir / LOG, "ab") as log:
-            supervisor = children.start("studio_core.supervisor", run_dir, env=env, stdin=subprocess.DEVNULL,
+            supervisor = children.start("studio_core.supervisor", run_dir, env=launch.env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
         write_json(run_dir / SUPERVISOR, {"pid": supervisor.pid,
                                           "create_time": psutil.Process(supervisor.pid).create_time()})
         # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
         threading.Thread(target=supervisor.wait, name=f"reap-{run_dir.name}", daemon=True).start()
-        leases.wait_held(run_dir.parent, backend, cores, supervisor)
+        leases.wait_held(run_dir.parent, backend, launch.cores, supervisor)
 
     def alive(self, run_dir: Path) -> bool:
         return supervisor_process(run_dir) is not None

@@ -7,7 +7,9 @@ an event without a time), so the format can grow.
 
 Who writes what:
     manager      status starting, log (plan warnings, stop and save), resume
-    supervisor   log, hardware (every 2 s), error, status finished / failed / stopped
+    backend      log (a Slurm job id), error and status failed / stopped (a Slurm job that ended
+                 without a final status: Slurm's reason)
+    supervisor   log, hardware (every 2 s; per node on Slurm), error, status finished / failed / stopped
     worker       status running, progress, metrics, checkpoint, saved_stop, error, log
     compile_watch (in the worker)  compile_start, compile_end, compile_metrics, shape
     downloads (in the worker)      download, log
@@ -42,11 +44,12 @@ def _event(type_: str, **fields) -> dict:
 
 # --- the event types ----------------------------------------------------------------------
 def status(state: str, exit_code: int | None = None, world_size: int | None = None,
-           max_steps: int | None = None, num_train_epochs: float | None = None) -> dict:
+           max_steps: int | None = None, num_train_epochs: float | None = None, reason: str | None = None) -> dict:
     """The run's state changed. `state`: one of STATES. `exit_code`: torchrun's, when it ended.
-    When training begins (running): `world_size` (processes), `max_steps`, `num_train_epochs`."""
+    When training begins (running): `world_size` (processes), `max_steps`, `num_train_epochs`.
+    `reason`: why it ended, when the run itself could not say (Slurm ended the job)."""
     return _event("status", state=state, exit_code=exit_code, world_size=world_size, max_steps=max_steps,
-                  num_train_epochs=num_train_epochs)
+                  num_train_epochs=num_train_epochs, reason=reason)
 
 
 def progress(step: int, max_steps: int, epoch: float | None, step_s: float, compile_s: float,
@@ -190,6 +193,7 @@ class RunState:
 
     state: str = "starting"
     exit_code: int | None = None
+    reason: str | None = None  # why it ended, when Slurm ended it
     started: float | None = None  # first step began
     ended: float | None = None
     world_size: int | None = None
@@ -216,6 +220,7 @@ class RunState:
             self.exit_code = event.get("exit_code", self.exit_code)
             self.world_size = event.get("world_size", self.world_size)
             self.max_steps = event.get("max_steps", self.max_steps)
+            self.reason = event.get("reason")
             if self.state == "running" and self.started is None:
                 self.started = when
             if self.state in FINAL_STATES:
@@ -244,7 +249,7 @@ class RunState:
         elif kind == "resume":  # a new attempt from a checkpoint: what came after it is replaced
             step = event.get("step", 0)
             self.metrics = [m for m in self.metrics if m.get("step", 0) <= step]
-            self.step, self.progress_times, self.ended, self.exit_code = step, [], None, None
+            self.step, self.progress_times, self.ended, self.exit_code, self.reason = step, [], None, None, None
             self.compiling = {}
             self.attempts += 1
         elif kind == "hardware":

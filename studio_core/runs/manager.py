@@ -12,6 +12,7 @@ export or a delete.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from dataclasses import replace
@@ -64,6 +65,7 @@ class RunManager:
         here, now) the cores are the ones Start would take at this moment: the asked-for ones if
         free (else SpecError naming their holder), or the next free block."""
         spec = self.check(spec)
+        this_machine = this_machine and backends.get(spec.layout.run_on).local_cores
         cores = self.choose_cores(spec, hardware) if this_machine else (
             parse_cores(spec.layout.cores) if spec.layout.cores else None)
         launch = self._plan(spec, hardware, cores)
@@ -79,17 +81,39 @@ class RunManager:
     # --- starting ----------------------------------------------------------------------
     def start(self, spec: RunSpec, hardware: Hardware) -> RunView:
         """Check, pick cores, plan, write the run folder, hand it to the spec's backend.
-        Raises SpecError (naming the holder when a core is taken); nothing is left behind then."""
+        Raises SpecError (naming the holder when a core is taken, or what the cluster refused);
+        nothing is left behind then."""
         spec = self.check(spec)  # before the lock: the slow part
+        backend = self._ready(spec)
         run_id = folder.new_run_id(self.runs_dir, spec.display_name)
+        if not backend.local_cores:  # the cluster picks the nodes: no core of this machine is held
+            launch = self._plan(spec, hardware, None, run_id)
+            if launch.errors:
+                raise SpecError(launch.errors)
+            run_dir = self._create(run_id, launch, hardware)
+            try:
+                backend.submit(run_dir, launch, hardware.backend)
+            except backends.SubmitError as error:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                raise SpecError([f"not submitted: {error}"]) from error
+            return self.view(run_id)
         with leases.choosing(self.runs_dir):  # until the run's process holds the cores chosen here
             cores = self.choose_cores(spec, hardware)
             launch = self._plan(spec, hardware, cores, run_id)
             if launch.errors:
                 raise SpecError(launch.errors)
             run_dir = self._create(run_id, launch, hardware)
-            backends.get(launch.backend).submit(run_dir, launch.env, cores, hardware.backend)
+            backend.submit(run_dir, launch, hardware.backend)
         return self.view(run_id)
+
+    @staticmethod
+    def _ready(spec: RunSpec) -> backends.RunBackend:
+        """The spec's backend, once the place it runs accepts the layout (a cluster's partition)."""
+        backend = backends.get(spec.layout.run_on)
+        problems = backend.check(spec.layout)
+        if problems:
+            raise SpecError(problems)
+        return backend
 
     def _create(self, run_id: str, launch: Plan, hardware: Hardware) -> Path:
         """The run folder, made under a temporary name and renamed when whole: a listing never
@@ -122,23 +146,42 @@ class RunManager:
                              f"{', '.join(str(c['step']) for c in found)}"])
         spec = RunSpec.load(view.dir / folder.SPEC)  # resolved and checked when the run began
         first = view.launch()
+        backend = self._ready(spec)
+        if not backend.local_cores:
+            launch = self._resume_plan(spec, hardware, None, run_id, chosen, first)
+            self._restart(view.dir, launch, chosen, hardware)
+            try:
+                backend.submit(view.dir, launch, hardware.backend)
+            except backends.SubmitError as error:
+                events.append(view.dir / folder.EVENTS, events.status("stopped", reason=f"resume not submitted: "
+                                                                                     f"{error}"))
+                raise SpecError([f"not submitted: {error}"]) from error
+            return self.view(run_id)
         with leases.choosing(self.runs_dir):
             held = leases.holders(self.runs_dir, hardware.backend, hardware.cores)
             if spec.layout.cores and set(parse_cores(spec.layout.cores)) & set(held):
                 spec = replace(spec, layout=replace(spec.layout, cores=None))  # its cores are taken: next free
             cores = self.choose_cores(spec, hardware)
-            launch = self._plan(spec, hardware, cores, run_id)
-            if launch.errors:
-                raise SpecError(launch.errors)
-            launch.env[RESUME_ENV] = chosen["path"]
-            # the spec is the resolved one, so this plan applies nothing new: keep the first list
-            launch = replace(launch, applied=[tuple(entry) for entry in first.get("applied", [])])
-            clear_control(view.dir)
-            _write_launch(view.dir, launch, hardware)
-            events.append(view.dir / folder.EVENTS, events.resume(chosen["step"], chosen["path"]))
-            events.append(view.dir / folder.EVENTS, events.status("starting"))
-            backends.get(launch.backend).submit(view.dir, launch.env, cores, hardware.backend)
+            launch = self._resume_plan(spec, hardware, cores, run_id, chosen, first)
+            self._restart(view.dir, launch, chosen, hardware)
+            backend.submit(view.dir, launch, hardware.backend)
         return self.view(run_id)
+
+    def _resume_plan(self, spec: RunSpec, hardware: Hardware, cores, run_id: str, chosen: dict, first: dict) -> Plan:
+        launch = self._plan(spec, hardware, cores, run_id)
+        if launch.errors:
+            raise SpecError(launch.errors)
+        launch.env[RESUME_ENV] = chosen["path"]
+        # the spec is the resolved one, so this plan applies nothing new: keep the first list
+        return replace(launch, applied=[tuple(entry) for entry in first.get("applied", [])])
+
+    @staticmethod
+    def _restart(run_dir: Path, launch: Plan, chosen: dict, hardware: Hardware) -> None:
+        """The run folder made ready for its next attempt, from the checkpoint `chosen`."""
+        clear_control(run_dir)
+        _write_launch(run_dir, launch, hardware)
+        events.append(run_dir / folder.EVENTS, events.resume(chosen["step"], chosen["path"]))
+        events.append(run_dir / folder.EVENTS, events.status("starting"))
 
     def choose_cores(self, spec: RunSpec, hardware: Hardware) -> list[int]:
         """The cores the run will hold: the ones asked for if all are free, else the first free

@@ -79,10 +79,17 @@ class RunView(RunState):
     def active(self) -> bool:
         return self.live_state in ACTIVE_STATES
 
+    def where(self) -> str | None:
+        """Where the run executes, when not simply here: a Slurm job's id, and while it is
+        active its state (PENDING and Slurm's reason, RUNNING on which nodes)."""
+        return self.backend.where(self.dir, live=self.active)
+
     @property
     def error_text(self) -> str | None:
         if self.errors:
             return self.errors[-1].get("message")
+        if self.reason and self.state in FINAL_STATES:
+            return self.reason
         if self.state not in FINAL_STATES and self.live_state not in ACTIVE_STATES:
             ending = self.backend.ending(self.dir, self.created)
             return ending.reason if ending else None

@@ -1,0 +1,224 @@
+"""Talking to Slurm: its commands (sinfo, sbatch, squeue, scontrol, scancel), what they print,
+and the checks of what a user types for it (time limits, extra sbatch options).
+
+Only Slurm's own command-line tools are used, found on PATH; they find the cluster the
+usual way (slurm.conf, or $SLURM_CONF). The parsing functions are pure.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+COMMAND_TIMEOUT_S = 20
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+          "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
+# Options of sbatch the studio sets itself, or that would break the run it submits; the
+# studio's own setting for each, which the user changes instead.
+OWNED = {
+    "--output": "the studio writes every node's output to the run's train.log",
+    "--error": "the studio writes every node's output to the run's train.log",
+    "--input": "the run reads no standard input",
+    "--open-mode": "train.log is appended to, so a resumed run keeps its earlier log",
+    "--chdir": "the job starts in the run folder",
+    "--nodes": "set Nodes (--nodes of `launch.py train --slurm`) instead",
+    "--ntasks": "the studio starts one task per node, the node's supervisor",
+    "--ntasks-per-node": "the studio starts one task per node, the node's supervisor",
+    "--job-name": "the job is named after the run",
+    "--partition": "set Partition (--partition) instead",
+    "--time": "set Time limit (--time) instead",
+    "--account": "set Account (--account) instead",
+    "--parsable": "the studio reads the job id itself",
+    "--wrap": "the studio submits its own batch script",
+    "--array": "one run is one job; start several runs for a sweep",
+    "--export": "every node's supervisor needs the environment the job was submitted with",
+}
+SHORT = {"-o": "--output", "-e": "--error", "-i": "--input", "-D": "--chdir", "-N": "--nodes", "-n": "--ntasks",
+         "-J": "--job-name", "-p": "--partition", "-t": "--time", "-A": "--account", "-a": "--array"}
+TIME = re.compile(r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command is missing or failed; the message says which and what it printed."""
+
+
+def _run(*argv: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
+    if shutil.which(argv[0]) is None:
+        raise SlurmError(f"`{argv[0]}` is not on PATH: run the studio on a Slurm login node (or install "
+                         "Slurm's client commands and point them at the cluster with SLURM_CONF)")
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(argv)}` got no answer in {timeout:g} s: is Slurm's controller "
+                         "(slurmctld) up?") from None
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise SlurmError(f"`{' '.join(argv)}` failed: {said[-1] if said else f'exit code {done.returncode}'}")
+    return done.stdout
+
+
+# --- checks of what the user types (pure) ------------------------------------------------
+def check_time(text: str) -> str | None:
+    """A problem with a Slurm time limit, or None. Slurm's forms: minutes, minutes:seconds,
+    hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds."""
+    if TIME.match(text.strip()) or text.strip().upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    return (f"Slurm time limit {text!r} is not one Slurm reads: write minutes (90), hours:minutes:seconds "
+            "(1:30:00) or days-hours:minutes:seconds (2-00:00:00)")
+
+
+def check_sbatch_args(args: list[str]) -> list[str]:
+    """Problems with extra sbatch options: ones the studio owns, and words that are no option."""
+    problems = []
+    for arg in args:
+        if not arg.startswith("-"):
+            problems.append(f"extra sbatch option {arg!r} is not an option: each starts with - or --, e.g. "
+                            "--exclusive, --gres=neuron:16 or --qos=high (write a value as --name=value)")
+            continue
+        name = arg.split("=", 1)[0]
+        name = SHORT.get(name[:2], name) if not name.startswith("--") else name
+        if name in OWNED:
+            problems.append(f"extra sbatch option {arg!r}: the studio owns {name} ({OWNED[name]})")
+    return problems
+
+
+def split_args(text: str) -> list[str]:
+    """The extra sbatch options typed on one line, split as a shell would (ValueError on bad quoting)."""
+    return shlex.split(text or "")
+
+
+# --- what the commands print (pure) ------------------------------------------------------
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    nodes: int
+    default: bool
+    max_time: str
+    up: bool
+
+
+def parse_sinfo(text: str) -> dict[str, Partition]:
+    """`sinfo -h -o %P|%D|%l|%a` -> {name: Partition}. A partition over several lines (nodes in
+    several states) adds its node counts up."""
+    found: dict[str, Partition] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4 or not parts[1].isdigit():
+            continue
+        name, nodes, max_time, avail = parts
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        before = found.get(name)
+        found[name] = Partition(name, int(nodes) + (before.nodes if before else 0),
+                                default or bool(before and before.default), max_time, avail == "up")
+    return found
+
+
+def parse_fields(text: str) -> dict[str, str]:
+    """`scontrol show job -o ID` (KEY=VALUE words) -> {KEY: VALUE}."""
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    state: str  # Slurm's: PENDING, RUNNING, COMPLETED, CANCELLED, TIMEOUT, NODE_FAIL, FAILED, ...
+    reason: str  # why it waits or ended ("Resources", "Priority", "None")
+    nodes: str  # e.g. n[1-2]; empty while pending
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    def describe(self) -> str:
+        text = f"Slurm job {self.id}: {self.state}"
+        if self.state == "PENDING":
+            return f"{text} ({self.reason})" if self.reason and self.reason != "None" else text
+        if self.nodes:
+            text += f" on {self.nodes}"
+        return text + (f" ({self.reason})" if self.reason not in ("", "None") else "")
+
+
+def parse_squeue(job_id: str, text: str) -> Job | None:
+    """`squeue -h -j ID -o %T|%r|%N` -> the job, or None when Slurm no longer lists it."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    parts = line.split("|")
+    if len(parts) != 3:
+        return None
+    return Job(job_id, parts[0], parts[1], parts[2])
+
+
+# --- the commands ------------------------------------------------------------------------
+def partitions() -> dict[str, Partition]:
+    return parse_sinfo(_run("sinfo", "-h", "-o", "%P|%D|%l|%a"))
+
+
+def submit(script: str, cwd: str, extra: list[str] = ()) -> str:
+    """sbatch the script file (with the user's `extra` options), in `cwd`; the job id."""
+    out = _sbatch_in([*extra, script], cwd)
+    job_id = out.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise SlurmError(f"sbatch printed no job id: {out.strip()!r}")
+    return job_id
+
+
+def _sbatch_in(args: list[str], cwd: str) -> str:
+    if shutil.which("sbatch") is None:
+        return _run("sbatch")  # raises the missing-command message
+    try:
+        done = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise SlurmError("sbatch got no answer in 60 s: is Slurm's controller (slurmctld) up?") from None
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise SlurmError(f"sbatch refused the job: {said[-1] if said else f'exit code {done.returncode}'}")
+    return done.stdout
+
+
+_QUEUE: dict[str, tuple[float, Job | None]] = {}
+QUEUE_TTL_S = 1.0  # a page redraws every second: one squeue per job per second at most
+
+
+def queued(job_id: str) -> Job | None:
+    """The job as squeue lists it (None when it is no longer listed). SlurmError when the
+    controller does not answer."""
+    known = _QUEUE.get(job_id)
+    if known and time.monotonic() - known[0] < QUEUE_TTL_S:
+        return known[1]
+    try:
+        job = parse_squeue(job_id, _run("squeue", "-h", "-j", job_id, "-o", "%T|%r|%N"))
+    except SlurmError as error:
+        if "Invalid job id" not in str(error):
+            raise
+        job = None  # ended long enough ago that Slurm has forgotten it
+    _QUEUE[job_id] = (time.monotonic(), job)
+    return job
+
+
+def record(job_id: str) -> dict[str, str] | None:
+    """`scontrol show job`'s fields (JobState, Reason, ExitCode, NodeList, TimeLimit, ...), or None
+    once Slurm has forgotten the job (MinJobAge after it ended; 300 s by default)."""
+    try:
+        return parse_fields(_run("scontrol", "show", "job", "-o", job_id)) or None
+    except SlurmError as error:
+        if "Invalid job id" in str(error):
+            return None
+        raise
+
+
+def cancel(job_id: str) -> None:
+    _QUEUE.pop(job_id, None)
+    _run("scancel", job_id)
+
+
+def auto_resume_supported() -> bool:
+    """Does this cluster's srun take HyperPod's --auto-resume (the SageMaker HyperPod Slurm
+    plugin adds it to srun's options)?"""
+    try:
+        return "--auto-resume" in _run("srun", "--help")
+    except SlurmError:
+        return False

@@ -1,0 +1,149 @@
+"""A real 2-node Slurm cluster on this machine, for the tests and the bench.
+
+Debian's Slurm runs one controller (slurmctld) and two compute daemons (`slurmd -N n1`,
+`slurmd -N n2`) on localhost: two "nodes" whose jobs really get one `srun` task per node,
+so a 2-node torchrun rendezvous really happens. Everything lives in one private folder (its
+state, spool, logs, pids and slurm.conf); the ports are picked free when it starts, so two
+clusters (two test sessions) do not meet. Slurm's commands find it through SLURM_CONF.
+
+    cluster = SlurmCluster.start(folder)      # sinfo answers when this returns
+    cluster.env                                # {"SLURM_CONF": ...}: give it to the studio
+    cluster.stop()                             # by pid, never by name
+
+Needs root (the daemons run as root here, as in CI), Debian's `slurm-wlm` and `munge`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+NODES = ("n1", "n2")
+CONF = """\
+ClusterName=studio-test
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.%n.pid
+SlurmctldLogFile={d}/log/ctld.log
+SlurmdLogFile={d}/log/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+KillWait=5
+SlurmdTimeout=10
+MinJobAge=600
+{nodes}
+PartitionName=trn Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+NODE = "NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=2 RealMemory=8000 State=UNKNOWN"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def available() -> bool:
+    return all(shutil.which(tool) for tool in ("sbatch", "slurmctld", "slurmd", "munged"))
+
+
+def start_munge() -> None:
+    """munged, once per machine (Slurm authenticates every request through it)."""
+    if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
+        return
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"], check=True)
+
+
+@dataclass
+class SlurmCluster:
+    folder: Path
+
+    @property
+    def conf(self) -> Path:
+        return self.folder / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"SLURM_CONF": str(self.conf)}
+
+    @classmethod
+    def start(cls, folder: Path, timeout: float = 60) -> SlurmCluster:
+        folder = Path(folder)
+        for sub in ("state", "log", *[f"spool/{n}" for n in NODES]):
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+        nodes = "\n".join(NODE.format(name=n, port=free_port()) for n in NODES)
+        (folder / "slurm.conf").write_text(CONF.format(d=folder, ctld_port=free_port(), slurmd_port=free_port(),
+                                                       nodes=nodes, names=",".join(NODES)))
+        cluster = cls(folder)
+        start_munge()
+        env = {**os.environ, **cluster.env}
+        subprocess.run(["slurmctld", "-f", str(cluster.conf), "-i"], env=env, check=True)
+        for name in NODES:
+            cluster.start_node(name)
+        deadline = time.monotonic() + timeout
+        while cluster.idle_nodes() < len(NODES):
+            if time.monotonic() > deadline:
+                cluster.stop()
+                raise RuntimeError(f"the test Slurm cluster did not come up: see {folder / 'log'}")
+            time.sleep(0.5)
+        return cluster
+
+    def start_node(self, name: str) -> None:
+        subprocess.run(["slurmd", "-f", str(self.conf), "-N", name], env={**os.environ, **self.env}, check=True)
+
+    def run(self, *argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(list(argv), env={**os.environ, **self.env}, capture_output=True, text=True,
+                              timeout=30)
+
+    def idle_nodes(self) -> int:
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %t").stdout.split("\n")
+        return sum(1 for line in out if line.strip().endswith("idle"))
+
+    def pid(self, daemon: str) -> int | None:
+        try:
+            return int((self.folder / f"{daemon}.pid").read_text().split()[0])
+        except (FileNotFoundError, ValueError, IndexError):
+            return None
+
+    def kill(self, daemon: str, sig: int = signal.SIGTERM) -> None:
+        """Signal one daemon by its pid file: "slurmctld", or "slurmd.n1"."""
+        pid = self.pid(daemon)
+        if pid is None:
+            return
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for daemon in (*[f"slurmd.{n}" for n in NODES], "slurmctld"):
+            self.kill(daemon)
