@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 
 import gradio as gr
 import yaml
 
-from studio_core import trainers
+from studio_core import slurm, trainers
 from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.hardware import INSTANCES, Hardware, instance_hardware
 from studio_core.sources import cached_models
@@ -23,6 +24,7 @@ from studio_core.trainers import FormField
 from studio_core.trl_schema import trainer_fields
 
 THIS_MACHINE = "this machine"
+RUN_ON = [("this machine", "local"), ("Slurm", "slurm")]
 TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the form offers, when installed
 # The form's starting values suit the built-in tiny model: from random weights, it learns its
 # facts in seconds at this rate. Any other model starts at TRL's default for the trainer.
@@ -161,6 +163,28 @@ class TrainForm:
                                           info="another instance type: preview and export only",
                                           elem_id="target")
                 w["lnc"] = gr.Dropdown([2, 1], value=2, label="LNC (instance types)", elem_id="lnc")
+            w["run_on"] = gr.Radio(RUN_ON, value="local", label="Run on", elem_id="run_on",
+                                   info="Slurm: the studio submits the run with sbatch (use it on the cluster's login "
+                                   "node); Processes is then per node, and Plan for is the nodes' type")
+            partitions, partition_info = slurm_partitions()
+            with gr.Group(visible=False, elem_id="slurm-box") as self.slurm_box:
+                with gr.Row():
+                    w["partition"] = gr.Dropdown(partitions, value=None, allow_custom_value=True, label="Partition",
+                                                 info=partition_info, elem_id="partition")
+                    w["nodes"] = gr.Number(1, label="Nodes", precision=0, minimum=1, elem_id="nodes",
+                                           info="each runs the processes above; HSDP replicates across nodes")
+                    w["time"] = gr.Textbox(label="Time limit", placeholder="partition default", elem_id="time",
+                                           info="as sbatch reads it: 90 (minutes), 1:30:00, 2-00:00:00")
+                with gr.Row():
+                    w["account"] = gr.Textbox(label="Account", placeholder="your default", elem_id="account")
+                    w["sbatch_args"] = gr.Textbox(label="Other sbatch options", elem_id="sbatch_args",
+                                                  placeholder="e.g. --qos=high --gres=neuron:16",
+                                                  info="the studio sets --output, --nodes, --job-name and the like "
+                                                  "itself")
+                    w["auto_resume"] = gr.Checkbox(False, label="HyperPod auto-resume (srun --auto-resume=1)",
+                                                   elem_id="auto_resume", interactive=slurm.auto_resume_supported(),
+                                                   info="offered when this cluster's srun has --auto-resume "
+                                                   "(SageMaker HyperPod)")
             self.core_map = gr.HTML("", elem_id="core-map")
         with gr.Accordion("LoRA", open=False):
             w["use_peft"] = gr.Checkbox(False, label="Train a LoRA adapter instead of the full model",
@@ -256,14 +280,39 @@ def spec_from_form(v: dict) -> RunSpec:
         args["report_to"] = v["report_to"]
     args |= _yaml(v["extra"], "Other TRL settings", dict)
     keep = [c.strip() for c in (v["keep_columns"] or "").split(",") if c.strip()]
+    on_slurm = v.get("run_on") == "slurm"
     return RunSpec(trainer=trainer, model_name_or_path=(v["model"] or "").strip(),
                    dataset_name=(v["dataset"] or "").strip(),
                    dataset_config=(v["dataset_config"] or "").strip() or None,
                    dataset_train_split=(v["dataset_split"] or "").strip() or "train",
                    run_name=(v["run_name"] or "").strip() or None, args=args,
-                   layout=Layout(nproc=int(v["nproc"] or 1), cores=(v["cores"] or "").strip() or None,
-                                 tp_size=int(v["tp_size"] or 1), fsdp_size=int(v["fsdp_size"] or 1)),
+                   layout=Layout(nproc=int(v["nproc"] or 1), cores=None if on_slurm else (v["cores"] or "").strip() or None,
+                                 tp_size=int(v["tp_size"] or 1), fsdp_size=int(v["fsdp_size"] or 1),
+                                 run_on=v.get("run_on") or "local", nodes=int(v.get("nodes") or 1) if on_slurm else 1,
+                                 slurm=slurm_options(v) if on_slurm else {}),
                    column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards)
+
+
+def slurm_partitions() -> tuple[list[str], str]:
+    """The cluster's partitions (from sinfo) and the line under the choice."""
+    try:
+        found = slurm.partitions()
+    except slurm.SlurmError as error:
+        return [], f"no Slurm here: {error}"
+    default = next((p.name for p in found.values() if p.default), None)
+    return list(found), ", ".join(f"{p.name}: {p.nodes} node(s)" + (" (default)" if p.name == default else "")
+                                  for p in found.values())
+
+
+def slurm_options(v: dict) -> dict:
+    """The studio.slurm block from the form's Slurm widgets (only what is filled in)."""
+    try:
+        extra = slurm.split_args(v.get("sbatch_args") or "")
+    except ValueError as error:
+        raise SpecError([f"Other sbatch options: {error} (check the quotes)"]) from error
+    options = {key: (v.get(key) or "").strip() for key in ("partition", "time", "account")}
+    options = {key: value for key, value in options.items() if value}
+    return options | ({"sbatch_args": extra} if extra else {}) | ({"auto_resume": True} if v.get("auto_resume") else {})
 
 
 def target_hardware(v: dict, detected: Hardware) -> Hardware:
@@ -310,7 +359,10 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
          "column_map": yaml.safe_dump(spec.column_map, sort_keys=False) if spec.column_map else "",
          "keep_columns": ", ".join(map(str, spec.keep_columns or [])),
          "nproc": spec.layout.nproc, "tp_size": spec.layout.tp_size, "fsdp_size": spec.layout.fsdp_size,
-         "cores": spec.layout.cores or "",
+         "cores": spec.layout.cores or "", "run_on": spec.layout.run_on, "nodes": spec.layout.nodes,
+         "partition": spec.layout.slurm.get("partition"), "time": spec.layout.slurm.get("time", ""),
+         "account": spec.layout.slurm.get("account", ""), "auto_resume": bool(spec.layout.slurm.get("auto_resume")),
+         "sbatch_args": shlex.join(spec.layout.slurm.get("sbatch_args", [])),
          "max_steps": max(num("max_steps") or 0, 0), "num_train_epochs": num("num_train_epochs"),
          "learning_rate": num("learning_rate"), "per_device_train_batch_size": num("per_device_train_batch_size"),
          "logging_steps": num("logging_steps"), "gradient_accumulation_steps": num("gradient_accumulation_steps"),

@@ -190,7 +190,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         except (SpecError, ValueError, TypeError) as error:
             return f"<div class='core-map'>{error}</div>"
         count = target.cores
-        held = manager.core_holders(target) if target is hardware else {}
+        nodes = spec.layout.nodes if spec.layout.run_on == "slurm" else 0
+        held = manager.core_holders(target) if target is hardware and not nodes else {}
         try:
             cores = parse_cores(spec.layout.cores) if spec.layout.cores else pick_cores(
                 spec.layout.nproc, set(range(count)) - set(held), target)
@@ -200,18 +201,20 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         problems += [f"core {c} is held by {held[c]}: choose free cores, or stop it first"
                      for c in cores or [] if c in held]
         note = "".join(f"<div style='color:#dc322f;font-size:0.85em'>{p}</div>" for p in problems)
-        return core_map_html(target, cores or [], spec.layout.tp_size, held) + note
+        return core_map_html(target, cores or [], spec.layout.tp_size, held, nodes) + note
 
     def on_start(values):
         try:
             v = form.named(values)
-            if v["target"] != THIS_MACHINE:
+            if v["target"] != THIS_MACHINE and v["run_on"] != "slurm":
                 raise SpecError([f"Plan for: {v['target']} is not this machine ({hardware.describe()}); "
                                  "Preview or Export the launch script for it, or plan for this machine"])
-            view = manager.start(spec_from_form(v), hardware)
+            view = manager.start(spec_from_form(v), target_hardware(v, hardware))
         except SpecError as error:
             return problems_markdown(error), gr.update(), gr.update()
-        return f"Started run `{view.id}`. It keeps going if you close this page.", gr.update(visible=False), view.id
+        where = view.where()
+        return (f"Started run `{view.id}`" + (f" ({where})" if where else "") + ". It keeps going if you close "
+                "this page.", gr.update(visible=False), view.id)
 
     def on_stop(run_id):
         if not run_id:
@@ -253,7 +256,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         w[name].change(check_extra, [w["trainer"], w["extra"]], form.extra_check, show_progress="hidden")
     preview_btn.click(on_preview, inputs, [message, plan_box])
     export_btn.click(on_export, inputs, [message, exports])
-    for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc"):
+    w["run_on"].change(lambda run_on: (gr.update(visible=run_on == "slurm"), gr.update(interactive=run_on != "slurm")),
+                       w["run_on"], [form.slurm_box, w["cores"]], show_progress="hidden")
+    for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc", "run_on", "nodes"):
         w[name].change(on_layout, inputs, form.core_map, show_progress="hidden", concurrency_id="core-map")
     # one queue for every redraw, so an older one (the accordion opening) never lands after a newer one
     form.layout_box.expand(on_layout, inputs, form.core_map, show_progress="hidden", concurrency_id="core-map")

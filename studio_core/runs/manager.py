@@ -147,7 +147,8 @@ class RunManager:
         spec = RunSpec.load(view.dir / folder.SPEC)  # resolved and checked when the run began
         first = view.launch()
         backend = self._ready(spec)
-        if not backend.local_cores:
+        if not backend.local_cores:  # the nodes are of the kind first planned for (Plan for, --instance)
+            hardware = Hardware(**first["hardware"]) if first.get("hardware") else hardware
             launch = self._resume_plan(spec, hardware, None, run_id, chosen, first)
             self._restart(view.dir, launch, chosen, hardware)
             try:

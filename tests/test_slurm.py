@@ -1,0 +1,235 @@
+"""Runs on a real Slurm cluster: two compute daemons on this machine (tests/slurm_cluster.py).
+
+Skipped where Slurm is not installed; .ci/run installs it, and fails when it is missing.
+Every Slurm test is in this file, so one pytest worker owns the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, available
+from studio_browser import browser  # noqa: F401 (a fixture)
+
+from studio_core.backends.slurm import JOB, job_of
+from studio_core.hardware import cpu_hardware
+from studio_core.procs import run_processes
+from studio_core.runs.manager import RunManager
+from studio_core.spec import RunSpec, SpecError
+
+pytestmark = pytest.mark.skipif(not available(), reason="Slurm is not installed (apt install slurm-wlm munge)")
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "tiny-sft.yaml"
+LONG = ["max_steps=100000", "logging_steps=50"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The 2-node cluster for this file; Slurm's commands (here and in the runs) find it by SLURM_CONF."""
+    started = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
+    before = os.environ.get("SLURM_CONF")
+    os.environ.update(started.env)
+    yield started
+    for line in started.run("squeue", "-h", "-o", "%i").stdout.split():
+        started.run("scancel", line)
+    started.stop()
+    if before is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = before
+
+
+def slurm_spec(*overrides: str, nodes: int = 2, **options) -> RunSpec:
+    spec = RunSpec.load(RECIPE).with_overrides(["studio.run_on=slurm", f"studio.nodes={nodes}", *overrides])
+    spec.layout.slurm = options
+    return spec
+
+
+def cli(*args: str, runs_dir: Path, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "launch.py", *args, "--runs-dir", str(runs_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def nothing_left(run_id: str) -> None:
+    deadline = time.monotonic() + 20
+    while run_processes(run_id):
+        assert time.monotonic() < deadline, [p.cmdline() for p in run_processes(run_id)]
+        time.sleep(0.5)
+
+
+def test_two_nodes_train_headless_as_a_local_two_process_run_does(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    steps = ["--set", "max_steps=6", "--set", "logging_steps=1"]
+    out = cli("train", str(RECIPE), "--backend", "cpu", "--slurm", "--nodes", "2", "--partition", "trn",
+              "--time", "10", *steps, "--detach", runs_dir=runs).stdout
+    assert "Slurm job" in out
+    manager = RunManager(runs)
+    [view] = manager.list()
+    running = manager.wait(view.id, until=lambda v: v.step >= 1 or not v.active, timeout=120)
+    assert "RUNNING on n[1-2]" in running.where()
+    assert manager.core_holders(cpu_hardware()) == {}  # Slurm owns the nodes: no core of this machine leased
+    slurm_run = manager.wait(view.id, timeout=120)
+    assert slurm_run.live_state == "finished", slurm_run.log_tail()
+    assert slurm_run.world_size == 2
+    assert {sample.get("node") for sample in slurm_run.hardware} == {"n1", "n2"}  # each node samples itself
+    log = slurm_run.log_tail()
+    assert any(line.startswith("0: ") for line in log.splitlines())  # every node's output, labelled
+    assert "#SBATCH --nodes=2" in (slurm_run.dir / "slurm.sh").read_text()
+    listed = cli("runs", runs_dir=runs).stdout
+    assert f"[Slurm job {job_of(slurm_run.dir)}]" in listed and "finished" in listed
+
+    local = manager.start(RunSpec.load(RECIPE).with_overrides(["studio.nproc=2", "max_steps=6", "logging_steps=1"]),
+                          cpu_hardware())
+    local = manager.wait(local.id, timeout=120)
+    assert local.live_state == "finished"
+    # the same data-parallel training, two ways: two nodes x one process, one node x two processes
+    assert [s for s, _ in slurm_run.losses()] == [s for s, _ in local.losses()] == list(range(1, 7))
+    assert [loss for _, loss in slurm_run.losses()] == pytest.approx([loss for _, loss in local.losses()],
+                                                                     rel=1e-4)
+
+
+def test_stop_and_save_then_resume_on_slurm_goes_on_from_the_checkpoint(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    manager = RunManager(runs)
+    view = manager.start(slurm_spec("max_steps=40", "logging_steps=1"), cpu_hardware())
+    manager.wait(view.id, until=lambda v: v.step >= 3, timeout=120)
+    cli("stop", view.id, "--save", runs_dir=runs)  # the control file every rank reads
+    stopped = manager.view(view.id)
+    assert stopped.live_state == "stopped" and stopped.resume_point() is not None
+    saved = stopped.resume_point()["step"]
+    assert 3 <= saved < 40
+
+    out = cli("train", "--resume", view.id, "--backend", "cpu", "--detach", runs_dir=runs).stdout
+    assert f"resumed from step {saved}" in out
+    done = manager.wait(view.id, timeout=180)
+    assert done.live_state == "finished", done.log_tail()
+    assert done.step == 40 and done.attempts == 2
+    ids = json.loads((done.dir / JOB).read_text())["job_ids"]
+    assert len(ids) == 2 and ids[0] != ids[1]  # resubmitted into the same run folder
+    steps = [s for s, _ in done.losses()]
+    assert steps == sorted(set(steps)) and steps[-1] == 40
+
+
+def test_slurm_states_and_endings_pending_time_limit_outside_cancel_and_stop_now(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    manager = RunManager(runs)
+    timed = manager.start(slurm_spec(*LONG, time="0:01"), cpu_hardware())  # both nodes, for one minute
+    manager.wait(timed.id, until=lambda v: v.live_state == "running", timeout=120)
+    waiting = manager.start(slurm_spec(*LONG), cpu_hardware())
+    cancelled = manager.start(slurm_spec(*LONG), cpu_hardware())
+    pending = manager.wait(waiting.id, until=lambda v: "PENDING" in (v.where() or ""), timeout=30)
+    assert pending.live_state == "starting" and "(Resources)" in pending.where()
+
+    cluster.run("scancel", job_of(cancelled.dir))  # outside the studio
+    gone = manager.wait(cancelled.id, timeout=60)
+    assert gone.live_state == "stopped" and "cancelled outside the studio" in gone.reason
+
+    # the first job meets its time limit; the waiting one then gets the nodes and trains
+    running = manager.wait(waiting.id, until=lambda v: v.step >= 1, timeout=240)
+    assert "RUNNING on n[1-2]" in running.where()
+    ended = manager.view(timed.id)
+    assert ended.live_state == "failed" and "time limit" in ended.error_text
+    nothing_left(timed.id)
+
+    stopped = manager.stop(waiting.id)  # Stop now: scancel, and nothing of the job is left
+    assert stopped.live_state == "stopped" and "Stop now" in stopped.reason
+    nothing_left(waiting.id)
+    assert cluster.run("squeue", "-h").stdout.strip() == ""
+
+    # a restarted app reads the same endings from the folders, after Slurm has let the jobs go
+    again = {view.id: view for view in RunManager(runs).list()}
+    assert again[timed.id].live_state == "failed" and "time limit" in again[timed.id].error_text
+    assert again[cancelled.id].live_state == "stopped" and "cancelled outside" in again[cancelled.id].reason
+    assert again[waiting.id].live_state == "stopped"
+    listed = cli("runs", runs_dir=runs).stdout
+    assert "time limit" in listed and "cancelled outside the studio" in listed
+
+
+def test_bad_slurm_input_is_refused_before_anything_is_submitted(cluster, tmp_path, monkeypatch):
+    manager = RunManager(tmp_path / "runs")
+    refused = {
+        "partition": (slurm_spec(partition="gpu"), "not a partition of this cluster; choose one of trn"),
+        "nodes": (slurm_spec(nodes=3), "partition trn has 2 node(s); ask for at most 2"),
+        "time": (slurm_spec(time="1:2:3:4"), "hours:minutes:seconds"),
+        "owned option": (slurm_spec(sbatch_args=["--output=x.log"]), "the studio owns --output"),
+        "short owned option": (slurm_spec(sbatch_args=["-N", "4"]), "the studio owns --nodes"),
+        "cores": (slurm_spec("studio.cores='0'"), "leave cores empty for a Slurm run"),
+    }
+    for what, (spec, message) in refused.items():
+        with pytest.raises(SpecError, match=re.escape(message)):
+            manager.start(spec, cpu_hardware())
+    down = tmp_path / "down.conf"  # a cluster whose controller does not answer
+    down.write_text(cluster.conf.read_text().replace("SlurmctldPort=", "SlurmctldPort=1"))
+    monkeypatch.setenv("SLURM_CONF", str(down))
+    with pytest.raises(SpecError, match="Slurm: `sinfo -h"):
+        manager.start(slurm_spec(), cpu_hardware())
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SpecError, match="`sinfo` is not on PATH: run the studio on a Slurm login node"):
+        manager.start(slurm_spec(), cpu_hardware())
+    monkeypatch.undo()
+    assert [p.name for p in manager.runs_dir.iterdir() if not p.name.startswith(".")] == []
+    assert cluster.run("squeue", "-h").stdout.strip() == ""
+
+
+def test_sbatch_refusing_the_job_leaves_no_run_folder(cluster, tmp_path):
+    manager = RunManager(tmp_path / "runs")
+    with pytest.raises(SpecError, match="not submitted: sbatch refused the job"):
+        manager.start(slurm_spec(sbatch_args=["--mem=999999999"]), cpu_hardware())
+    assert [p.name for p in manager.runs_dir.iterdir() if not p.name.startswith(".")] == []
+
+
+def test_slurm_is_planned_without_a_cluster(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no Slurm command reachable
+    out = cli("plan", str(RECIPE), "--slurm", "--nodes", "2", "--instance", "trn2.48xlarge", "--nproc", "32",
+              "--time", "2:00:00", "--no-forecast", runs_dir=tmp_path / "runs").stdout
+    for text in ("#SBATCH --nodes=2", "#SBATCH --time=2:00:00", "export FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA",
+                 "--nproc-per-node=32", "sbatch --parsable slurm.sh", "srun --label"):
+        assert text in out
+    assert "NEURON_RT_VISIBLE_CORES" not in out  # each node is the job's: every core of it
+    assert "is on this machine's own disk" in out  # a runs folder under /tmp, for two nodes
+
+
+@pytest.mark.skipif(not shutil.which("chromium") and not Path("/usr/bin/chromium").exists(),
+                    reason="Debian's chromium is not installed")
+def test_a_two_node_run_from_the_page(cluster, browser, tmp_path):
+    from studio_browser import App, open_page, run_state, set_number, stop_runs
+    from playwright.sync_api import expect
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    app = App(runs, env={**os.environ, **cluster.env})
+    try:
+        page = open_page(browser, app.url)
+        set_number(page, "max_steps", 8)
+        page.get_by_text("Layout: processes, parallelism, cores").click()
+        page.locator("#run_on").get_by_text("Slurm", exact=True).click()
+        partition = page.locator("#partition")
+        expect(partition).to_contain_text("trn: 2 node(s) (default)")
+        set_number(page, "nodes", 2)
+        expect(page.locator("#core-map")).to_contain_text("x 2 nodes", timeout=30_000)
+        page.locator("#preview").click()
+        plan = page.locator("#plan")
+        plan.get_by_text("#SBATCH --nodes=2").first.wait_for()
+        assert "sbatch --parsable slurm.sh" in plan.inner_text()
+        page.locator("#start").click()
+        expect(page.locator("#train-message")).to_contain_text("Slurm job", timeout=30_000)
+        run_state(page, "FINISHED").wait_for(timeout=180_000)
+        status = page.locator(".run-status").first.inner_text()
+        assert "Slurm job" in status and "2 processes" in status and "loss" in status
+        [view] = app.runs()
+        assert view.spec["studio"]["nodes"] == 2 and view.spec["studio"]["run_on"] == "slurm"
+        page.close()
+    finally:
+        app.kill()
+        stop_runs(runs)
