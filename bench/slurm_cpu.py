@@ -25,7 +25,9 @@ Each side runs once uncounted first (--warmup), then --rounds rounds, the sides 
 slurm, local; round 2: local, slurm; ...). A run is started with RunManager.start(spec,
 cpu_hardware()) (Slurm: returns after sbatch), followed to its end, and only then -- once its
 processes are gone (Slurm: the job has left squeue, COMPLETING included) -- does the next start, so
-the sides never overlap.
+the sides never overlap. A run that ends other than `finished` stops the bench (its error and
+train.log tail are printed), unless it trained and reported every step first: then its figures are
+kept, marked !, and the bench reports the failure after the table and exits 1.
 
 1. Submit -> first step: from just before RunManager.start() to the `time` of the first `progress`
    event with step >= 1 in the run's events.jsonl (read after the run ended). Also shown: the start
@@ -150,16 +152,22 @@ def run_once(manager: RunManager, side: str, poll_s: float) -> dict:
     load_after = os.getloadavg()
     view = manager.view(run_id)
     state = view.live_state
-    if state != "finished":
-        raise BenchError(f"{side} run {run_id} ended {state}: {view.error_text}\n"
-                         f"--- {view.dir / 'train.log'} (tail) ---\n{tail(view.dir / 'train.log', 60)}")
     events = read_events(view.dir / "events.jsonl")
     progress = [e for e in events if e["type"] == "progress"]
+    failure = None
+    if state != "finished":
+        failure = (f"{side} run {run_id} ended {state}: {view.error_text}\n"
+                   f"--- {view.dir / 'train.log'} (tail) ---\n{tail(view.dir / 'train.log', 40)}")
+        if not progress or progress[-1].get("step") != MAX_STEPS:  # no whole run to measure
+            raise BenchError(failure)
+        # Every step was trained and reported, only the end went wrong: its figures stand, and
+        # the bench reports the failure (and exits 1) after the table.
+        print(f"[bench] ENGINE FAILURE (figures kept, the bench will exit 1): {failure}", flush=True)
     first = next((e for e in progress if e.get("step", 0) >= 1), None)
     running = next((e for e in events if e["type"] == "status" and e.get("state") == "running"), None)
-    finished = next((e for e in events if e["type"] == "status" and e.get("state") == "finished"), None)
-    if first is None or running is None or finished is None:
-        raise BenchError(f"{side} run {run_id}: no progress event, running or finished status in its events")
+    ended = next((e for e in events if e["type"] == "status" and e.get("state") in FINAL_STATES), None)
+    if first is None or running is None or ended is None:
+        raise BenchError(f"{side} run {run_id}: no progress event, running or final status in its events")
     delays = {}
     for event in progress:
         step = event["step"]
@@ -173,7 +181,7 @@ def run_once(manager: RunManager, side: str, poll_s: float) -> dict:
         "start_call_s": t_started - t0,
         "to_running_s": running["time"] - t0,
         "running_to_first_step_s": first["time"] - running["time"],
-        "wall_s": finished["time"] - t0,
+        "wall_s": ended["time"] - t0, "ended": state, "failure": failure,
         "final_seen_s": t_final_seen - t0, "gone_s": t_gone - t0,
         "view_delays_s": [delays[s] for s in sorted(delays)],
         "view_delay_steps": sorted(delays), "steps_never_seen": missing,
@@ -211,9 +219,12 @@ def measure(work: Path, args, report: dict) -> None:
         print(f"[bench] Slurm cluster up in {report['cluster_start_s']:.1f} s ({cluster.conf}; job ids from "
               f"{first_job_id}); runs in {work / 'runs'}", flush=True)
         manager = RunManager(work / "runs")
+        warmups: list[dict] = []
+        report["warmups"] = warmups
         for i in range(args.warmup):
             for side in SIDES:
                 row = run_once(manager, side, args.poll)
+                warmups.append(row)
                 print(f"[bench] warm-up {side}: {format_row(row)}", flush=True)
         rows: list[dict] = []
         report["rounds"] = rows  # filled as runs end: a failed bench still reports what it measured
@@ -227,6 +238,11 @@ def measure(work: Path, args, report: dict) -> None:
                 print(f"[bench] round {i + 1} {side}: {format_row(row)}; before it others used "
                       f"{gate['others_cores_before']:.2f} cores", flush=True)
         report["summary"] = summarize(rows)
+        failures = [r["failure"] for r in [*warmups, *rows] if r["failure"]]
+        if failures:
+            report["engine_failures"] = failures
+            raise BenchError(f"{len(failures)} run(s) ended other than finished (their figures are in the table, "
+                             f"marked !):\n" + "\n".join(failures))
     finally:
         try:
             if manager is not None:  # a run still going is cancelled while its cluster can still answer
@@ -290,7 +306,8 @@ def print_report(report: dict) -> None:
           f"{'view med ms':>11} {'view p95 ms':>11} {'steps':>5} {'others':>6} {'load 1m':>11}  run")
     for r in rows:
         med, high = r["view_delay_median_s"], r["view_delay_p95_s"]
-        print(f"{r['round']:>5} {r['side']:>5} {r['startup_s']:>8.2f} {r['start_call_s']:>7.2f} "
+        mark = " " if r["ended"] == "finished" else "!"
+        print(f"{r['round']:>4}{mark} {r['side']:>5} {r['startup_s']:>8.2f} {r['start_call_s']:>7.2f} "
               f"{r['to_running_s']:>7.2f} {r['wall_s']:>6.2f} {'-' if med is None else f'{med * 1000:.0f}':>11} "
               f"{'-' if high is None else f'{high * 1000:.0f}':>11} {len(r['view_delays_s']):>5} "
               f"{r['quiet_gate']['others_cores_before']:>6.2f} "
@@ -298,7 +315,8 @@ def print_report(report: dict) -> None:
     print("step 1 s: submit (just before RunManager.start) -> the first progress event's time; start(): the start "
           "call (Slurm: incl. sbatch);\nrunning: submit -> the `running` status (on_train_begin); wall s: submit -> "
           "final status; view med/p95: event -> RunManager.view shows the step;\nothers: cores other processes used "
-          "in the 2 s before the run; load 1m: load average before -> after the run")
+          "in the 2 s before the run; load 1m: load average before -> after the run;\n!: the run ended other than "
+          "finished after training every step (its figures are kept; see the failure below)")
     summary = report.get("summary")
     if not summary:
         return
