@@ -26,14 +26,15 @@ class HardwarePanel:
         self.note = gr.Markdown("", elem_classes="run-hardware")
         plot = {"x": "seconds", "x_title": "seconds since start", "height": 220}
         with gr.Row():
-            self.cpu = gr.LinePlot(y="cpu_percent", title="CPU of the run's processes (%, 100 = one core)", **plot)
-            self.rss = gr.LinePlot(y="rss_mb", title="Memory of the run's processes (RSS, MB)", **plot)
+            self.cpu = gr.LinePlot(y="cpu_percent", color="node", title="CPU of the run's processes (%, 100 = one "
+                                   "core)", **plot)
+            self.rss = gr.LinePlot(y="rss_mb", color="node", title="Memory of the run's processes (RSS, MB)", **plot)
         with gr.Row():
             self.neuron_util = gr.LinePlot(y="utilization", color="core", title="NeuronCore utilisation (%)",
                                            visible=False, **plot)
             self.neuron_mem = gr.LinePlot(y="memory_mb", color="core", title="NeuronCore device memory (MB)",
                                           visible=False, **plot)
-            self.cuda_mem = gr.LinePlot(y="cuda_mb", title="CUDA memory of the run's processes (MB)",
+            self.cuda_mem = gr.LinePlot(y="cuda_mb", color="node", title="CUDA memory of the run's processes (MB)",
                                         visible=False, **plot)
 
     @property
@@ -69,7 +70,7 @@ def note_markdown(view: RunView) -> str:
         return "Hardware: this run has no hardware samples (runs started before hardware monitoring have none)."
     sources = next((e["sources"] for e in reversed(view.hardware) if "sources" in e), {})
     last = view.hardware[-1]
-    now = (f"{last['processes']} process(es), CPU {last['cpu_percent']:.0f} %, "
+    now = (f"node {last['node']}: " if "node" in last else "") + (f"{last['processes']} process(es), CPU {last['cpu_percent']:.0f} %, "
            f"RSS {last['rss_bytes'] / MB:,.0f} MB")
     if "cuda_mem_bytes" in last:
         now += f", CUDA memory {last['cuda_mem_bytes'] / MB:,.0f} MB"
@@ -88,21 +89,27 @@ def note_markdown(view: RunView) -> str:
 
 
 def _thin(samples: list[dict]) -> list[dict]:
-    stride = max(1, -(-len(samples) // MAX_POINTS))
-    return samples[::stride]
+    """At most MAX_POINTS samples per node, evenly spaced (a Slurm run's nodes sample in turns)."""
+    nodes: dict[str | None, list[dict]] = {}
+    for sample in samples:
+        nodes.setdefault(sample.get("node"), []).append(sample)
+    kept = [s for own in nodes.values() for s in own[::max(1, -(-len(own) // MAX_POINTS))]]
+    return sorted(kept, key=lambda s: s["time"])
 
 
 def _process_frame(samples: list[dict], column: str, start: float = 0.0) -> pd.DataFrame:
+    """One row per sample: seconds, value, node (the plots' colour: a Slurm run's node, else this machine)."""
     value = {"cpu_percent": lambda s: s["cpu_percent"], "rss_mb": lambda s: s["rss_bytes"] / MB,
              "cuda_mb": lambda s: s["cuda_mem_bytes"] / MB}[column]
-    rows = [(s["time"] - start, value(s)) for s in samples]
-    return pd.DataFrame(rows, columns=["seconds", column], dtype=float)
+    rows = [(s["time"] - start, value(s), s.get("node", "this machine")) for s in samples]
+    frame = pd.DataFrame(rows, columns=["seconds", column, "node"])
+    return frame.astype({"seconds": float, column: float})
 
 
 def _core_frame(samples: list[dict], column: str, start: float = 0.0) -> pd.DataFrame:
     """One row per sample and core of the run: seconds, value, core (the plots' colour)."""
     key, scale = {"utilization": ("utilization", 1.0), "memory_mb": ("memory_bytes", 1 / MB)}[column]
-    rows = [(s["time"] - start, data[key] * scale, f"core {core}")
+    rows = [(s["time"] - start, data[key] * scale, (f"{s['node']} " if "node" in s else "") + f"core {core}")
             for s in samples for core, data in s["neuron"].get("cores", {}).items() if key in data]
     frame = pd.DataFrame(rows, columns=["seconds", column, "core"])
     return frame.astype({"seconds": float, column: float})

@@ -83,6 +83,12 @@ def test_two_nodes_train_headless_as_a_local_two_process_run_does(cluster, tmp_p
     assert slurm_run.live_state == "finished", slurm_run.log_tail()
     assert slurm_run.world_size == 2
     assert {sample.get("node") for sample in slurm_run.hardware} == {"n1", "n2"}  # each node samples itself
+    import gradio as gr
+
+    from app.hardware_panel import HardwarePanel
+    with gr.Blocks():
+        panel = HardwarePanel()
+    assert set(panel.render(slurm_run)[panel.cpu]["node"]) == {"n1", "n2"}  # a line per node
     log = slurm_run.log_tail()
     assert any(line.startswith("0: ") for line in log.splitlines())  # every node's output, labelled
     assert "#SBATCH --nodes=2" in (slurm_run.dir / "slurm.sh").read_text()
