@@ -30,12 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from studio_core import children, leases
+from studio_core.backends.slurm import AUTO_RESUME_ENV, JOB
+from studio_core.checkpoints import RESUME_ENV, list_checkpoints
 from studio_core.hardware import pin_to_cpu_cores
 from studio_core.monitor import SAMPLE_EVERY_S, RunMonitor
 from studio_core.procs import kill_run_processes
 from studio_core.runs import events as ev
 from studio_core.runs.events import EventReader
-from studio_core.runs.folder import EVENTS, LOG, read_launch
+from studio_core.runs.folder import EVENTS, LOG, read_json, read_launch
 
 GRACE_S = 10
 RDZV_BASE_PORT = 29500  # a Slurm job's rendezvous port: this plus its job id modulo 1000
@@ -59,6 +61,11 @@ def main(run_dir: Path) -> int:
         if node.first:
             ev.append(events, ev.log(f"Slurm job {node.job_id} runs on {node.names}; rendezvous at "
                                      f"{os.environ['HEAD_ADDR']}:{os.environ['RDZV_PORT']}"))
+        restart_from = auto_resumed(run_dir, launch["env"])
+        if restart_from is not None:  # every node goes on from it; the first says so in the events
+            launch["env"][RESUME_ENV] = restart_from["path"]
+            if node.first:
+                ev.append(events, ev.resume(restart_from["step"], restart_from["path"]))
     else:
         try:  # held until this process ends, after every process of the run has
             lease = leases.acquire(run_dir.parent, backend, cores, holder=run_dir.name, kind="run")
@@ -148,6 +155,16 @@ def on_slurm(launch: dict) -> SlurmNode | None:
         return None
     return SlurmNode(os.environ.get("SLURMD_NODENAME", "?"), os.environ.get("SLURM_JOB_NODELIST", "?"),
                      os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_NODEID", "0") == "0")
+
+
+def auto_resumed(run_dir: Path, env: dict) -> dict | None:
+    """With HyperPod's auto-resume, the job's step starts again after a node failure: the newest
+    checkpoint this job saved (one newer than its submission), to go on from; None on a first start."""
+    if env.get(AUTO_RESUME_ENV) != "1":
+        return None
+    submitted = read_json(run_dir / JOB).get("submitted", time.time())
+    saved = [c for c in list_checkpoints(run_dir) if Path(c["path"]).stat().st_mtime > submitted]
+    return saved[-1] if saved else None
 
 
 def slurm_rendezvous(node: SlurmNode) -> dict[str, str]:

@@ -110,3 +110,23 @@ def test_a_plan_on_the_cpu_for_slurm_takes_no_core_of_this_machine():
     launch = plan(spec, cpu_hardware(), run_dir="/tmp/runs/r1", run_id="r1", compile_cache="/tmp/cache")
     assert any("on this machine's own disk" in w for w in launch.warnings)
     assert "studio.cores" not in {key for key, _, _ in launch.applied}
+
+
+def test_an_auto_resumed_step_goes_on_from_the_newest_checkpoint_its_job_saved(tmp_path):
+    import json
+    import os
+
+    from studio_core.supervisor import auto_resumed
+
+    def checkpoint(step, mtime):
+        folder = tmp_path / "output" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text("{}")
+        os.utime(folder, (mtime, mtime))
+
+    (tmp_path / "slurm.json").write_text(json.dumps({"job_id": "5", "submitted": 1000.0}))
+    checkpoint(10, 900.0)  # an earlier attempt's
+    assert auto_resumed(tmp_path, {"STUDIO_AUTO_RESUME": "1"}) is None  # this job's first start
+    checkpoint(20, 1100.0)
+    assert auto_resumed(tmp_path, {"STUDIO_AUTO_RESUME": "1"})["step"] == 20  # the step started again
+    assert auto_resumed(tmp_path, {}) is None  # without auto-resume the studio resumes

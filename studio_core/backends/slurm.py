@@ -90,8 +90,9 @@ class SlurmBackend(RunBackend):
                                     f"the other nodes cannot see it. Put it on storage every node mounts "
                                     f"(e.g. FSx for Lustre, NFS) with {setting}")
         if layout.slurm.get("auto_resume"):
+            env[AUTO_RESUME_ENV] = "1"
             applied.append(("srun --auto-resume", 1, "HyperPod replaces a failed node and starts the step again; "
-                            "the node supervisors then go on from the run's last checkpoint"))
+                            "the node supervisors then go on from the last checkpoint this job saved"))
         return applied, warnings
 
     def describe_launch(self, plan) -> list[str]:
@@ -191,6 +192,7 @@ class SlurmBackend(RunBackend):
 
 
 STOP_NOW = "slurm-stop"  # written before the studio's own scancel
+AUTO_RESUME_ENV = "STUDIO_AUTO_RESUME"  # "1": the job's srun restarts its step after a node failure (HyperPod)
 
 
 def slurm_ending(job_id: str, fields: dict | None) -> Ending:
