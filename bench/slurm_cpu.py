@@ -13,10 +13,7 @@ figure to bench/results/slurm_cpu-<time>.json.
 Setup: a real 2-node Slurm cluster on this machine (tests/slurm_cluster.py: one slurmctld, two
 slurmd "nodes" on localhost) in a fresh temporary folder, found through SLURM_CONF (set in this
 process's environment, so the engine's sbatch/squeue/scontrol and the job itself use it), and a
-fresh temporary runs folder. The cluster is stopped (by pid) however the bench ends. Its job ids
-start at a random FirstJobId (300-899), not 1: a Slurm run's rendezvous port is 29500 + job id % 1000,
-so a cluster numbering from 1 meets any other test cluster on this machine (another session's
-tests) on the same ports, and the runs fail in their rendezvous. The two sides
+fresh temporary runs folder. The cluster is stopped (by pid) however the bench ends. The two sides
 train the same recipe, recipes/tiny-sft.yaml with max_steps=20 (2 processes each):
   slurm: studio.run_on=slurm, studio.nodes=2 -- one batch job, 2 nodes x 1 process, whose srun
          starts a supervisor per node, each running that node's torchrun (c10d rendezvous);
@@ -56,7 +53,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -67,7 +63,6 @@ from pathlib import Path
 from common import PROCS, REPO, BenchError, ok, run_bench, tail, wait_quiet  # also sets up sys.path
 
 sys.path.insert(0, str(REPO / "tests"))
-import slurm_cluster  # noqa: E402
 from slurm_cluster import SlurmCluster, available  # noqa: E402
 
 from studio_core.builtin import ensure_tiny_model  # noqa: E402
@@ -89,11 +84,6 @@ GONE_TIMEOUT_S = 90  # after the final status: the job's (or supervisor's) proce
 LIVE_CHECK_S = 1.0  # how often the follow loop asks live_state (squeue on Slurm)
 QUIET_CORES = 0.3
 PAGE_TIMER_S = 1.0  # the run panel's gr.Timer
-# A Slurm run's rendezvous port is 29500 + its job id % 1000 (studio_core/supervisor.py), and a fresh
-# test cluster numbers its jobs from 1: two test clusters on this machine (another session's tests)
-# would put their jobs' rendezvous on the same ports, and a node of one joins the other's. This
-# bench's cluster numbers its jobs from a random id in this range instead (FirstJobId).
-FIRST_JOB_IDS = (300, 899)
 
 
 def spec_for(side: str) -> RunSpec:
@@ -207,9 +197,6 @@ def measure(work: Path, args, report: dict) -> None:
                           "page_timer_s": PAGE_TIMER_S}
     cluster_dir = Path(tempfile.mkdtemp(prefix="slurm_cpu-cluster-"))
     report["cluster_dir"] = str(cluster_dir)
-    first_job_id = random.randint(*FIRST_JOB_IDS)
-    report["first_job_id"] = first_job_id
-    slurm_cluster.CONF = slurm_cluster.CONF + f"FirstJobId={first_job_id}\n"  # this process's copy only
     t0 = time.monotonic()
     cluster = SlurmCluster.start(cluster_dir)
     manager = None

@@ -36,6 +36,7 @@ OWNED = {
     "--wrap": "the studio submits its own batch script",
     "--array": "one run is one job; start several runs for a sweep",
     "--export": "every node's supervisor needs the environment the job was submitted with",
+    "--requeue": "a requeued job starts over from step 0 in the same run folder; Resume goes on from a checkpoint",
 }
 SHORT = {"-o": "--output", "-e": "--error", "-i": "--input", "-D": "--chdir", "-N": "--nodes", "-n": "--ntasks",
          "-J": "--job-name", "-p": "--partition", "-t": "--time", "-A": "--account", "-a": "--array"}
@@ -208,6 +209,24 @@ def record(job_id: str) -> dict[str, str] | None:
         if "Invalid job id" in str(error):
             return None
         raise
+
+
+def parse_node_states(text: str) -> dict[str, tuple[str, str]]:
+    """`sinfo -h -N -n NODES -o %N|%T|%E` -> {node: (state, reason)} of the nodes that are down or
+    failing (a state ending in * is a node that does not respond)."""
+    found = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|", 2)
+        if len(parts) == 3 and (parts[1].startswith(("down", "fail")) or parts[1].endswith("*")):
+            found[parts[0]] = (parts[1], parts[2] if parts[2] not in ("", "none") else "no reason given")
+    return found
+
+
+def failed_nodes(nodes: str) -> dict[str, tuple[str, str]]:
+    """Of these nodes (n[1-2]), the ones Slurm has down or failing, with its reason."""
+    if not nodes or nodes in ("?", "(null)"):
+        return {}
+    return parse_node_states(_run("sinfo", "-h", "-N", "-n", nodes, "-o", "%N|%T|%E"))
 
 
 def cancel(job_id: str) -> None:

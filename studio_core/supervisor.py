@@ -7,8 +7,9 @@ to train.log. It outlives the web app, so closing or restarting the app changes 
 Slurm backend: the batch script's `srun` starts one on every node of the job (see `on_slurm`):
 it holds no lease (the job has its nodes to itself), sets the rendezvous address for its
 node's torchrun, tags its hardware samples with the node, and only the first node's writes
-the final status. When Slurm ends the job (scancel, time limit), it writes none: the Slurm
-backend records Slurm's own reason once the job is gone.
+the final status, and only when the run finished or stopped as asked. When Slurm ends the job
+(scancel, time limit) or the run fails (a node may have died), it writes none: the Slurm
+backend records the ending, with Slurm's reason, once the job is gone.
 
 It holds the run's core leases (studio_core.leases) from before torchrun starts until
 every process of the run has ended; on the CPU backend it pins itself, and so torchrun
@@ -40,6 +41,7 @@ from studio_core.runs.events import EventReader
 from studio_core.runs.folder import EVENTS, LOG, read_json, read_launch
 
 GRACE_S = 10
+SLURM_TASK = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")  # what this node's task's processes share
 RDZV_BASE_PORT = 29500  # a Slurm job's rendezvous port: this plus its job id modulo 1000
 LOG_TAIL_LINES = 60
 
@@ -110,7 +112,7 @@ def main(run_dir: Path) -> int:
     if monitor is not None:
         monitor.stop()  # before the leftover check below: neuron-monitor carries the run's marker too
     stop_requested = stop_requested_at is not None
-    left = kill_run_processes(os.environ["STUDIO_RUN_ID"], node.name if node else None)  # ranks torchrun left
+    left = kill_run_processes(os.environ["STUDIO_RUN_ID"], SLURM_TASK if node else ())  # ranks torchrun left
     if left:
         ev.append(events, ev.log(f"processes that survived SIGKILL: {[p.pid for p in left]}"))
 
@@ -137,6 +139,10 @@ def main(run_dir: Path) -> int:
             ev.append(events, ev.error(cause, traceback=tail))
         elif not worker_error:
             ev.append(events, ev.error(cause or f"torchrun exited with code {code}", traceback=tail))
+        if node is not None:  # a failed node may be the cause: Slurm says so once the job has ended
+            ev.append(events, ev.log(f"torchrun exited with code {code}; the final status comes when Slurm has "
+                                     f"ended job {node.job_id}"))
+            return 0
         ev.append(events, ev.status("failed", exit_code=code))
     return 0
 

@@ -3,8 +3,9 @@
 Debian's Slurm runs one controller (slurmctld) and two compute daemons (`slurmd -N n1`,
 `slurmd -N n2`) on localhost: two "nodes" whose jobs really get one `srun` task per node,
 so a 2-node torchrun rendezvous really happens. Everything lives in one private folder (its
-state, spool, logs, pids and slurm.conf); the ports are picked free when it starts, so two
-clusters (two test sessions) do not meet. Slurm's commands find it through SLURM_CONF.
+state, spool, logs, pids and slurm.conf); the ports are picked free when it starts, and its job
+ids start at a random number (a job's rendezvous port comes from its id), so two clusters
+(two test sessions) do not meet. Slurm's commands find it through SLURM_CONF.
 
     cluster = SlurmCluster.start(folder)      # sinfo answers when this returns
     cluster.env                                # {"SLURM_CONF": ...}: give it to the studio
@@ -16,6 +17,7 @@ Needs root (the daemons run as root here, as in CI), Debian's `slurm-wlm` and `m
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,6 +25,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 NODES = ("n1", "n2")
 CONF = """\
@@ -52,6 +56,7 @@ AccountingStorageType=accounting_storage/none
 KillWait=5
 SlurmdTimeout=10
 MinJobAge=600
+FirstJobId={first_job}
 {nodes}
 PartitionName=trn Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
@@ -81,6 +86,9 @@ def start_munge() -> None:
 class SlurmCluster:
     folder: Path
 
+    def __post_init__(self):
+        self.folder = Path(self.folder)
+
     @property
     def conf(self) -> Path:
         return self.folder / "slurm.conf"
@@ -96,19 +104,19 @@ class SlurmCluster:
             (folder / sub).mkdir(parents=True, exist_ok=True)
         nodes = "\n".join(NODE.format(name=n, port=free_port()) for n in NODES)
         (folder / "slurm.conf").write_text(CONF.format(d=folder, ctld_port=free_port(), slurmd_port=free_port(),
-                                                       nodes=nodes, names=",".join(NODES)))
+                                                       nodes=nodes, names=",".join(NODES),
+                                                       first_job=random.randrange(1000, 100_000)))
         cluster = cls(folder)
         start_munge()
         env = {**os.environ, **cluster.env}
         subprocess.run(["slurmctld", "-f", str(cluster.conf), "-i"], env=env, check=True)
         for name in NODES:
             cluster.start_node(name)
-        deadline = time.monotonic() + timeout
-        while cluster.idle_nodes() < len(NODES):
-            if time.monotonic() > deadline:
-                cluster.stop()
-                raise RuntimeError(f"the test Slurm cluster did not come up: see {folder / 'log'}")
-            time.sleep(0.5)
+        try:
+            cluster.wait_idle(timeout)
+        except TimeoutError:
+            cluster.stop()
+            raise RuntimeError(f"the test Slurm cluster did not come up: see {folder / 'log'}") from None
         return cluster
 
     def start_node(self, name: str) -> None:
@@ -144,6 +152,51 @@ class SlurmCluster:
                 return
             time.sleep(0.1)
 
+    def processes(self, node: str | None = None) -> list[psutil.Process]:
+        """What this cluster started and still runs (on `node`, or on every node): the step
+        daemons (slurmstepd, found by their working folder and their node's log) and the jobs'
+        processes (found by SLURM_CONF and SLURMD_NODENAME in their environment)."""
+        found = []
+        log = f"slurmd.{node}.log" if node else "slurmd."
+        for proc in psutil.process_iter():
+            try:
+                if "slurmstepd" in proc.name() and proc.cwd().startswith(str(self.folder)):
+                    if any(log in f.path for f in proc.open_files()):
+                        found.append(proc)
+                    continue
+                env = proc.environ()
+                if env.get("SLURM_CONF") == str(self.conf) and "SLURM_JOB_ID" in env and (
+                        node is None or env.get("SLURMD_NODENAME") == node):
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def kill_node(self, node: str) -> None:
+        """The node dies: its slurmd and everything running on it, SIGKILLed at once."""
+        victims = self.processes(node)
+        self.kill(f"slurmd.{node}", signal.SIGKILL)
+        for proc in victims:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                continue
+        psutil.wait_procs(victims, timeout=10)
+
+    def wait_idle(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.idle_nodes() < len(NODES):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the test cluster's nodes are not idle: {self.run('sinfo').stdout}")
+            time.sleep(0.5)
+
     def stop(self) -> None:
         for daemon in (*[f"slurmd.{n}" for n in NODES], "slurmctld"):
             self.kill(daemon)
+        left = self.processes()
+        for proc in left:  # steps that outlived their daemons
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                continue
+        psutil.wait_procs(left, timeout=10)

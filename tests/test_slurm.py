@@ -206,6 +206,25 @@ def test_slurm_is_planned_without_a_cluster(tmp_path, monkeypatch):
     assert "is on this machine's own disk" in out  # a runs folder under /tmp, for two nodes
 
 
+def test_a_node_that_dies_mid_run_fails_the_run_with_slurm_s_reason(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    manager = RunManager(runs)
+    view = manager.start(slurm_spec(*LONG), cpu_hardware())
+    manager.wait(view.id, until=lambda v: v.step >= 2, timeout=120)
+    cluster.kill_node("n2")  # its slurmd and everything on it: the node is gone
+    try:
+        ended = manager.wait(view.id, timeout=180)
+        assert ended.live_state == "failed"
+        assert f"node n2 of Slurm job {job_of(ended.dir)} went down" in ended.error_text, ended.error_text
+        assert "Not responding" in ended.error_text  # Slurm's reason
+        nothing_left(view.id)
+        again = RunManager(runs).view(view.id)  # the app restarted: the same ending, from the folder
+        assert again.live_state == "failed" and "went down" in again.error_text
+    finally:
+        cluster.start_node("n2")  # it comes back (ReturnToService=2) for the tests after this one
+        cluster.wait_idle(120)
+
+
 @pytest.mark.skipif(not shutil.which("chromium") and not Path("/usr/bin/chromium").exists(),
                     reason="Debian's chromium is not installed")
 def test_a_two_node_run_from_the_page(cluster, browser, tmp_path):

@@ -49,6 +49,7 @@ ENDINGS = {
                "log"),
     "COMPLETED": ("failed", "Slurm job {id} completed, but its first node wrote no final status: see its log"),
 }
+RUN_FAILED = ("FAILED", "COMPLETED", None)  # Slurm states that say nothing beyond the run's own error
 
 
 class SlurmBackend(RunBackend):
@@ -69,6 +70,9 @@ class SlurmBackend(RunBackend):
         applied.append(("sbatch --ntasks-per-node", 1, "one supervisor per node starts that node's torchrun"))
         applied.append(("sbatch --exclusive", True, "the run has its nodes to itself: every core and the "
                         "network, and no other job's processes on its devices"))
+        applied.append(("sbatch --no-requeue", True, "after a node failure Slurm would start the job again from "
+                        "step 0 into the same run folder; the run ends failed instead, and Resume goes on from "
+                        "its last checkpoint"))
         if hardware.backend == "neuron":
             for key, value, reason in (
                     ("FI_PROVIDER", "efa", "libfabric talks to the nodes' EFA adapters: collectives between "
@@ -126,7 +130,6 @@ class SlurmBackend(RunBackend):
 
     def submit(self, run_dir: Path, launch, backend: str) -> None:
         (run_dir / SCRIPT).write_text(batch_script(launch))
-        (run_dir / STOP_NOW).unlink(missing_ok=True)
         try:
             job_id = slurm.submit(str(run_dir / SCRIPT), cwd=str(run_dir),
                                   extra=launch.spec.layout.slurm.get("sbatch_args", []))
@@ -161,7 +164,6 @@ class SlurmBackend(RunBackend):
         Slurm lists it no more, and say "stopped" when the run did not."""
         job_id = job_of(run_dir)
         if job_id is not None:
-            (run_dir / STOP_NOW).write_text(str(time.time()))
             slurm.cancel(job_id)
             deadline = time.monotonic() + max(grace_s, CANCEL_WAIT_S)
             while self.alive(run_dir):
@@ -177,21 +179,34 @@ class SlurmBackend(RunBackend):
         if job_id is None:
             if time.time() - created < STARTING_GRACE_S:
                 return None
-            ending = Ending("failed", "the run was never submitted to Slurm: see its log")
+            ending, fields = Ending("failed", "the run was never submitted to Slurm: see its log"), None
         else:
             try:
                 fields = slurm.record(job_id)
             except slurm.SlurmError as error:
                 return Ending("failed", f"Slurm job {job_id} is gone and Slurm does not answer ({error})")
             ending = slurm_ending(job_id, fields)
-        if not _final(run_dir):  # written once: Slurm forgets ended jobs after a while
-            if ending.state == "failed":
-                events.append(run_dir / EVENTS, events.error(ending.reason))
-            events.append(run_dir / EVENTS, events.status(ending.state, reason=ending.reason))
+        state = events.fold(events.read(run_dir / EVENTS))
+        if state.state in events.FINAL_STATES:
+            return ending
+        if fields and fields.get("JobState") in (*RUN_FAILED, "NODE_FAIL"):
+            # a task that died with its node fails the job before Slurm calls it NODE_FAIL
+            down = slurm.failed_nodes(fields.get("NodeList", ""))
+            if down:
+                ending = Ending("failed", f"node {', '.join(down)} of Slurm job {job_id} went down while the run "
+                                f"trained ({'; '.join(f'{state}: {why}' for state, why in down.values())}); "
+                                "resume from the last checkpoint")
+        own_error = state.errors[-1] if state.errors and state.errors[-1]["time"] > _submitted(run_dir) else None
+        if own_error and (fields or {}).get("JobState") in RUN_FAILED and ending.reason.startswith("Slurm job"):
+            events.append(run_dir / EVENTS, events.status("failed"))  # the run's own error says it all
+            return Ending("failed", own_error.get("message", ""))
+        # written once: Slurm forgets ended jobs after a while (MinJobAge)
+        if ending.state == "failed":
+            events.append(run_dir / EVENTS, events.error(ending.reason))
+        events.append(run_dir / EVENTS, events.status(ending.state, reason=ending.reason))
         return ending
 
 
-STOP_NOW = "slurm-stop"  # written before the studio's own scancel
 AUTO_RESUME_ENV = "STUDIO_AUTO_RESUME"  # "1": the job's srun restarts its step after a node failure (HyperPod)
 
 
@@ -204,6 +219,10 @@ def slurm_ending(job_id: str, fields: dict | None) -> Ending:
     kind, text = ENDINGS.get(state, ("failed", "Slurm job {id} ended as " + state))
     return Ending(kind, text.format(id=job_id, **{k: fields.get(k, "?") for k in
                                                   ("TimeLimit", "NodeList", "Reason", "ExitCode")}))
+
+
+def _submitted(run_dir: Path) -> float:
+    return float(read_json(run_dir / JOB).get("submitted", 0))
 
 
 def job_of(run_dir: Path) -> str | None:
@@ -225,7 +244,7 @@ def batch_script(plan) -> str:
     layout, run_dir = plan.spec.layout, plan.argv[-1]
     options = layout.slurm
     sbatch = [f"--job-name={plan.spec.display_name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
-              "--exclusive", *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
+              "--exclusive", "--no-requeue", *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
               f"--output={run_dir}/{LOG}", "--open-mode=append", f"--chdir={run_dir}"]
     env = dict(plan.env)
     python_path = env.pop("PYTHONPATH")
