@@ -177,10 +177,11 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         folder.mkdir(exist_ok=True)
         name = re.sub(r"[^A-Za-z0-9._-]+", "-", launch.spec.display_name)
         paths = [folder / f"{name}-launch.sh", folder / f"{name}-slurm.sh"]
-        for path, text in zip(paths, (launch_script(launch), slurm_script(launch, nodes=2))):
+        nodes = launch.spec.layout.nodes if launch.spec.layout.run_on == "slurm" else 2
+        for path, text in zip(paths, (launch_script(launch), slurm_script(launch, nodes=nodes))):
             path.write_text(text)
             path.chmod(0o755)
-        return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` (Slurm, 2 nodes: change --nodes "
+        return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` (Slurm, {nodes} nodes: change --nodes "
                 "in it for more)."), gr.update(value=[str(p) for p in paths], visible=True)
 
     def on_layout(values):

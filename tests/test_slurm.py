@@ -20,7 +20,7 @@ from slurm_cluster import SlurmCluster, available
 from studio_browser import browser  # noqa: F401 (a fixture)
 
 from studio_core.backends.slurm import JOB, job_of
-from studio_core.hardware import cpu_hardware
+from studio_core.hardware import CPU_CORES_ENV, Hardware, cpu_hardware
 from studio_core.procs import run_processes
 from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec, SpecError
@@ -29,6 +29,10 @@ pytestmark = pytest.mark.skipif(not available(), reason="Slurm is not installed 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny-sft.yaml"
 LONG = ["max_steps=100000", "logging_steps=50"]
+# The test cluster's two nodes share this machine's CPUs: plan each as a 1-core node (one thread
+# per rank), as Plan for / --instance plans a real cluster's nodes.
+NODE = Hardware("cpu", 1, cpu_count=1)
+ONE_CPU = {CPU_CORES_ENV: str(sorted(os.sched_getaffinity(0))[0])}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,7 @@ def slurm_spec(*overrides: str, nodes: int = 2, **options) -> RunSpec:
 
 def cli(*args: str, runs_dir: Path, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "launch.py", *args, "--runs-dir", str(runs_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **ONE_CPU})
     if check:
         assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -108,7 +112,7 @@ def test_two_nodes_train_headless_as_a_local_two_process_run_does(cluster, tmp_p
 def test_stop_and_save_then_resume_on_slurm_goes_on_from_the_checkpoint(cluster, tmp_path):
     runs = tmp_path / "runs"
     manager = RunManager(runs)
-    view = manager.start(slurm_spec("max_steps=40", "logging_steps=1"), cpu_hardware())
+    view = manager.start(slurm_spec("max_steps=40", "logging_steps=1"), NODE)
     manager.wait(view.id, until=lambda v: v.step >= 3, timeout=120)
     cli("stop", view.id, "--save", runs_dir=runs)  # the control file every rank reads
     stopped = manager.view(view.id)
@@ -130,10 +134,11 @@ def test_stop_and_save_then_resume_on_slurm_goes_on_from_the_checkpoint(cluster,
 def test_slurm_states_and_endings_pending_time_limit_outside_cancel_and_stop_now(cluster, tmp_path):
     runs = tmp_path / "runs"
     manager = RunManager(runs)
-    timed = manager.start(slurm_spec(*LONG, time="0:01"), cpu_hardware())  # both nodes, for one minute
+    # one node for one minute (--exclusive: the next 2-node job must wait for it)
+    timed = manager.start(slurm_spec(*LONG, nodes=1, time="0:01"), NODE)
     manager.wait(timed.id, until=lambda v: v.live_state == "running", timeout=120)
-    waiting = manager.start(slurm_spec(*LONG), cpu_hardware())
-    cancelled = manager.start(slurm_spec(*LONG), cpu_hardware())
+    waiting = manager.start(slurm_spec(*LONG), NODE)
+    cancelled = manager.start(slurm_spec(*LONG), NODE)
     pending = manager.wait(waiting.id, until=lambda v: "PENDING" in (v.where() or ""), timeout=30)
     assert pending.live_state == "starting" and "(Resources)" in pending.where()
 
@@ -141,7 +146,7 @@ def test_slurm_states_and_endings_pending_time_limit_outside_cancel_and_stop_now
     gone = manager.wait(cancelled.id, timeout=60)
     assert gone.live_state == "stopped" and "cancelled outside the studio" in gone.reason
 
-    # the first job meets its time limit; the waiting one then gets the nodes and trains
+    # the first job meets its time limit; the waiting one then gets both nodes and trains
     running = manager.wait(waiting.id, until=lambda v: v.step >= 1, timeout=240)
     assert "RUNNING on n[1-2]" in running.where()
     ended = manager.view(timed.id)
@@ -179,10 +184,10 @@ def test_bad_slurm_input_is_refused_before_anything_is_submitted(cluster, tmp_pa
     down.write_text(cluster.conf.read_text().replace("SlurmctldPort=", "SlurmctldPort=1"))
     monkeypatch.setenv("SLURM_CONF", str(down))
     with pytest.raises(SpecError, match="Slurm: `sinfo -h"):
-        manager.start(slurm_spec(), cpu_hardware())
+        manager.start(slurm_spec(), NODE)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(SpecError, match="`sinfo` is not on PATH: run the studio on a Slurm login node"):
-        manager.start(slurm_spec(), cpu_hardware())
+        manager.start(slurm_spec(), NODE)
     monkeypatch.undo()
     assert [p.name for p in manager.runs_dir.iterdir() if not p.name.startswith(".")] == []
     assert cluster.run("squeue", "-h").stdout.strip() == ""
@@ -191,7 +196,7 @@ def test_bad_slurm_input_is_refused_before_anything_is_submitted(cluster, tmp_pa
 def test_sbatch_refusing_the_job_leaves_no_run_folder(cluster, tmp_path):
     manager = RunManager(tmp_path / "runs")
     with pytest.raises(SpecError, match="not submitted: sbatch refused the job"):
-        manager.start(slurm_spec(sbatch_args=["--mem=999999999"]), cpu_hardware())
+        manager.start(slurm_spec(sbatch_args=["--mem=999999999"]), NODE)
     assert [p.name for p in manager.runs_dir.iterdir() if not p.name.startswith(".")] == []
 
 
@@ -209,7 +214,7 @@ def test_slurm_is_planned_without_a_cluster(tmp_path, monkeypatch):
 def test_a_node_that_dies_mid_run_fails_the_run_with_slurm_s_reason(cluster, tmp_path):
     runs = tmp_path / "runs"
     manager = RunManager(runs)
-    view = manager.start(slurm_spec(*LONG), cpu_hardware())
+    view = manager.start(slurm_spec(*LONG), NODE)
     manager.wait(view.id, until=lambda v: v.step >= 2, timeout=120)
     cluster.kill_node("n2")  # its slurmd and everything on it: the node is gone
     try:
@@ -233,7 +238,7 @@ def test_a_two_node_run_from_the_page(cluster, browser, tmp_path):
 
     runs = tmp_path / "runs"
     runs.mkdir()
-    app = App(runs, env={**os.environ, **cluster.env})
+    app = App(runs, env={**os.environ, **cluster.env, **ONE_CPU})
     try:
         page = open_page(browser, app.url)
         set_number(page, "max_steps", 8)

@@ -161,18 +161,28 @@ class SlurmBackend(RunBackend):
 
     def stop(self, run_dir: Path, grace_s: float) -> None:
         """scancel the job (Slurm sends SIGTERM to every node's processes, then SIGKILL), wait until
-        Slurm lists it no more, and say "stopped" when the run did not."""
+        Slurm lists it no more, and say "stopped" when the run did not. A job that had already
+        ended gets its ending recorded instead."""
         job_id = job_of(run_dir)
-        if job_id is not None:
+        if job_id is None:
+            if not _final(run_dir):
+                events.append(run_dir / EVENTS, events.status("stopped", reason="stopped before it was submitted"))
+            return
+        if not self.alive(run_dir):
+            self.ending(run_dir, 0.0)
+            return
+        try:
             slurm.cancel(job_id)
-            deadline = time.monotonic() + max(grace_s, CANCEL_WAIT_S)
-            while self.alive(run_dir):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"Slurm still lists job {job_id} of run {run_dir.name} after scancel")
-                time.sleep(0.5)
+        except slurm.SlurmError:
+            if self.alive(run_dir):
+                raise
+        deadline = time.monotonic() + max(grace_s, CANCEL_WAIT_S)
+        while self.alive(run_dir):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm still lists job {job_id} of run {run_dir.name} after scancel")
+            time.sleep(0.5)
         if not _final(run_dir):
-            events.append(run_dir / EVENTS, events.status("stopped", reason=f"Stop now: Slurm cancelled job {job_id}"
-                                                          if job_id else "stopped before it was submitted"))
+            events.append(run_dir / EVENTS, events.status("stopped", reason=f"Stop now: Slurm cancelled job {job_id}"))
 
     def ending(self, run_dir: Path, created: float) -> Ending | None:
         job_id = job_of(run_dir)
@@ -186,25 +196,31 @@ class SlurmBackend(RunBackend):
             except slurm.SlurmError as error:
                 return Ending("failed", f"Slurm job {job_id} is gone and Slurm does not answer ({error})")
             ending = slurm_ending(job_id, fields)
-        state = events.fold(events.read(run_dir / EVENTS))
-        if state.state in events.FINAL_STATES:
+        run = events.fold(events.read(run_dir / EVENTS))
+        if run.state in events.FINAL_STATES:
             return ending
-        if fields and fields.get("JobState") in (*RUN_FAILED, "NODE_FAIL"):
-            # a task that died with its node fails the job before Slurm calls it NODE_FAIL
-            down = slurm.failed_nodes(fields.get("NodeList", ""))
-            if down:
-                ending = Ending("failed", f"node {', '.join(down)} of Slurm job {job_id} went down while the run "
-                                f"trained ({'; '.join(f'{state}: {why}' for state, why in down.values())}); "
-                                "resume from the last checkpoint")
-        own_error = state.errors[-1] if state.errors and state.errors[-1]["time"] > _submitted(run_dir) else None
-        if own_error and (fields or {}).get("JobState") in RUN_FAILED and ending.reason.startswith("Slurm job"):
+        job_state = (fields or {}).get("JobState")
+        down = _down_nodes(fields) if job_state in (*RUN_FAILED, "NODE_FAIL") else {}
+        if down:  # a task that died with its node fails the job before Slurm calls it NODE_FAIL
+            ending = Ending("failed", f"node {', '.join(down)} of Slurm job {job_id} went down while the run "
+                            f"trained ({'; '.join(f'{kind}: {why}' for kind, why in down.values())}); resume from "
+                            "the last checkpoint")
+        elif job_state in RUN_FAILED and run.errors and run.errors[-1]["time"] > _submitted(run_dir):
             events.append(run_dir / EVENTS, events.status("failed"))  # the run's own error says it all
-            return Ending("failed", own_error.get("message", ""))
+            return Ending("failed", run.errors[-1].get("message", ""))
         # written once: Slurm forgets ended jobs after a while (MinJobAge)
         if ending.state == "failed":
             events.append(run_dir / EVENTS, events.error(ending.reason))
         events.append(run_dir / EVENTS, events.status(ending.state, reason=ending.reason))
         return ending
+
+
+def _down_nodes(fields: dict | None) -> dict[str, tuple[str, str]]:
+    """The job's nodes Slurm has down now ({} when it cannot say)."""
+    try:
+        return slurm.failed_nodes((fields or {}).get("NodeList", ""))
+    except slurm.SlurmError:
+        return {}
 
 
 AUTO_RESUME_ENV = "STUDIO_AUTO_RESUME"  # "1": the job's srun restarts its step after a node failure (HyperPod)
