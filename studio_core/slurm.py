@@ -47,12 +47,12 @@ class SlurmError(RuntimeError):
     """A Slurm command is missing or failed; the message says which and what it printed."""
 
 
-def _run(*argv: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
+def _run(*argv: str, timeout: float = COMMAND_TIMEOUT_S, cwd: str | None = None) -> str:
     if shutil.which(argv[0]) is None:
         raise SlurmError(f"`{argv[0]}` is not on PATH: run the studio on a Slurm login node (or install "
                          "Slurm's client commands and point them at the cluster with SLURM_CONF)")
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     except subprocess.TimeoutExpired:
         raise SlurmError(f"`{' '.join(argv)}` got no answer in {timeout:g} s: is Slurm's controller "
                          "(slurmctld) up?") from None
@@ -160,24 +160,14 @@ def partitions() -> dict[str, Partition]:
 
 def submit(script: str, cwd: str, extra: list[str] = ()) -> str:
     """sbatch the script file (with the user's `extra` options), in `cwd`; the job id."""
-    out = _sbatch_in([*extra, script], cwd)
+    try:
+        out = _run("sbatch", "--parsable", *extra, script, cwd=cwd, timeout=60)
+    except SlurmError as error:
+        raise SlurmError(f"sbatch refused the job: {error}") from None
     job_id = out.strip().split(";")[0]
     if not job_id.isdigit():
         raise SlurmError(f"sbatch printed no job id: {out.strip()!r}")
     return job_id
-
-
-def _sbatch_in(args: list[str], cwd: str) -> str:
-    if shutil.which("sbatch") is None:
-        return _run("sbatch")  # raises the missing-command message
-    try:
-        done = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
-    except subprocess.TimeoutExpired:
-        raise SlurmError("sbatch got no answer in 60 s: is Slurm's controller (slurmctld) up?") from None
-    if done.returncode != 0:
-        said = (done.stderr or done.stdout).strip().splitlines()
-        raise SlurmError(f"sbatch refused the job: {said[-1] if said else f'exit code {done.returncode}'}")
-    return done.stdout
 
 
 _QUEUE: dict[str, tuple[float, Job | None]] = {}

@@ -72,20 +72,30 @@ def nothing_left(run_id: str) -> None:
         time.sleep(0.5)
 
 
-def test_two_nodes_train_headless_as_a_local_two_process_run_does(cluster, tmp_path):
+def test_two_nodes_headless_stop_and_save_resume_and_the_losses_of_a_local_two_process_run(cluster, tmp_path):
     runs = tmp_path / "runs"
-    steps = ["--set", "max_steps=6", "--set", "logging_steps=1"]
+    steps = ["--set", "max_steps=40", "--set", "logging_steps=1"]
     out = cli("train", str(RECIPE), "--backend", "cpu", "--slurm", "--nodes", "2", "--partition", "trn",
               "--time", "10", *steps, "--detach", runs_dir=runs).stdout
     assert "Slurm job" in out
     manager = RunManager(runs)
     [view] = manager.list()
-    running = manager.wait(view.id, until=lambda v: v.step >= 1 or not v.active, timeout=120)
+    running = manager.wait(view.id, until=lambda v: v.step >= 3 or not v.active, timeout=120)
     assert "RUNNING on n[1-2]" in running.where()
     assert manager.core_holders(cpu_hardware()) == {}  # Slurm owns the nodes: no core of this machine leased
-    slurm_run = manager.wait(view.id, timeout=120)
+    manager.stop_and_save(view.id)  # the control file every rank reads
+    stopped = manager.wait(view.id, timeout=120)
+    assert stopped.live_state == "stopped" and stopped.resume_point() is not None, stopped.log_tail()
+    saved = stopped.resume_point()["step"]
+    assert 3 <= saved < 40
+
+    out = cli("train", "--resume", view.id, "--backend", "cpu", "--detach", runs_dir=runs).stdout
+    assert f"resumed from step {saved}" in out
+    slurm_run = manager.wait(view.id, timeout=180)
     assert slurm_run.live_state == "finished", slurm_run.log_tail()
-    assert slurm_run.world_size == 2
+    assert slurm_run.world_size == 2 and slurm_run.step == 40 and slurm_run.attempts == 2
+    ids = json.loads((slurm_run.dir / JOB).read_text())["job_ids"]
+    assert len(ids) == 2 and ids[0] != ids[1]  # resubmitted into the same run folder
     assert {sample.get("node") for sample in slurm_run.hardware} == {"n1", "n2"}  # each node samples itself
     import gradio as gr
 
@@ -94,53 +104,53 @@ def test_two_nodes_train_headless_as_a_local_two_process_run_does(cluster, tmp_p
         panel = HardwarePanel()
     assert set(panel.render(slurm_run)[panel.cpu]["node"]) == {"n1", "n2"}  # a line per node
     log = slurm_run.log_tail()
-    assert any(line.startswith("0: ") for line in log.splitlines())  # every node's output, labelled
+    assert any(line.startswith("1: ") for line in log.splitlines())  # every node's output, labelled
     assert "#SBATCH --nodes=2" in (slurm_run.dir / "slurm.sh").read_text()
     listed = cli("runs", runs_dir=runs).stdout
     assert f"[Slurm job {job_of(slurm_run.dir)}]" in listed and "finished" in listed
 
-    local = manager.start(RunSpec.load(RECIPE).with_overrides(["studio.nproc=2", "max_steps=6", "logging_steps=1"]),
+    local = manager.start(RunSpec.load(RECIPE).with_overrides(["studio.nproc=2", "max_steps=40", "logging_steps=1"]),
                           cpu_hardware())
     local = manager.wait(local.id, timeout=120)
     assert local.live_state == "finished"
-    # the same data-parallel training, two ways: two nodes x one process, one node x two processes
-    assert [s for s, _ in slurm_run.losses()] == [s for s, _ in local.losses()] == list(range(1, 7))
+    # the same data-parallel training, two ways (two nodes x one process, with a stop and a resume;
+    # one node x two processes), step for step
+    assert [s for s, _ in slurm_run.losses()] == [s for s, _ in local.losses()] == list(range(1, 41))
     assert [loss for _, loss in slurm_run.losses()] == pytest.approx([loss for _, loss in local.losses()],
                                                                      rel=1e-4)
 
 
-def test_stop_and_save_then_resume_on_slurm_goes_on_from_the_checkpoint(cluster, tmp_path):
+def test_slurm_states_and_endings_pending_time_limit_node_failure_outside_cancel_and_stop_now(cluster, tmp_path):
     runs = tmp_path / "runs"
     manager = RunManager(runs)
-    view = manager.start(slurm_spec("max_steps=40", "logging_steps=1"), NODE)
-    manager.wait(view.id, until=lambda v: v.step >= 3, timeout=120)
-    cli("stop", view.id, "--save", runs_dir=runs)  # the control file every rank reads
-    stopped = manager.view(view.id)
-    assert stopped.live_state == "stopped" and stopped.resume_point() is not None
-    saved = stopped.resume_point()["step"]
-    assert 3 <= saved < 40
-
-    out = cli("train", "--resume", view.id, "--backend", "cpu", "--detach", runs_dir=runs).stdout
-    assert f"resumed from step {saved}" in out
-    done = manager.wait(view.id, timeout=180)
-    assert done.live_state == "finished", done.log_tail()
-    assert done.step == 40 and done.attempts == 2
-    ids = json.loads((done.dir / JOB).read_text())["job_ids"]
-    assert len(ids) == 2 and ids[0] != ids[1]  # resubmitted into the same run folder
-    steps = [s for s, _ in done.losses()]
-    assert steps == sorted(set(steps)) and steps[-1] == 40
-
-
-def test_slurm_states_and_endings_pending_time_limit_outside_cancel_and_stop_now(cluster, tmp_path):
-    runs = tmp_path / "runs"
-    manager = RunManager(runs)
-    # one node for one minute (--exclusive: the next 2-node job must wait for it)
-    timed = manager.start(slurm_spec(*LONG, nodes=1, time="0:01"), NODE)
+    # one node each (--exclusive: a 2-node job must wait for both): one for a minute, one until its node dies.
+    # The one that meets its time limit is a GRPO run whose reward function takes seconds (a judge
+    # model would), so its minute costs little CPU.
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text("import time\n\n\ndef slow(completions, **kwargs):\n    time.sleep(2)\n"
+                    "    return [0.0] * len(completions)\n")
+    grpo = RunSpec.load(ROOT / "recipes" / "tiny-grpo.yaml").with_overrides(
+        ["studio.run_on=slurm", "max_steps=100000", f"studio.rewards=[{{file: {slow}, function: slow}}]"])
+    grpo.layout.slurm = {"time": "0:01"}
+    timed = manager.start(grpo, NODE)
+    doomed = manager.start(slurm_spec(*LONG, nodes=1), NODE)
     manager.wait(timed.id, until=lambda v: v.live_state == "running", timeout=120)
+    training = manager.wait(doomed.id, until=lambda v: v.step >= 2, timeout=120)
+    node = training.where().rsplit(" on ", 1)[-1]  # "Slurm job 7: RUNNING on n2"
     waiting = manager.start(slurm_spec(*LONG), NODE)
     cancelled = manager.start(slurm_spec(*LONG), NODE)
     pending = manager.wait(waiting.id, until=lambda v: "PENDING" in (v.where() or ""), timeout=30)
     assert pending.live_state == "starting" and "(Resources)" in pending.where()
+
+    cluster.kill_node(node)  # its slurmd and everything on it: the node is gone
+    try:
+        dead = manager.wait(doomed.id, timeout=180)
+        assert dead.live_state == "failed", dead.error_text
+        assert f"node {node} of Slurm job {job_of(dead.dir)} went down" in dead.error_text
+        assert "Not responding" in dead.error_text  # Slurm's reason
+        nothing_left(doomed.id)
+    finally:
+        cluster.start_node(node)  # it comes back (ReturnToService=2)
 
     cluster.run("scancel", job_of(cancelled.dir))  # outside the studio
     gone = manager.wait(cancelled.id, timeout=60)
@@ -153,7 +163,8 @@ def test_slurm_states_and_endings_pending_time_limit_outside_cancel_and_stop_now
     assert ended.live_state == "failed" and "time limit" in ended.error_text
     nothing_left(timed.id)
 
-    stopped = manager.stop(waiting.id)  # Stop now: scancel, and nothing of the job is left
+    assert f"Run {waiting.id}: stopped" in cli("stop", waiting.id, runs_dir=runs).stdout  # Stop now: scancel
+    stopped = manager.view(waiting.id)
     assert stopped.live_state == "stopped" and "Stop now" in stopped.reason
     nothing_left(waiting.id)
     assert cluster.run("squeue", "-h").stdout.strip() == ""
@@ -161,10 +172,11 @@ def test_slurm_states_and_endings_pending_time_limit_outside_cancel_and_stop_now
     # a restarted app reads the same endings from the folders, after Slurm has let the jobs go
     again = {view.id: view for view in RunManager(runs).list()}
     assert again[timed.id].live_state == "failed" and "time limit" in again[timed.id].error_text
+    assert again[doomed.id].live_state == "failed" and "went down" in again[doomed.id].error_text
     assert again[cancelled.id].live_state == "stopped" and "cancelled outside" in again[cancelled.id].reason
     assert again[waiting.id].live_state == "stopped"
     listed = cli("runs", runs_dir=runs).stdout
-    assert "time limit" in listed and "cancelled outside the studio" in listed
+    assert "time limit" in listed and "cancelled outside the studio" in listed and "went down" in listed
 
 
 def test_bad_slurm_input_is_refused_before_anything_is_submitted(cluster, tmp_path, monkeypatch):
@@ -209,25 +221,6 @@ def test_slurm_is_planned_without_a_cluster(tmp_path, monkeypatch):
         assert text in out
     assert "NEURON_RT_VISIBLE_CORES" not in out  # each node is the job's: every core of it
     assert "is on this machine's own disk" in out  # a runs folder under /tmp, for two nodes
-
-
-def test_a_node_that_dies_mid_run_fails_the_run_with_slurm_s_reason(cluster, tmp_path):
-    runs = tmp_path / "runs"
-    manager = RunManager(runs)
-    view = manager.start(slurm_spec(*LONG), NODE)
-    manager.wait(view.id, until=lambda v: v.step >= 2, timeout=120)
-    cluster.kill_node("n2")  # its slurmd and everything on it: the node is gone
-    try:
-        ended = manager.wait(view.id, timeout=180)
-        assert ended.live_state == "failed"
-        assert f"node n2 of Slurm job {job_of(ended.dir)} went down" in ended.error_text, ended.error_text
-        assert "Not responding" in ended.error_text  # Slurm's reason
-        nothing_left(view.id)
-        again = RunManager(runs).view(view.id)  # the app restarted: the same ending, from the folder
-        assert again.live_state == "failed" and "went down" in again.error_text
-    finally:
-        cluster.start_node("n2")  # it comes back (ReturnToService=2) for the tests after this one
-        cluster.wait_idle(120)
 
 
 @pytest.mark.skipif(not shutil.which("chromium") and not Path("/usr/bin/chromium").exists(),
