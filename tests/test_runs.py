@@ -160,16 +160,6 @@ def test_one_process_sft_run_finishes_with_a_model(tmp_path, monkeypatch):
     assert [v.id for v in manager.list()] == [view.id]
 
 
-def test_two_processes_run_data_parallel(manager):
-    view = manager.start(tiny("studio.nproc=2"), cpu_hardware())
-    view = manager.wait(view.id)
-    assert view.state == "finished", view.error_text
-    running = [e for e in read_events(view.dir / "events.jsonl")
-               if e["type"] == "status" and e["state"] == "running"]
-    assert [e["world_size"] for e in running] == [2]  # one rank 0, and DDP really on
-    assert view.world_size == 2 and view.step == 20
-
-
 # --- stopping and crashing --------------------------------------------------------------
 def test_stop_ends_the_run_and_every_process_of_it(manager):
     view = manager.start(tiny(*LONG), cpu_hardware())

@@ -22,6 +22,7 @@ from studio_browser import browser  # noqa: F401 (a fixture)
 from studio_core.backends.slurm import JOB, job_of
 from studio_core.hardware import CPU_CORES_ENV, Hardware, cpu_hardware
 from studio_core.procs import run_processes
+from studio_core.runs.events import read as read_events
 from studio_core.runs.manager import RunManager
 from studio_core.spec import RunSpec, SpecError
 
@@ -113,6 +114,8 @@ def test_two_nodes_headless_stop_and_save_resume_and_the_losses_of_a_local_two_p
                           cpu_hardware())
     local = manager.wait(local.id, timeout=120)
     assert local.live_state == "finished"
+    running = [e for e in read_events(local.dir / "events.jsonl") if e["type"] == "status" and e["state"] == "running"]
+    assert [e["world_size"] for e in running] == [2]  # one rank 0, and DDP really on
     # the same data-parallel training, two ways (two nodes x one process, with a stop and a resume;
     # one node x two processes), step for step
     assert [s for s, _ in slurm_run.losses()] == [s for s, _ in local.losses()] == list(range(1, 41))
@@ -193,7 +196,8 @@ def test_bad_slurm_input_is_refused_before_anything_is_submitted(cluster, tmp_pa
         with pytest.raises(SpecError, match=re.escape(message)):
             manager.start(spec, cpu_hardware())
     down = tmp_path / "down.conf"  # a cluster whose controller does not answer
-    down.write_text(cluster.conf.read_text().replace("SlurmctldPort=", "SlurmctldPort=1"))
+    down.write_text(cluster.conf.read_text().replace("SlurmctldPort=", "SlurmctldPort=1")  # nothing listens
+                    .replace("KillWait=", "MessageTimeout=2\nKillWait="))  # sinfo gives up in 1 s, not 9
     monkeypatch.setenv("SLURM_CONF", str(down))
     with pytest.raises(SpecError, match="Slurm: `sinfo -h"):
         manager.start(slurm_spec(), NODE)
