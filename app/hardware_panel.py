@@ -70,8 +70,8 @@ def note_markdown(view: RunView) -> str:
         return "Hardware: this run has no hardware samples (runs started before hardware monitoring have none)."
     sources = next((e["sources"] for e in reversed(view.hardware) if "sources" in e), {})
     last = view.hardware[-1]
-    now = (f"node {last['node']}: " if "node" in last else "") + (f"{last['processes']} process(es), CPU {last['cpu_percent']:.0f} %, "
-           f"RSS {last['rss_bytes'] / MB:,.0f} MB")
+    now = (f"node {last['node']}: " if "node" in last else "") + (
+        f"{last['processes']} process(es), CPU {last['cpu_percent']:.0f} %, RSS {last['rss_bytes'] / MB:,.0f} MB")
     if "cuda_mem_bytes" in last:
         now += f", CUDA memory {last['cuda_mem_bytes'] / MB:,.0f} MB"
     cores = (last.get("neuron") or {}).get("cores")

@@ -286,9 +286,10 @@ def spec_from_form(v: dict) -> RunSpec:
                    dataset_config=(v["dataset_config"] or "").strip() or None,
                    dataset_train_split=(v["dataset_split"] or "").strip() or "train",
                    run_name=(v["run_name"] or "").strip() or None, args=args,
-                   layout=Layout(nproc=int(v["nproc"] or 1), cores=None if on_slurm else (v["cores"] or "").strip() or None,
-                                 tp_size=int(v["tp_size"] or 1), fsdp_size=int(v["fsdp_size"] or 1),
-                                 run_on=v.get("run_on") or "local", nodes=int(v.get("nodes") or 1) if on_slurm else 1,
+                   layout=Layout(nproc=int(v["nproc"] or 1), tp_size=int(v["tp_size"] or 1),
+                                 fsdp_size=int(v["fsdp_size"] or 1), run_on=v.get("run_on") or "local",
+                                 cores=None if on_slurm else (v["cores"] or "").strip() or None,
+                                 nodes=int(v.get("nodes") or 1) if on_slurm else 1,
                                  slurm=slurm_options(v) if on_slurm else {}),
                    column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards)
 

@@ -27,12 +27,13 @@ def load_spec(args) -> RunSpec:
                                            ("account", args.account)) if value is not None}
     slurm |= {"sbatch_args": args.sbatch_arg} if args.sbatch_arg else {}
     slurm |= {"auto_resume": True} if args.auto_resume else {}
-    if args.slurm:
+    if args.slurm or spec.layout.run_on == "slurm":  # the flag, or a recipe written for Slurm
         spec.layout.run_on = "slurm"
         spec.layout.slurm = {**spec.layout.slurm, **slurm}
         spec.layout.nodes = args.nodes if args.nodes is not None else spec.layout.nodes
-    elif slurm or args.nodes is not None and not getattr(args, "slurm_script", None):
-        given = [f"--{k.replace('_', '-')}" for k in ("nodes", *slurm) if k == "nodes" and args.nodes is not None
-                 or k in slurm]
-        raise SpecError([f"{', '.join(given)}: these are for a run on Slurm: add --slurm"])
+    else:
+        given = [{"sbatch_args": "--sbatch-arg"}.get(key, f"--{key.replace('_', '-')}") for key in slurm]
+        given += ["--nodes"] if args.nodes is not None and not getattr(args, "slurm_script", None) else []
+        if given:
+            raise SpecError([f"{', '.join(given)}: these are for a run on Slurm: add --slurm"])
     return spec

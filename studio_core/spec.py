@@ -356,6 +356,7 @@ def with_absolute_paths(spec: RunSpec) -> RunSpec:
 
 def resolved(spec: RunSpec, args: dict) -> RunSpec:
     """A copy of the spec with the planner's final TRL arguments."""
-    return replace(spec, args=dict(args), layout=replace(spec.layout, slurm=dict(spec.layout.slurm)), column_map=dict(spec.column_map),
+    return replace(spec, args=dict(args), layout=replace(spec.layout, slurm=dict(spec.layout.slurm)),
+                   column_map=dict(spec.column_map),
                    keep_columns=list(spec.keep_columns) if spec.keep_columns else None,
                    rewards=[dict(r) for r in spec.rewards])

@@ -260,7 +260,8 @@ def batch_script(plan) -> str:
     layout, run_dir = plan.spec.layout, plan.argv[-1]
     options = layout.slurm
     sbatch = [f"--job-name={plan.spec.display_name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
-              "--exclusive", "--no-requeue", *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
+              "--exclusive", "--no-requeue",
+              *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
               f"--output={run_dir}/{LOG}", "--open-mode=append", f"--chdir={run_dir}"]
     env = dict(plan.env)
     python_path = env.pop("PYTHONPATH")
