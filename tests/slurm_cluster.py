@@ -1,7 +1,7 @@
-"""A real 2-node Slurm cluster on this machine, for the tests and the bench.
+"""A real Slurm cluster on this machine, for the tests and the bench: a 2-node partition.
 
-Debian's Slurm runs one controller (slurmctld) and two compute daemons (`slurmd -N n1`,
-`slurmd -N n2`) on localhost: two "nodes" whose jobs really get one `srun` task per node,
+Debian's Slurm runs one controller (slurmctld) and compute daemons (`slurmd -N n1`,
+`slurmd -N n2`, ...) on localhost: "nodes" whose jobs really get one `srun` task per node,
 so a 2-node torchrun rendezvous really happens. Everything lives in one private folder (its
 state, spool, logs, pids and slurm.conf); the ports are picked free when it starts, and its job
 ids start at a random number (a job's rendezvous port comes from its id), so two clusters
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-NODES = ("n1", "n2")
+NODES = ("n1", "n2", "n3")  # n1 and n2 make the default partition trn; n3 alone is partition short
 CONF = """\
 ClusterName=studio-test
 SlurmctldHost=localhost
@@ -58,7 +58,8 @@ SlurmdTimeout=10
 MinJobAge=600
 FirstJobId={first_job}
 {nodes}
-PartitionName=trn Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=trn Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=short Nodes=n3 MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 NODE = "NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=2 RealMemory=8000 State=UNKNOWN"
 
@@ -104,7 +105,7 @@ class SlurmCluster:
             (folder / sub).mkdir(parents=True, exist_ok=True)
         nodes = "\n".join(NODE.format(name=n, port=free_port()) for n in NODES)
         (folder / "slurm.conf").write_text(CONF.format(d=folder, ctld_port=free_port(), slurmd_port=free_port(),
-                                                       nodes=nodes, names=",".join(NODES),
+                                                       nodes=nodes,
                                                        first_job=random.randrange(1000, 100_000)))
         cluster = cls(folder)
         start_munge()

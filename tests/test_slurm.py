@@ -58,6 +58,23 @@ def slurm_spec(*overrides: str, nodes: int = 2, **options) -> RunSpec:
     return spec
 
 
+@pytest.fixture(scope="module")
+def timed_run(cluster, tmp_path_factory):
+    """A run that meets its one-minute time limit, started when the file's first test asks for it
+    so that the minute passes while the other tests run: alone on partition short (node n3), a
+    GRPO run whose reward function takes seconds (as a judge model would), so the minute costs
+    little CPU. -> (its manager, its id)."""
+    folder = tmp_path_factory.mktemp("timed")
+    slow = folder / "slow_reward.py"
+    slow.write_text("import time\n\n\ndef slow(completions, **kwargs):\n    time.sleep(2)\n"
+                    "    return [0.0] * len(completions)\n")
+    spec = RunSpec.load(ROOT / "recipes" / "tiny-grpo.yaml").with_overrides(
+        ["studio.run_on=slurm", "max_steps=100000", f"studio.rewards=[{{file: {slow}, function: slow}}]"])
+    spec.layout.slurm = {"partition": "short", "time": "0:01"}
+    manager = RunManager(folder / "runs")
+    return manager, manager.start(spec, NODE).id
+
+
 def cli(*args: str, runs_dir: Path, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "launch.py", *args, "--runs-dir", str(runs_dir)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, **ONE_CPU})
@@ -73,8 +90,9 @@ def nothing_left(run_id: str) -> None:
         time.sleep(0.5)
 
 
-def test_two_nodes_headless_stop_and_save_resume_and_the_losses_of_a_local_two_process_run(cluster, tmp_path):
-    runs = tmp_path / "runs"
+def test_two_nodes_headless_stop_and_save_resume_and_the_losses_of_a_local_two_process_run(cluster, timed_run,
+                                                                                        tmp_path):
+    runs = tmp_path / "runs"  # (timed_run: its minute starts now, on a node of its own)
     steps = ["--set", "max_steps=40", "--set", "logging_steps=1"]
     out = cli("train", str(RECIPE), "--backend", "cpu", "--slurm", "--nodes", "2", "--partition", "trn",
               "--time", "10", *steps, "--detach", runs_dir=runs).stdout
@@ -121,65 +139,6 @@ def test_two_nodes_headless_stop_and_save_resume_and_the_losses_of_a_local_two_p
     assert [s for s, _ in slurm_run.losses()] == [s for s, _ in local.losses()] == list(range(1, 41))
     assert [loss for _, loss in slurm_run.losses()] == pytest.approx([loss for _, loss in local.losses()],
                                                                      rel=1e-4)
-
-
-def test_slurm_states_and_endings_pending_time_limit_node_failure_outside_cancel_and_stop_now(cluster, tmp_path):
-    runs = tmp_path / "runs"
-    manager = RunManager(runs)
-    # one node each (--exclusive: a 2-node job must wait for both): one for a minute, one until its node dies.
-    # The one that meets its time limit is a GRPO run whose reward function takes seconds (a judge
-    # model would), so its minute costs little CPU.
-    slow = tmp_path / "slow_reward.py"
-    slow.write_text("import time\n\n\ndef slow(completions, **kwargs):\n    time.sleep(2)\n"
-                    "    return [0.0] * len(completions)\n")
-    grpo = RunSpec.load(ROOT / "recipes" / "tiny-grpo.yaml").with_overrides(
-        ["studio.run_on=slurm", "max_steps=100000", f"studio.rewards=[{{file: {slow}, function: slow}}]"])
-    grpo.layout.slurm = {"time": "0:01"}
-    timed = manager.start(grpo, NODE)
-    doomed = manager.start(slurm_spec(*LONG, nodes=1), NODE)
-    manager.wait(timed.id, until=lambda v: v.live_state == "running", timeout=120)
-    training = manager.wait(doomed.id, until=lambda v: v.step >= 2, timeout=120)
-    node = training.where().rsplit(" on ", 1)[-1]  # "Slurm job 7: RUNNING on n2"
-    waiting = manager.start(slurm_spec(*LONG), NODE)
-    cancelled = manager.start(slurm_spec(*LONG), NODE)
-    pending = manager.wait(waiting.id, until=lambda v: "PENDING" in (v.where() or ""), timeout=30)
-    assert pending.live_state == "starting" and "(Resources)" in pending.where()
-
-    cluster.kill_node(node)  # its slurmd and everything on it: the node is gone
-    try:
-        dead = manager.wait(doomed.id, timeout=180)
-        assert dead.live_state == "failed", dead.error_text
-        assert f"node {node} of Slurm job {job_of(dead.dir)} went down" in dead.error_text
-        assert "Not responding" in dead.error_text  # Slurm's reason
-        nothing_left(doomed.id)
-    finally:
-        cluster.start_node(node)  # it comes back (ReturnToService=2)
-
-    cluster.run("scancel", job_of(cancelled.dir))  # outside the studio
-    gone = manager.wait(cancelled.id, timeout=60)
-    assert gone.live_state == "stopped" and "cancelled outside the studio" in gone.reason
-
-    # the first job meets its time limit; the waiting one then gets both nodes and trains
-    running = manager.wait(waiting.id, until=lambda v: v.step >= 1, timeout=240)
-    assert "RUNNING on n[1-2]" in running.where()
-    ended = manager.view(timed.id)
-    assert ended.live_state == "failed" and "time limit" in ended.error_text
-    nothing_left(timed.id)
-
-    assert f"Run {waiting.id}: stopped" in cli("stop", waiting.id, runs_dir=runs).stdout  # Stop now: scancel
-    stopped = manager.view(waiting.id)
-    assert stopped.live_state == "stopped" and "Stop now" in stopped.reason
-    nothing_left(waiting.id)
-    assert cluster.run("squeue", "-h").stdout.strip() == ""
-
-    # a restarted app reads the same endings from the folders, after Slurm has let the jobs go
-    again = {view.id: view for view in RunManager(runs).list()}
-    assert again[timed.id].live_state == "failed" and "time limit" in again[timed.id].error_text
-    assert again[doomed.id].live_state == "failed" and "went down" in again[doomed.id].error_text
-    assert again[cancelled.id].live_state == "stopped" and "cancelled outside" in again[cancelled.id].reason
-    assert again[waiting.id].live_state == "stopped"
-    listed = cli("runs", runs_dir=runs).stdout
-    assert "time limit" in listed and "cancelled outside the studio" in listed and "went down" in listed
 
 
 def test_bad_slurm_input_is_refused_before_anything_is_submitted(cluster, tmp_path, monkeypatch):
@@ -229,10 +188,13 @@ def test_slurm_is_planned_without_a_cluster(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not shutil.which("chromium") and not Path("/usr/bin/chromium").exists(),
                     reason="Debian's chromium is not installed")
-def test_a_two_node_run_from_the_page(cluster, browser, tmp_path):
-    from studio_browser import App, open_page, run_state, set_number, stop_runs
+def test_a_two_node_run_from_the_page_waits_for_a_node_that_dies_then_finishes(cluster, browser, tmp_path):
     from playwright.sync_api import expect
+    from studio_browser import App, open_page, run_state, set_number, stop_runs
 
+    manager = RunManager(tmp_path / "other-runs")  # another user's job holds a node
+    blocker = manager.start(slurm_spec(*LONG, nodes=1), NODE)
+    node = manager.wait(blocker.id, until=lambda v: v.step >= 2, timeout=120).where().rsplit(" on ", 1)[-1]
     runs = tmp_path / "runs"
     runs.mkdir()
     app = App(runs, env={**os.environ, **cluster.env, **ONE_CPU})
@@ -241,8 +203,7 @@ def test_a_two_node_run_from_the_page(cluster, browser, tmp_path):
         set_number(page, "max_steps", 8)
         page.get_by_text("Layout: processes, parallelism, cores").click()
         page.locator("#run_on").get_by_text("Slurm", exact=True).click()
-        partition = page.locator("#partition")
-        expect(partition).to_contain_text("trn: 2 node(s) (default)")
+        expect(page.locator("#partition")).to_contain_text("trn: 2 node(s) (default)")
         set_number(page, "nodes", 2)
         expect(page.locator("#core-map")).to_contain_text("x 2 nodes", timeout=30_000)
         page.locator("#preview").click()
@@ -251,12 +212,60 @@ def test_a_two_node_run_from_the_page(cluster, browser, tmp_path):
         assert "sbatch --parsable slurm.sh" in plan.inner_text()
         page.locator("#start").click()
         expect(page.locator("#train-message")).to_contain_text("Slurm job", timeout=30_000)
+        status = page.locator(".run-status").first
+        expect(status).to_contain_text("PENDING (Resources)", timeout=30_000)  # Slurm's state and reason
+        assert "STARTING" in status.inner_text()
+
+        cluster.kill_node(node)  # the blocker's node dies: its slurmd and everything on it
+        try:
+            dead = manager.wait(blocker.id, timeout=180)
+            assert dead.live_state == "failed", dead.error_text
+            assert f"node {node} of Slurm job {job_of(dead.dir)} went down" in dead.error_text
+            assert "Not responding" in dead.error_text  # Slurm's reason
+            nothing_left(blocker.id)
+            again = RunManager(manager.runs_dir).view(blocker.id)  # a restarted app: the same ending
+            assert again.live_state == "failed" and "went down" in again.error_text
+        finally:
+            cluster.start_node(node)  # it comes back (ReturnToService=2); the page's job then runs
         run_state(page, "FINISHED").wait_for(timeout=180_000)
-        status = page.locator(".run-status").first.inner_text()
-        assert "Slurm job" in status and "2 processes" in status and "loss" in status
+        shown = status.inner_text()
+        assert "Slurm job" in shown and "2 processes" in shown and "loss" in shown
         [view] = app.runs()
         assert view.spec["studio"]["nodes"] == 2 and view.spec["studio"]["run_on"] == "slurm"
         page.close()
     finally:
         app.kill()
         stop_runs(runs)
+        cluster.wait_idle(120)
+
+
+def test_stop_now_a_job_cancelled_outside_and_one_that_met_its_time_limit(cluster, timed_run, tmp_path):
+    # last in the file: the timed run's minute has passed meanwhile
+    runs = tmp_path / "runs"
+    manager = RunManager(runs)
+    running = manager.start(slurm_spec(*LONG), NODE)
+    manager.wait(running.id, until=lambda v: v.step >= 1, timeout=120)
+    cancelled = manager.start(slurm_spec(*LONG), NODE)
+    manager.wait(cancelled.id, until=lambda v: "PENDING" in (v.where() or ""), timeout=30)
+    cluster.run("scancel", job_of(cancelled.dir))  # outside the studio
+    gone = manager.wait(cancelled.id, timeout=60)
+    assert gone.live_state == "stopped" and "cancelled outside the studio" in gone.reason
+
+    assert f"Run {running.id}: stopped" in cli("stop", running.id, runs_dir=runs).stdout  # Stop now: scancel
+    stopped = manager.view(running.id)
+    assert stopped.live_state == "stopped" and "Stop now" in stopped.reason
+    nothing_left(running.id)  # on either node
+
+    timed_manager, timed_id = timed_run
+    ended = timed_manager.wait(timed_id, timeout=180)
+    assert ended.live_state == "failed" and "time limit (00:01:00)" in ended.error_text, ended.error_text
+    nothing_left(timed_id)
+    assert cluster.run("squeue", "-h").stdout.strip() == ""
+
+    # a restarted app reads the same endings from the folders, after Slurm has let the jobs go
+    again = {view.id: view for view in RunManager(runs).list()}
+    assert again[cancelled.id].live_state == "stopped" and "cancelled outside" in again[cancelled.id].reason
+    assert again[running.id].live_state == "stopped" and "Stop now" in again[running.id].reason
+    assert "time limit" in RunManager(timed_manager.runs_dir).view(timed_id).error_text
+    assert "cancelled outside the studio" in cli("runs", runs_dir=runs).stdout
+    assert "time limit" in cli("runs", runs_dir=timed_manager.runs_dir).stdout
