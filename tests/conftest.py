@@ -55,7 +55,7 @@ def manager(tmp_path):
 # supervisor, torchrun, a rank), the browser, or `launch.py` training or serving the app.
 NOT_IN_A_FAST_TEST = ("studio_core.supervisor", "torch.distributed.run", "studio_core.worker", "chromium",
                       "playwright")
-SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs"}
+SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs", "two_process_runs"}
 
 
 def _heavy_start(args) -> str | None:
@@ -171,6 +171,17 @@ def sft_runs(tmp_path_factory):
 
     return shared_runs(tmp_path_factory, "sft", {"full": RunSpec.load(RECIPES / "tiny-sft.yaml"),
                                                  "lora": RunSpec.load(RECIPES / "tiny-sft-lora.yaml")})
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(tmp_path_factory):
+    """A local data-parallel run, finished: tiny SFT on 2 processes, 40 steps, a loss every
+    step: {"run"}. Read it through RunManager(runs_dir); test_slurm compares a 2-node run with it."""
+    from studio_core.spec import RunSpec
+
+    spec = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["studio.nproc=2", "max_steps=40",
+                                                                   "logging_steps=1"])
+    return shared_runs(tmp_path_factory, "two-process", {"run": spec}, side_by_side=1)
 
 
 def history_specs() -> dict:

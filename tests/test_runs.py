@@ -160,6 +160,17 @@ def test_one_process_sft_run_finishes_with_a_model(tmp_path, monkeypatch):
     assert [v.id for v in manager.list()] == [view.id]
 
 
+def test_two_processes_run_data_parallel(two_process_runs):
+    from studio_core.runs.manager import RunManager
+
+    view = RunManager(two_process_runs.runs_dir).view(two_process_runs.ids["run"])
+    assert view.state == "finished", view.error_text
+    running = [e for e in read_events(view.dir / "events.jsonl")
+               if e["type"] == "status" and e["state"] == "running"]
+    assert [e["world_size"] for e in running] == [2]  # one rank 0, and DDP really on
+    assert view.world_size == 2 and view.step == 40 and view.spec["studio"]["cores"] == "0-1"
+
+
 # --- stopping and crashing --------------------------------------------------------------
 def test_stop_ends_the_run_and_every_process_of_it(manager):
     view = manager.start(tiny(*LONG), cpu_hardware())
