@@ -203,8 +203,8 @@ def measure(work: Path, args, report: dict) -> None:
     try:
         report["cluster_start_s"] = time.monotonic() - t0
         os.environ.update(cluster.env)  # the engine's Slurm commands, and the job, find the cluster by it
-        print(f"[bench] Slurm cluster up in {report['cluster_start_s']:.1f} s ({cluster.conf}; job ids from "
-              f"{first_job_id}); runs in {work / 'runs'}", flush=True)
+        print(f"[bench] Slurm cluster up in {report['cluster_start_s']:.1f} s ({cluster.conf}); runs in "
+              f"{work / 'runs'}", flush=True)
         manager = RunManager(work / "runs")
         warmups: list[dict] = []
         report["warmups"] = warmups
