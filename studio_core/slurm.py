@@ -219,6 +219,12 @@ def failed_nodes(nodes: str) -> dict[str, tuple[str, str]]:
     return parse_node_states(_run("sinfo", "-h", "-N", "-n", nodes, "-o", "%N|%T|%E"))
 
 
+def first_node_address(nodes: str) -> str:
+    """The address (NodeAddr) of the first of these nodes (n[1-2]), where a job's rendezvous is."""
+    first = _run("scontrol", "show", "hostnames", nodes).split()[0]
+    return parse_fields(_run("scontrol", "show", "node", "-o", first)).get("NodeAddr") or first
+
+
 def cancel(job_id: str) -> None:
     _QUEUE.pop(job_id, None)
     _run("scancel", job_id)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from studio_core import children, leases
+from studio_core import children, leases, slurm
 from studio_core.backends.slurm import AUTO_RESUME_ENV, JOB
 from studio_core.checkpoints import RESUME_ENV, list_checkpoints
 from studio_core.hardware import pin_to_cpu_cores
@@ -175,12 +175,7 @@ def auto_resumed(run_dir: Path, env: dict) -> dict | None:
 
 def slurm_rendezvous(node: SlurmNode) -> dict[str, str]:
     """HEAD_ADDR (the first node's address, as Slurm knows it: NodeAddr) and RDZV_PORT for torchrun."""
-    names = subprocess.run(["scontrol", "show", "hostnames", node.names], capture_output=True, text=True,
-                           check=True).stdout.split()
-    shown = subprocess.run(["scontrol", "show", "node", "-o", names[0]], capture_output=True, text=True,
-                           check=True).stdout
-    address = re.search(r"NodeAddr=(\S+)", shown)
-    return {"HEAD_ADDR": address.group(1) if address else names[0],
+    return {"HEAD_ADDR": slurm.first_node_address(node.names),
             "RDZV_PORT": str(RDZV_BASE_PORT + int(node.job_id) % 1000)}
 
 
