@@ -104,7 +104,9 @@ def main(run_dir: Path) -> int:
         if monitor is not None and time.monotonic() >= next_sample:
             next_sample += SAMPLE_EVERY_S
             try:
-                ev.append(events, ev.hardware({**monitor.sample(), **({"node": node.name} if node else {})}))
+                sample = monitor.sample()
+                if sample["processes"]:  # none: torchrun ended just after the wait above; its status follows
+                    ev.append(events, ev.hardware({**sample, **({"node": node.name} if node else {})}))
             except Exception as failed:  # sampling must never cost the run its final status
                 ev.append(events, ev.log(f"hardware sampling stopped: {failed!r}"))
                 monitor.stop()
