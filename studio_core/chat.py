@@ -27,6 +27,8 @@ from pathlib import Path
 
 from studio_core import children, leases
 from studio_core.builtin import BUILTIN_MODEL
+from studio_core.compile_cache import compile_cache_root
+from studio_core.device_env import device_env
 from studio_core.hardware import Hardware
 from studio_core.runs import folder
 
@@ -113,13 +115,7 @@ class ChatProcess:
     @staticmethod
     def _spawn(target: ChatTarget, runs_dir, hardware: Hardware, cores: str | None, max_cache_len: int):
         chosen = choose_chat_cores(runs_dir, hardware, cores)
-        env, visible = {}, ",".join(map(str, chosen))
-        if hardware.backend == "neuron":
-            env["NEURON_RT_VISIBLE_CORES"] = visible
-        elif hardware.backend == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = visible
-        else:
-            env["OMP_NUM_THREADS"] = str(len(chosen))
+        env = device_env(hardware, compile_cache_root(), chosen)
         proc = children.start("studio_core.chat_worker", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
         events: queue.Queue = queue.Queue()

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 
 from studio_core import children, leases, trainers
+from studio_core.compile_cache import compile_cache_root
+from studio_core.device_env import device_env
 from studio_core.hardware import Hardware, pin_to_cpu_cores
 from studio_core.runs import events, folder
 from studio_core.runs.folder import OUTPUT_INFO
@@ -52,8 +54,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"{out_dir} is not empty: choose a new folder (nothing is overwritten)")
     args = [run_dir, out_dir, *(["--merge"] if merge else [])]
-    if hardware is None or hardware.backend != "cpu":
-        done = children.run("studio_core.export", *args, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if hardware is None or hardware.backend != "cpu":  # it loads on CPU; no device core is taken
+        env = device_env(hardware, compile_cache_root(), None) if hardware else None
+        done = children.run("studio_core.export", *args, env=env, capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
         return _result(done.returncode, done.stdout, done.stderr, out_dir)
     runs_dir = run_dir.parent
     with leases.choosing(runs_dir):  # until the child holds the core chosen here
@@ -65,7 +69,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
         except ValueError as error:
             raise ExportError(f"cores: {error}") from error
         child = children.start("studio_core.export", *args, "--cores", ",".join(map(str, chosen)),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               env=device_env(hardware, compile_cache_root(), chosen), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         leases.wait_held(runs_dir, hardware.backend, chosen, child)
     try:
         stdout, stderr = child.communicate(timeout=TIMEOUT_S)

@@ -16,8 +16,8 @@ from pathlib import Path
 from studio_core import backends, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.children import REPO_ROOT
-from studio_core.compile_cache import compile_cache_env
 from studio_core.cores import format_cores, parse_cores
+from studio_core.device_env import RANK_CORES, REASONS, VISIBLE, describe_rank_cores, device_env, rank_cores
 from studio_core.hardware import Hardware
 from studio_core.layout import check_layout
 from studio_core.spec import RunSpec, resolved
@@ -49,8 +49,6 @@ BACKEND_DEFAULTS = {
     "neuron": (
         Default("bf16", True, "every Trainium generation computes in bf16: half the memory, "
                 "full matmul speed"),
-        Default("torch_compile", True, "compiled steps run faster than eager (Qwen3-0.6B, one core: "
-                "1.15 s vs 1.71 s per step); the backend becomes \"neuron\" by itself"),
         Default("dataloader_drop_last", True, "a smaller last batch is a new shape, and every new "
                 "shape costs a compilation"),
         Default("pad_to_multiple_of", "auto", "TRL pads batches to a multiple of 128 on Neuron, so "
@@ -92,7 +90,7 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     trainer = trainers.get(spec.trainer)
     args = dict(spec.args)
     applied: list[tuple[str, object, str]] = []
-    warnings: list[str] = []
+    warnings: list[str] = list(hardware.problems)  # found by detection on this machine
     known = trainer_fields(spec.trainer)
     defaults = (*COMMON_DEFAULTS, *BACKEND_DEFAULTS[hardware.backend], *trainer.defaults,
                 *(trainer.neuron_defaults if hardware.backend == "neuron" else ()))
@@ -163,6 +161,9 @@ def _neuron_warnings(args: dict, trainer: trainers.Trainer) -> list[str]:
     if trainer.generates and args.get("cache_implementation") != "static":
         warnings.append(f"cache_implementation: {args.get('cache_implementation')!r} makes every generated "
                         f"token a new shape: each {trainer.name} step compiles for minutes; use \"static\"")
+    if args.get("torch_compile") and not any(d.key == "torch_compile" for d in trainer.neuron_defaults):
+        warnings.append(f"torch_compile: true is untested with {trainer.name} on Neuron: AWS and TRL show compiled "
+                        "training for SFT only; if a step fails to compile, set torch_compile: false")
     dtype = (args.get("model_init_kwargs") or {}).get("dtype")
     if trainer.generates and args.get("cache_implementation") == "static" and dtype not in ("bfloat16", "bf16"):
         warnings.append(f"model_init_kwargs.dtype: {dtype!r} with the static cache fails: the keys and values "
@@ -189,27 +190,17 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
     if local_model and local_data:
         env["HF_HUB_OFFLINE"] = "1"
         applied.append(("HF_HUB_OFFLINE", "1", "model and dataset are local: the run makes no network call"))
-    env.update(compile_cache_env(hardware.backend, compile_cache))
-    applied.append(("TORCHINDUCTOR_CACHE_DIR", env["TORCHINDUCTOR_CACHE_DIR"], "with torch.compile's inductor "
-                    "backend, compiled graphs (FX graph and AOTAutograd caches) are kept and reused by later "
-                    f"{hardware.backend} runs; shared by every run on this backend"))
-    if hardware.backend == "cpu":
-        threads = max(1, (len(cores) if chosen is not None or named else hardware.cpu_count) // layout.nproc)
-        env["OMP_NUM_THREADS"] = str(threads)
-        applied.append(("OMP_NUM_THREADS", str(threads), "the run's CPU cores shared out between its processes"))
-    if hardware.backend == "neuron":
-        if local_cores:
-            # the run's leased cores, written as the spec wrote them when it named these ("0,1", as TRL's guide)
-            env["NEURON_RT_VISIBLE_CORES"] = layout.cores if named == cores else format_cores(cores)
-        env["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
-        applied.append(("HF_DEACTIVATE_ASYNC_LOAD", "1", "Transformers' async weight loading hangs on Neuron"))
-        applied.append(("TORCH_NEURONX_NEFF_CACHE_DIR", env["TORCH_NEURONX_NEFF_CACHE_DIR"],
-                        "compiled graphs (NEFFs) are kept and reused by later steps and runs with identical "
-                        "graphs: same model, shapes, dtype, layout and compiler version"))
-        if hardware.lnc:
-            env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.lnc)
-    if hardware.backend == "cuda" and local_cores:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cores))
+    # CPU threads follow the run's cores when it has some; else the machine's share
+    placed = cores if local_cores and (hardware.backend != "cpu" or chosen is not None or named) else None
+    device = device_env(hardware, compile_cache, placed, layout.nproc, written=layout.cores if named else None)
+    env.update(device)
+    for key in (k for k in device if k in REASONS):
+        applied.append((key, device[key], REASONS[key]))
+    if RANK_CORES in device:
+        applied.append((VISIBLE, describe_rank_cores(rank_cores(device)), "each rank's own NeuronCore"))
+    if "OMP_NUM_THREADS" in device:
+        applied.append(("OMP_NUM_THREADS", device["OMP_NUM_THREADS"], "the run's CPU cores shared out between "
+                        "its processes"))
     if layout.tp_size > 1 or layout.fsdp_size > 1:
         env["TP_SIZE"], env["FSDP_SIZE"] = str(layout.tp_size), str(layout.fsdp_size)
     return env

@@ -18,8 +18,12 @@ from studio_core.plan import WORKER_MODULE, Plan
 RDZV_PORT = 29500
 
 
-def _header(plan: Plan, run_dir: str) -> list[str]:
-    env = {k: v for k, v in plan.env.items() if k != "STUDIO_RUN_ID"}
+# Cores of this machine: a Slurm job's nodes are its own, so its script names none.
+MACHINE_CORES = ("NEURON_RT_VISIBLE_CORES", "STUDIO_NEURON_CORES", "CUDA_VISIBLE_DEVICES")
+
+
+def _header(plan: Plan, run_dir: str, cluster: bool = False) -> list[str]:
+    env = {k: v for k, v in plan.env.items() if k != "STUDIO_RUN_ID" and not (cluster and k in MACHINE_CORES)}
     spec_yaml = plan.spec.to_yaml()
     return [
         "set -euo pipefail",
@@ -74,7 +78,7 @@ def slurm_script(plan: Plan, nodes: int, run_dir: str = "./studio-run") -> str:
         "# the c10d rendezvous. Submit with: sbatch THIS_FILE",
         "# RUN_DIR and this repository must be on a filesystem every node sees (e.g. FSx for Lustre).",
         *_mesh_note(plan),
-        *_header(plan, run_dir),
+        *_header(plan, run_dir, cluster=True),
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"srun {_python(plan)} -m torch.distributed.run --nnodes=\"$SLURM_NNODES\" --nproc-per-node={nproc} \\",
         f'  --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:{RDZV_PORT}" \\',

@@ -20,7 +20,11 @@ import time
 import traceback
 from pathlib import Path
 
-from studio_core import sources, trainers
+from studio_core.device_env import use_rank_core
+
+use_rank_core()  # first, before anything imports torch: one NeuronCore per rank (device_env says why)
+
+from studio_core import sources, trainers  # noqa: E402
 from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
 from studio_core.checkpoints import RESUME_ENV, stop_and_save_callback
 from studio_core.compile_watch import CompileWatch, ShapeWatch
@@ -119,10 +123,12 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> None:
                                              num_train_epochs=state.num_train_epochs))
 
         def on_step_end(self, args, state, control, **kwargs):
+            self.compiles.step_ended()  # Neuron: neuronx-cc's time for graphs of this step
             now, compiled, tokens = time.time(), self.compiles.compile_seconds(), self.shapes.tokens
             step_s = max(0.0, now - self.mark[0] - (compiled - self.mark[1]))
             events.append(log, events.progress(state.global_step, state.max_steps, state.epoch, round(step_s, 4),
-                                               round(compiled, 3), tokens - self.mark[2]))
+                                               round(compiled, 3), tokens - self.mark[2],
+                                               compiled=compiled > self.mark[1]))
             self.mark = (now, compiled, tokens)
 
         def on_log(self, args, state, control, logs=None, **kwargs):

@@ -19,11 +19,13 @@ import yaml
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from child_env import with_child_environment
 from hub_standin import HubStandIn, point_hub_client_at
 from studio_core import hub, leases
 from studio_core.builtin import BUILTIN_DATASETS
 from studio_core.export import ExportError, export_run
-from studio_core.hardware import Hardware
+from studio_core.compile_cache import compile_cache_root
+from studio_core.hardware import Hardware, instance_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 QA = [json.loads(line)["messages"] for line in Path(BUILTIN_DATASETS["builtin:qa"]).read_text().splitlines()]
@@ -44,14 +46,25 @@ def metadata(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def exports(trained_runs, tmp_path_factory):
-    """The full run exported, and the LoRA run exported as an adapter and merged."""
+    """The full run exported, and the LoRA run exported as an adapter and merged. The adapter
+    is exported as on a trn2.3xlarge (it loads on CPU there too), its child's environment kept."""
     manager, ids = trained_runs
     out = tmp_path_factory.mktemp("exports")
+    adapter, env = with_child_environment("studio_core.export", lambda: export_run(
+        manager.runs_dir / ids["lora"], out / "adapter", hardware=instance_hardware("trn2.3xlarge")))
     return {
         "full": Path(export_run(manager.runs_dir / ids["full"], out / "full")["folder"]),
-        "adapter": Path(export_run(manager.runs_dir / ids["lora"], out / "adapter")["folder"]),
+        "adapter": Path(adapter["folder"]),
         "merged": Path(export_run(manager.runs_dir / ids["lora"], out / "merged", merge=True)["folder"]),
+        "neuron_env": env,
     }
+
+
+def test_the_export_child_gets_the_neuron_environment_and_no_core(exports):
+    env = exports["neuron_env"]
+    assert env["HF_DEACTIVATE_ASYNC_LOAD"] == "1" and env["NEURON_LOGICAL_NC_CONFIG"] == "2"
+    assert env["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(compile_cache_root() / "neuron" / "neff")
+    assert "NEURON_RT_VISIBLE_CORES" not in env  # it loads on CPU: no NeuronCore is taken from a run
 
 
 @pytest.fixture

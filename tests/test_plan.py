@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.hardware import Hardware, instance_hardware
+from studio_core.cores import parse_cores
+from studio_core.device_env import rank_cores
+from studio_core.hardware import TORCH_XLA_PROBLEM, Hardware, instance_hardware
 from studio_core.plan import DYNAMIC_SHAPES_OFF, WORKER_MODULE, plan
 from studio_core.spec import RunSpec
 
@@ -94,7 +96,9 @@ def test_neuron_plan_for_trn2_3xlarge():
     assert "model_init_kwargs.device_map" in applied and applied["model_init_kwargs.device_map"] is None
     assert applied[DYNAMIC_SHAPES_OFF] is False  # torch_compile is on
     assert launch.env["HF_DEACTIVATE_ASYNC_LOAD"] == "1"
-    assert launch.env["NEURON_RT_VISIBLE_CORES"] == "0-3"
+    assert "NEURON_RT_VISIBLE_CORES" not in launch.env  # no range shared by the 4 ranks
+    assert launch.env["STUDIO_NEURON_CORES"] == "0-3" and rank_cores(launch.env) == ["0", "1", "2", "3"]
+    assert applied["NEURON_RT_VISIBLE_CORES"] == "rank 0: 0, rank 1: 1, rank 2: 2, rank 3: 3"
     assert launch.env["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/cache/neuron/neff"
     assert launch.env["TORCHINDUCTOR_CACHE_DIR"] == "/cache/neuron/inductor"
     assert launch.env["NEURON_LOGICAL_NC_CONFIG"] == "2"
@@ -103,13 +107,16 @@ def test_neuron_plan_for_trn2_3xlarge():
 
 
 @pytest.mark.parametrize("overrides, cores", [
-    ([], "0"),
-    (["studio.nproc=2"], "0-1"),
-    (["studio.nproc=4"], "0-3"),
-    (["studio.nproc=2", "studio.cores=2-3"], "2-3"),
+    ([], ["0"]),
+    (["studio.nproc=2"], ["0", "1"]),
+    (["studio.nproc=4"], ["0", "1", "2", "3"]),
+    (["studio.nproc=2", "studio.cores=2-3"], ["2", "3"]),
 ])
-def test_visible_cores(overrides, cores):
-    assert plan(spec(*overrides), TRN2_3XL).env["NEURON_RT_VISIBLE_CORES"] == cores
+def test_each_rank_sees_one_core_of_its_own(overrides, cores):
+    env = plan(spec(*overrides), TRN2_3XL).env
+    assert rank_cores(env) == cores
+    # one process: its core directly; several: no shared range, the block for the ranks to split
+    assert ("NEURON_RT_VISIBLE_CORES" in env) == (len(cores) == 1) != ("STUDIO_NEURON_CORES" in env)
 
 
 def test_the_recipes_model_init_kwargs_are_kept_on_neuron():
@@ -216,7 +223,8 @@ def test_more_processes_than_devices_is_an_error(hardware, nproc, limit):
 
 def test_trn2_48xlarge_takes_64_processes():
     launch = plan(spec("studio.nproc=64"), instance_hardware("trn2.48xlarge"))
-    assert launch.errors == [] and launch.env["NEURON_RT_VISIBLE_CORES"] == "0-63"
+    assert launch.errors == [] and launch.env["STUDIO_NEURON_CORES"] == "0-63"
+    assert rank_cores(launch.env) == [str(core) for core in range(64)] and "NEURON_RT_VISIBLE_CORES" not in launch.env
 
 
 def test_tp_or_fsdp_on_cpu_is_an_error():
@@ -239,7 +247,8 @@ def test_describe_lists_the_command_and_every_applied_setting():
 def test_seed_core_sets_on_a_trn2_3xlarge_reach_the_environment(cores):
     nproc = 4 if cores == "0-3" else 2
     launch = plan(spec(f"studio.nproc={nproc}", f"studio.cores='{cores}'"), TRN2_3XL)
-    assert launch.errors == [] and launch.env["NEURON_RT_VISIBLE_CORES"] == cores
+    assert launch.errors == [] and launch.env["STUDIO_NEURON_CORES"] == cores  # as the user wrote it
+    assert rank_cores(launch.env) == [str(core) for core in parse_cores(cores)]
 
 
 def test_a_tp_fsdp_layout_shows_the_distributed_config_it_passes():
@@ -248,7 +257,10 @@ def test_a_tp_fsdp_layout_shows_the_distributed_config_it_passes():
     assert launch.errors == []
     assert ("model_init_kwargs.distributed_config", "DistributedConfig(tp_size=4, fsdp_size=8)") in [
         (key, value) for key, value, _ in launch.applied]
-    assert launch.env["NEURON_RT_VISIBLE_CORES"] == "0-31" and "--nproc-per-node=32" in launch.argv
+    assert launch.env["STUDIO_NEURON_CORES"] == "0-31" and "--nproc-per-node=32" in launch.argv
+    assert "NEURON_RT_VISIBLE_CORES" not in launch.env and len(set(rank_cores(launch.env))) == 32
+    assert dict((k, v) for k, v, _ in launch.applied)["NEURON_RT_VISIBLE_CORES"] == (
+        "rank 0: 0, rank 1: 1, rank 2: 2, rank 3: 3, ..., rank 31: 31")
 
 
 # --- GRPO on Neuron: generation defaults, and the overrides known to hurt --------------
@@ -277,3 +289,26 @@ def test_grpo_overrides_known_to_hurt_on_neuron_are_kept_with_what_they_cost(ove
     launch = plan(RunSpec.load(GRPO).with_overrides(overrides), TRN2_3XL)
     assert any(warning in w for w in launch.warnings), launch.warnings
     assert plan(RunSpec.load(GRPO).with_overrides(overrides), CPU8).warnings == []  # only Neuron pays
+
+
+# --- torch_compile on Neuron: SFT's default only ------------------------------------------
+@pytest.mark.parametrize("recipe", ["tiny-dpo.yaml", "tiny-grpo.yaml", "tiny-kto.yaml", "tiny-rloo.yaml",
+                                    "tiny-reward.yaml"])
+def test_torch_compile_is_sfts_neuron_default_and_an_opt_in_with_a_warning_elsewhere(recipe):
+    spec_ = RunSpec.load(Path(__file__).parent.parent / "recipes" / recipe)
+    launch = plan(spec_, TRN2_3XL)
+    assert "torch_compile" not in launch.spec.args and DYNAMIC_SHAPES_OFF not in applied_keys(launch)
+    assert not any("torch_compile" in w for w in launch.warnings)
+    opted = plan(spec_.with_overrides(["torch_compile=true"]), TRN2_3XL)
+    assert opted.spec.args["torch_compile"] is True and applied_keys(opted)[DYNAMIC_SHAPES_OFF] is False
+    (warning,) = [w for w in opted.warnings if w.startswith("torch_compile")]
+    assert "untested" in warning and "torch_compile: false" in warning
+    assert not any("torch_compile" in w for w in plan(spec_.with_overrides(["torch_compile=true"]), CPU8).warnings)
+    assert applied_keys(plan(spec(), TRN2_3XL))["torch_compile"] is True  # SFT keeps it
+
+
+def test_what_detection_found_wrong_is_a_warning_of_every_plan_on_that_machine():
+    troubled = Hardware("neuron", 4, cpu_count=8, chips=1, lnc=2, problems=(TORCH_XLA_PROBLEM,))
+    launch = plan(spec(), troubled)
+    assert TORCH_XLA_PROBLEM in launch.warnings and "pip uninstall torch-xla" in launch.describe()
+    assert TORCH_XLA_PROBLEM not in plan(spec(), TRN2_3XL).warnings

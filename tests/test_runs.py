@@ -329,7 +329,8 @@ def test_cli_plan_for_trainium_without_trainium(tmp_path):
     done = launch_py("plan", str(TINY), "--runs-dir", str(runs_dir), "--instance", "trn2.3xlarge",
                      "--set", "studio.nproc=4", "--no-forecast", timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "NEURON_RT_VISIBLE_CORES=0-3" in done.stdout and "--nproc-per-node=4" in done.stdout
+    assert "STUDIO_NEURON_CORES=0-3" in done.stdout and "--nproc-per-node=4" in done.stdout
+    assert "NEURON_RT_VISIBLE_CORES = 'rank 0: 0, rank 1: 1, rank 2: 2, rank 3: 3'" in done.stdout
     too_many = launch_py("plan", str(TINY), "--runs-dir", str(runs_dir), "--instance", "trn2.3xlarge",
                          "--set", "studio.nproc=8", timeout=60)
     assert too_many.returncode != 0

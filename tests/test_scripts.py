@@ -33,9 +33,11 @@ def test_scripts_for_a_trainium_layout_carry_the_plans_environment(tmp_path):
     launch = plan(spec, instance_hardware("trn2.48xlarge"))
     assert launch.errors == []
     expected = {k: v for k, v in launch.env.items() if k != "STUDIO_RUN_ID"}
-    for script in (launch_script(launch), slurm_script(launch, nodes=4)):
+    on_cluster = {k: v for k, v in expected.items() if k not in ("STUDIO_NEURON_CORES", "NEURON_RT_VISIBLE_CORES")}
+    assert expected["STUDIO_NEURON_CORES"] == "0-31" and "NEURON_RT_VISIBLE_CORES" not in expected
+    for script, env in ((launch_script(launch), expected), (slurm_script(launch, nodes=4), on_cluster)):
         assert bash_syntax_ok(script, tmp_path)
-        assert exported_env(script) == expected
+        assert exported_env(script) == env  # a Slurm node is the job's: no core of it named
         assert expected["TP_SIZE"] == "4" and expected["FSDP_SIZE"] == "8"
         assert "--nproc-per-node=32" in script
     slurm = slurm_script(launch, nodes=4)
@@ -46,7 +48,7 @@ def test_scripts_for_a_trainium_layout_carry_the_plans_environment(tmp_path):
 def test_the_exported_script_runs_the_same_training(tmp_path):
     spec = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["max_steps=3"])
     script = tmp_path / "run.sh"
-    script.write_text(launch_script(plan(spec, cpu_hardware())))
+    script.write_text(launch_script(plan(spec, cpu_hardware(), compile_cache=tmp_path / "compile-cache")))
     done = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "RUN_DIR": "exported-run"})
     assert done.returncode == 0, done.stderr[-3000:]
