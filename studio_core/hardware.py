@@ -35,6 +35,7 @@ class Hardware:
     lnc: int | None = None  # Logical NeuronCore config (NEURON_LOGICAL_NC_CONFIG)
     detected: bool = True  # False when chosen from the instance table
     chip_memory_gib: int | None = None  # device memory (HBM) per chip, when known
+    problems: tuple[str, ...] = ()  # what detection found wrong with this machine's software, with the fix
 
     @property
     def cores(self) -> int:
@@ -44,7 +45,7 @@ class Hardware:
 
     def describe(self) -> str:
         if self.backend == "neuron":
-            where = self.instance_type or "Neuron machine"
+            where = self.instance_type or "Neuron machine (instance type unknown)"
             memory = f", {self.chip_memory_gib} GiB per chip" if self.chip_memory_gib else ""
             return f"{where}: {self.devices} NeuronCores on {self.chips} chip(s), LNC={self.lnc}{memory}"
         if self.backend == "cuda":
@@ -187,7 +188,7 @@ def pin_to_cpu_cores(cores: list[int]) -> None:
 
 _PROBE = r"""
 import importlib.util, json
-found = {"neuron": 0, "cuda": 0}
+found = {"neuron": 0, "cuda": 0, "torch_xla": importlib.util.find_spec("torch_xla") is not None}
 try:
     import torch
     if importlib.util.find_spec("torch_neuronx") is not None:
@@ -202,6 +203,14 @@ print(json.dumps(found))
 """
 
 
+# Accelerate chooses its distributed type by checking for torch_xla first: with the retired
+# XLA stack importable it trains the XLA way even when torch-neuronx is there.
+TORCH_XLA_PROBLEM = ("torch_xla is installed next to torch-neuronx: Accelerate (and so every TRL trainer) then "
+                     "takes the retired XLA path instead of the native Neuron one. Use a clean TorchNeuron "
+                     "environment: `pip uninstall torch-xla torch-neuronx-xla` (or a fresh venv from the AWS "
+                     "Neuron setup without the XLA packages)")
+
+
 def detect_hardware(timeout: float = 120) -> Hardware:
     """Probe this machine: neuron (torch-neuronx and visible cores), else cuda, else cpu."""
     base = cpu_hardware()
@@ -212,15 +221,49 @@ def detect_hardware(timeout: float = 120) -> Hardware:
     found = json.loads(done.stdout.strip().splitlines()[-1])
     if found["neuron"]:
         # torch-neuronx must be there to train; neuron-ls, when installed, tells chips and memory.
+        problems = (TORCH_XLA_PROBLEM,) if found.get("torch_xla") else ()
         listed = _neuron_ls()
         if listed:
             return Hardware("neuron", listed["chips"] * listed["cores_per_chip"], base.cpu_count,
-                            instance_type=listed["instance_type"], chips=listed["chips"],
+                            instance_type=listed["instance_type"] or instance_type(), chips=listed["chips"],
                             lnc=listed["lnc"] or int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")),
-                            chip_memory_gib=listed["memory_per_chip"] // 2**30)
+                            chip_memory_gib=listed["memory_per_chip"] // 2**30, problems=problems)
         lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
         chips = max(1, found["neuron"] * lnc // 8)  # assumes 8 physical cores per chip (Trn2, Trn3)
-        return Hardware("neuron", found["neuron"], base.cpu_count, chips=chips, lnc=lnc)
+        return Hardware("neuron", found["neuron"], base.cpu_count, instance_type=instance_type(), chips=chips,
+                        lnc=lnc, problems=problems)
     if found["cuda"]:
         return Hardware("cuda", found["cuda"], base.cpu_count)
     return base
+
+
+# The EC2 instance metadata service (IMDSv2: a session token by PUT, then the GET), read with
+# the names AWS's own SDKs read: AWS_EC2_METADATA_SERVICE_ENDPOINT moves it (the tests point it
+# at a local server), AWS_EC2_METADATA_DISABLED=true turns it off. Off EC2 nothing answers at
+# the link-local address and the short timeout ends the wait.
+IMDS = "http://169.254.169.254"
+IMDS_TIMEOUT_S = 1.0
+
+
+def instance_type(timeout: float = IMDS_TIMEOUT_S) -> str | None:
+    """This machine's EC2 instance type (e.g. "trn2.3xlarge"), or None when no metadata
+    service answers (not on EC2, or it is turned off)."""
+    import http.client
+    import urllib.request
+
+    if os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true":
+        return None
+    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", IMDS).rstrip("/")
+    try:
+        token_request = urllib.request.Request(f"{base}/latest/api/token", method="PUT",
+                                               headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+        with urllib.request.urlopen(token_request, timeout=timeout) as answer:
+            token = answer.read().decode()
+        request = urllib.request.Request(f"{base}/latest/meta-data/instance-type",
+                                         headers={"X-aws-ec2-metadata-token": token})
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            found = answer.read().decode().strip()
+    except (OSError, http.client.HTTPException, ValueError) as error:  # URLError is an OSError
+        log.info("no instance type from the instance metadata at %s: %s", base, error)
+        return None
+    return found or None
