@@ -3,7 +3,8 @@
 One folder per backend under the compile cache root (`$STUDIO_COMPILE_CACHE`, else
 `<studio cache>/compile-cache`), so every run with the same compiler stack shares it:
 
-    <root>/neuron/neff/       TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR)
+    <root>/neuron/neff/       TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR):
+                              <key>.neff files two shard folders down (ab/cd/)
     <root>/<backend>/inductor/  TORCHINDUCTOR_CACHE_DIR: Inductor's FX graph cache (fxgraph/)
                               and the AOTAutograd cache (aotautograd/), with the C++ and
                               Python code they load; used only by the inductor backend
@@ -83,9 +84,9 @@ def summary(path: str | Path) -> CacheSummary:
         newest = max(newest or 0.0, stat.st_mtime)
     entries = {}
     if (path / NEFF).is_dir():
-        # Not checked on Trainium: we could not see how TorchNeuron lays out its NEFF
-        # cache, so this counts what is at the top of neff/, one entry per item.
-        entries["NEFF cache items"] = sum(1 for _ in (path / NEFF).iterdir())
+        # TorchNeuron shards its cache two levels down, <dir>/ab/cd/<key>.neff (read in the
+        # torch-neuronx source): count the NEFF files, not the shard folders.
+        entries["NEFFs"] = sum(1 for p in (path / NEFF).rglob("*.neff") if p.is_file())
     for folder, kind in INDUCTOR_ENTRIES.items():
         if (path / INDUCTOR / folder).is_dir():
             entries[kind] = sum(1 for p in (path / INDUCTOR / folder).rglob("*") if p.is_file())

@@ -11,9 +11,17 @@ eager), so the same events come from a CPU test and a Trainium run:
 
 A recompile's reason ("tensor 'kwargs['input_ids']' size mismatch at index 1. expected
 16, actual 32") comes from Dynamo's `recompiles` log, which is logged just before the
-compile starts. Cache hits are known for Inductor's FX graph cache; the Neuron backend
-reports its own per-graph metrics at the end (`torch.neuron.get_dynamo_metrics()`), a
-path written from the Neuron documentation that cannot run on this CPU build machine.
+compile starts. Cache hits are known for Inductor's FX graph cache.
+
+On Neuron, Dynamo's end callback comes when the graph is lowered; neuronx-cc then compiles
+it to a NEFF lazily, at the first device sync, so minutes of compiling would count as step
+time. `NeffCompileTimes` takes that time from TorchNeuron's own per-graph records
+(`torch.neuron.get_dynamo_metrics()`, field `torch_neuronx_compile_us`; read in the
+torch-neuronx source, not run here): at the end of a step in which a graph was recorded
+(the no-sync counter `counters["neuron"]["compiled_graphs"]` grew), it reads them (that
+call syncs the device, so it is made on compiling steps only) and reports each new graph
+as a `compile_end` of phase "neff". The step's time is then its wall time less Dynamo's
+compile time and the NEFF compile time, and the progress event says the step compiled.
 """
 
 from __future__ import annotations
@@ -40,12 +48,18 @@ class CompileWatch:
         self.running: dict[tuple[str, str], float] = {}  # (graph, phase) -> start time
         self.reason: str | None = None
         self.cache_before: tuple[int, int] = (0, 0)
+        self.neff: NeffCompileTimes | None = None  # Neuron only
         self._lock = threading.Lock()
 
     def install(self) -> None:
         import torch
         from torch._dynamo.callback import callback_handler
 
+        neuron = getattr(torch, "neuron", None)
+        if neuron is not None and hasattr(neuron, "get_dynamo_metrics"):
+            from torch._dynamo.utils import counters
+
+            self.neff = NeffCompileTimes(neuron.get_dynamo_metrics, lambda: counters["neuron"]["compiled_graphs"])
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
         if not os.environ.get("TORCH_LOGS"):  # the user's own TORCH_LOGS wins
@@ -58,14 +72,20 @@ class CompileWatch:
         with self._lock:
             return self.finished_s + sum(now - start for start in self.running.values())
 
+    def step_ended(self) -> None:
+        """At the end of each step: on Neuron, add the NEFF compile time of graphs recorded in it."""
+        if self.neff is None:
+            return
+        for graph, seconds in self.neff.new_graphs():
+            with self._lock:
+                self.finished_s += seconds
+                self.compiles += 1
+            ev.append(self.events, ev.compile_end(graph, "neff", self.step(), round(seconds, 3)))
+
     def report_backend_metrics(self) -> None:
         """The Neuron backend's own per-graph records, when it is installed (Trainium only)."""
-        import torch
-
-        neuron = getattr(torch, "neuron", None)
-        if neuron is None or not hasattr(neuron, "get_dynamo_metrics"):
-            return
-        ev.append(self.events, ev.compile_metrics("neuron", _plain(neuron.get_dynamo_metrics())))
+        if self.neff is not None:
+            ev.append(self.events, ev.compile_metrics("neuron", _plain(self.neff.metrics())))
 
     def _start(self, args) -> None:
         phase = "backward" if args.callback_trigger.name == "LAZY_BACKWARD" else "forward"
@@ -89,6 +109,25 @@ class CompileWatch:
             hits, misses = (now - before for now, before in zip(_cache_counts(), self.cache_before))
         cache = ("hit" if hits and not misses else "miss") if hits or misses else None
         ev.append(self.events, ev.compile_end(key[0], phase, self.step(), round(seconds, 3), cache=cache))
+
+
+class NeffCompileTimes:
+    """neuronx-cc's compile time per graph, from TorchNeuron's records. `metrics`: its
+    get_dynamo_metrics (syncs the device); `recorded`: how many graphs it has recorded so far
+    (a counter, no sync)."""
+
+    def __init__(self, metrics: Callable[[], list], recorded: Callable[[], int]):
+        self.metrics, self.recorded = metrics, recorded
+        self.seen = 0
+
+    def new_graphs(self) -> list[tuple[str, float]]:
+        """(graph name, NEFF compile seconds) of the graphs recorded since the last call."""
+        if self.recorded() == self.seen:
+            return []
+        records = self.metrics()
+        new, self.seen = records[self.seen:], len(records)
+        return [(getattr(r, "graph_name", "") or str(getattr(r, "graph_id", "?")),
+                 (getattr(r, "torch_neuronx_compile_us", 0) or 0) / 1e6) for r in new]
 
 
 class ShapeWatch:

@@ -17,6 +17,7 @@ import pytest
 
 from studio_core.forecast import forecast, forecast_in_subprocess
 from studio_core.hardware import cpu_hardware, instance_hardware
+from studio_core.runs.events import read as read_events
 from studio_core.spec import RunSpec, SpecError
 from test_runs import launch_py
 
@@ -116,6 +117,11 @@ def test_compile_events_of_a_real_run(manager):
     assert first_step_compile > 0
     assert view.step_seconds[0] < view.progress_times[0][0] - view.started
     assert view.compile_seconds() == pytest.approx(sum(c["seconds"] for c in view.compiles))
+    # each step that compiled says so, and the ETA's rate leaves it out (and the first step)
+    progress = [e for e in read_events(view.dir / "events.jsonl") if e["type"] == "progress"]
+    compiled = {e["step"] for e in progress if e["compiled"]}
+    assert compiled == {c["step"] for c in view.compiles} and 1 in compiled
+    assert view.steady_step_seconds == [e["step_s"] for e in progress[1:] if not e["compiled"]]
     # a new shape after the warm-up is a late compile, with Dynamo's reason naming the input
     late = [entry for entry in view.late_compiles() if entry["shape"]]
     assert late and all("input_ids" in entry["reason"] and "size mismatch" in entry["reason"] for entry in late)

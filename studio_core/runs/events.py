@@ -53,12 +53,13 @@ def status(state: str, exit_code: int | None = None, world_size: int | None = No
 
 
 def progress(step: int, max_steps: int, epoch: float | None, step_s: float, compile_s: float,
-             tokens: int) -> dict:
+             tokens: int, compiled: bool = False) -> dict:
     """An optimizer step ended (rank 0, every step). `step_s`: the step's wall time less the
     compile time in it; `compile_s`: compile seconds so far in this attempt; `tokens`: the
-    real (unpadded) tokens the step trained on."""
+    real (unpadded) tokens the step trained on; `compiled`: something compiled in this step
+    (its time is left out of step_s, but such a step is no sample of the steady rate)."""
     return _event("progress", step=step, max_steps=max_steps, epoch=epoch, step_s=step_s, compile_s=compile_s,
-                  tokens=tokens)
+                  tokens=tokens, compiled=compiled)
 
 
 def metrics(step: int, epoch: float | None, logs: dict) -> dict:
@@ -204,6 +205,7 @@ class RunState:
     errors: list[dict] = field(default_factory=list)
     progress_times: list[tuple[float, int]] = field(default_factory=list)  # (time, step) of this attempt
     step_seconds: list[float] = field(default_factory=list)  # each step's time, compilation left out
+    steady_step_seconds: list[float] = field(default_factory=list)  # of steps that compiled nothing, no first one
     tokens: int = 0  # real (unpadded) tokens trained on
     compiles: list[dict] = field(default_factory=list)  # compile_end events, with their start's time and reason
     compiling: dict[tuple, dict] = field(default_factory=dict)  # compile_start events not ended yet
@@ -233,6 +235,8 @@ class RunState:
             if "step_s" in event:
                 self.step_seconds.append(event["step_s"])
                 self.tokens += event.get("tokens", 0)
+                if len(self.progress_times) > 1 and not event.get("compiled"):  # an attempt's first step warms up
+                    self.steady_step_seconds.append(event["step_s"])
         elif kind == "metrics":
             self.metrics.append(event)
         elif kind == "compile_start":

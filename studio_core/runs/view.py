@@ -100,7 +100,7 @@ class RunView(RunState):
         steps are seen): a compilation is a one-off, not a rate."""
         if not self.max_steps or len(self.progress_times) < 2 or self.live_state != "running":
             return None
-        recent = self.step_seconds[1:][-RECENT_STEPS:]  # the first step also loads and warms up
+        recent = self.steady_step_seconds[-RECENT_STEPS:]  # not a first step (it warms up), nor one that compiled
         if recent:
             return sum(recent) / len(recent) * (self.max_steps - self.step)
         (t0, s0), (t1, s1) = self.progress_times[0], self.progress_times[-1]
