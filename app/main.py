@@ -1,4 +1,4 @@
-"""The web app: Train, Runs, Chat and Export tabs over one run manager.
+"""The web app: Train, Runs, Chat, Export and Doctor tabs over one run manager.
 
     python launch.py [--port 7860]
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app import cache_panel, chat_tab, export_tab, runs_tab, train_tab
+from app import cache_panel, chat_tab, doctor_tab, export_tab, runs_tab, train_tab
 from studio_core.hardware import Hardware, detect_hardware
 from studio_core.runs.manager import RunManager
 
@@ -54,6 +54,8 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
                 chat_tab.build(manager, hardware)
             with gr.Tab("Export", id="export", elem_id="tab-export"):
                 export_tab.build(manager, hardware)
+            with gr.Tab("Doctor", id="doctor", elem_id="tab-doctor"):
+                doctor_tab.build(manager, hardware)
         demo.load(lambda: latest_active_run(manager), None, selected).then(
             lambda: gr.Timer(active=True), None, follow)  # the run found, if any, is followed
     return demo

@@ -7,6 +7,7 @@ import sys
 
 from cli.cache import cmd_cache
 from cli.chat import cmd_chat
+from cli.doctor import cmd_doctor
 from cli.export import cmd_export
 from cli.serve import cmd_serve
 from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
@@ -27,11 +28,12 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
     python launch.py chat RUN_OR_MODEL        chat with a run's model (--prompt TEXT: ask once)
     python launch.py export RUN_ID --out DIR  a model folder with a card [--merge] [--push REPO_ID]
     python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
+    python launch.py doctor                   check this machine for the studio: run it first on a new machine
 
 Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
 """
 
-COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "export")
+COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "export", "doctor")
 
 
 def main(argv: list[str]) -> int:
@@ -133,4 +135,6 @@ def parser() -> argparse.ArgumentParser:
     cache.add_argument("--backend", choices=compile_cache.BACKENDS,
                        help="whose cache (default: this machine's backend)")
     cache.add_argument("--clear", action="store_true", help="delete it; refused while a run is active")
+    command("doctor", cmd_doctor, "check this machine for the studio, a line per check; exit 0 when all "
+                     "pass (run it first on a new machine, and paste its output into a bug report)")
     return top

@@ -2,6 +2,8 @@
 unloaded; exported with its card and pushed to a stand-in for the Hub, the typed token kept
 out of every file.
 
+The Doctor tab runs its checks for real on this machine.
+
 The run is the session's shared full SFT run (conftest's sft_runs), copied into the app's runs
 folder. Chromium through Playwright, the app as its own process (tests/studio_browser.py);
 skipped, saying so, where Chromium is missing.
@@ -70,3 +72,17 @@ def test_export_and_push_to_the_hub_from_the_page(new_page, runs_dir, sft_runs):
         # the typed token went nowhere: not in the runs folder (runs, exports), not in the app's log
         for path in [*runs_dir.rglob("*"), server.log_path]:
             assert not path.is_file() or token.encode() not in path.read_bytes(), path
+
+
+def test_the_doctor_tab_checks_this_machine_as_the_cli_does(page):
+    page.get_by_role("tab", name="Doctor").click()
+    page.locator("#doctor-run").click()
+    results = page.locator("#doctor-results")
+    expect(results).to_contain_text("Checking ...", timeout=30_000)  # each check shows as it finishes
+    expect(results).to_contain_text("All checks passed.", timeout=300_000)
+    text = results.inner_text()
+    for name in ("backend", "versions", "torch_xla", "devices", "collective", "compile", "cache", "monitor",
+                 "runs folder", "hub"):
+        assert re.search(rf"pass\s+{name}\s", text), f"{name} not shown as passed:\n{text}"
+    assert "sum 3.0" in text and "hit(s)" in text and "offline (HF_HUB_OFFLINE=1)" in text
+    expect(page.locator("#doctor-run")).to_be_enabled()

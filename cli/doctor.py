@@ -1,0 +1,17 @@
+"""doctor: check this machine for the studio, one line per check; exit 0 only when all pass."""
+
+from __future__ import annotations
+
+from studio_core import doctor
+from studio_core.runs.manager import RunManager
+
+
+def cmd_doctor(args) -> int:
+    print("Checking this machine for the studio (the device checks take a minute on CPU, more on Neuron):\n",
+          flush=True)
+    results = []
+    for check in doctor.checks(RunManager(args.runs_dir).runs_dir):
+        results.append(check)
+        print(check.line(), flush=True)
+    print("\n" + doctor.report(results).splitlines()[-1])
+    return 0 if all(c.ok for c in results) else 1
