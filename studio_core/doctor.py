@@ -23,7 +23,6 @@ The device checks take free cores through the same leases as runs (kind "doctor"
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile

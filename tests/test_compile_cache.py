@@ -8,10 +8,8 @@ here its folder, environment and layout (NEFF files two shard folders down) are 
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest

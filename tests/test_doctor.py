@@ -9,6 +9,7 @@ what it leaves there, and `launch.py cache` showing and clearing it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -28,8 +29,6 @@ NAMES = ["backend", "versions", "torch_xla", "devices", "collective", "compile",
 
 
 def launch_py(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, check=False, env={**os.environ, **env})
 
@@ -133,8 +132,6 @@ def test_the_instance_type_comes_from_the_metadata_service_with_its_token(monkey
         assert instance_type() == "trn2.3xlarge"
         monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
         assert instance_type() is None and len(imds.requests) == 2  # turned off: nothing asked
-        endpoint = imds.url
     monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
     assert instance_type() is None  # nothing answers there any more: unknown, not an error
     assert "instance type unknown" in Hardware("neuron", 4, cpu_count=8, chips=1, lnc=2).describe()
-    assert endpoint
