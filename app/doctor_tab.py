@@ -16,7 +16,7 @@ INTRO = ("Checks this machine for the studio: the backend and versions, the devi
 
 
 def table(results: list[doctor.Check], running: bool) -> str:
-    rows = [f"| {'✅ pass' if c.ok else '❌ fail'} | {c.name} | {_cell(c.found)} | {_cell(c.fix) if not c.ok else ''} |"
+    rows = [f"| {'PASS' if c.ok else '**FAIL**'} | {c.name} | {_cell(c.found)} | {_cell(c.fix) if not c.ok else ''} |"
             for c in results]
     lines = ["| | check | found | what to do |", "|---|---|---|---|", *rows]
     failed = sum(not c.ok for c in results)

@@ -99,10 +99,18 @@ def keep_upload(source: Path, folder: Path) -> Path:
     return target
 
 
+def hardware_text(hardware: Hardware) -> str:
+    """The machine, and what detection found wrong with it (with the fix)."""
+    problems = [f"**Warning:** {problem}" for problem in hardware.problems]
+    if problems:
+        problems.append("The Doctor tab (or `launch.py doctor`) checks the rest of this machine.")
+    return "\n\n".join([f"**Hardware:** {hardware.describe()}", *problems])
+
+
 def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[TrainForm, gr.Timer]:
     """The tab, in the current Blocks context; its form, and the timer that redraws the run it
     follows (`selected`): start it again (gr.Timer(active=True)) when `selected` changes."""
-    gr.Markdown(f"**Hardware:** {hardware.describe()}")
+    gr.Markdown(hardware_text(hardware))
     suggested_fix = gr.State({})
     lr_start = gr.State(TINY_LEARNING_RATE)  # the learning rate the form last set by itself
     with gr.Row():

@@ -212,8 +212,10 @@ def compile_step(runs_dir: Path, hardware: Hardware) -> Check:
     else:
         hit = second["counters"]["inductor"].get("fxgraph_cache_hit", 0) > 0 and not second["counters"][
             "inductor"].get("fxgraph_cache_miss")
-        cache = (f"Inductor FX graph cache: {first['counters']['inductor'].get('fxgraph_cache_miss', 0)} miss(es), "
-                 f"then {second['counters']['inductor'].get('fxgraph_cache_hit', 0)} hit(s)")
+        counts = [(run["counters"]["inductor"].get("fxgraph_cache_miss", 0),
+                   run["counters"]["inductor"].get("fxgraph_cache_hit", 0)) for run in (first, second)]
+        cache = (f"Inductor FX graph cache: first process {counts[0][0]} graph(s) compiled, {counts[0][1]} from the "
+                 f"cache; second process {counts[1][0]} compiled, {counts[1][1]} from the cache")
     found = f"forward and backward compiled in {first['seconds']} s, {second['seconds']} s the second time; {cache}"
     return Check("compile", hit, found, "the second process compiled again: the compile cache is not kept or "
                  "not shared; check `launch.py cache` and that the folder is not cleaned between processes")

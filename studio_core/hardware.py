@@ -207,8 +207,8 @@ print(json.dumps(found))
 # XLA stack importable it trains the XLA way even when torch-neuronx is there.
 TORCH_XLA_PROBLEM = ("torch_xla is installed next to torch-neuronx: Accelerate (and so every TRL trainer) then "
                      "takes the retired XLA path instead of the native Neuron one. Use a clean TorchNeuron "
-                     "environment: `pip uninstall torch-xla torch-neuronx-xla` (or a fresh venv from the AWS "
-                     "Neuron setup without the XLA packages)")
+                     "environment: `pip uninstall torch-xla` (or a fresh venv made with the AWS Neuron setup's "
+                     "TorchNeuron instructions, without the XLA packages)")
 
 
 def detect_hardware(timeout: float = 120) -> Hardware:

@@ -83,6 +83,6 @@ def test_the_doctor_tab_checks_this_machine_as_the_cli_does(page):
     text = results.inner_text()
     for name in ("backend", "versions", "torch_xla", "devices", "collective", "compile", "cache", "monitor",
                  "runs folder", "hub"):
-        assert re.search(rf"pass\s+{name}\s", text), f"{name} not shown as passed:\n{text}"
-    assert "sum 3.0" in text and "hit(s)" in text and "offline (HF_HUB_OFFLINE=1)" in text
+        assert re.search(rf"PASS\s+{name}\s", text), f"{name} not shown as passed:\n{text}"
+    assert "sum 3.0" in text and "from the cache" in text and "offline (HF_HUB_OFFLINE=1)" in text
     expect(page.locator("#doctor-run")).to_be_enabled()

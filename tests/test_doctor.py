@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from app.train_tab import hardware_text
 from hub_standin import HubStandIn
 from imds_standin import ImdsStandIn
 from studio_core import doctor, leases
@@ -55,7 +56,9 @@ def test_every_check_runs_and_passes_on_this_machine(checked):
     assert "c7i.large" in lines["devices"]  # from the metadata service, with its IMDSv2 token
     assert imds_requests == [("PUT", "/latest/api/token"), ("GET", "/latest/meta-data/instance-type")]
     assert "rank 0 on cpu, rank 1 on cpu, sum 3.0" in lines["collective"]
-    assert "2 miss(es), then 2 hit(s)" in lines["compile"]  # forward and backward graphs, reused
+    # forward and backward graphs, compiled then reused
+    assert "first process 2 graph(s) compiled, 0 from the cache; second process 0 compiled, 2 from the cache" in (
+        lines["compile"])
     assert str(root / "cc" / "cpu") in lines["cache"] and str(root / "runs") in lines["runs folder"]
     assert hub_requests and "answers" in lines["hub"]
 
@@ -113,6 +116,8 @@ def test_torch_xla_next_to_torch_neuronx_fails_with_the_fix(tmp_path, monkeypatc
     troubled = Hardware("neuron", 4, cpu_count=8, chips=1, lnc=2, problems=(TORCH_XLA_PROBLEM,))
     backend = next(doctor.checks(tmp_path / "runs", troubled))  # the first check; the rest do not run
     assert not backend.ok and "clean TorchNeuron environment" in backend.fix
+    shown = hardware_text(troubled)  # the Train tab's hardware line says it too, before any run
+    assert TORCH_XLA_PROBLEM in shown and "Doctor tab" in shown and "Warning" not in hardware_text(Hardware("cpu", 2, 2))
 
 
 @pytest.mark.fast
