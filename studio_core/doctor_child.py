@@ -26,9 +26,15 @@ use_rank_core()  # before torch loads, as in the worker
 
 
 def _neuron() -> bool:
+    import importlib.util
+
     import torch
 
-    return hasattr(torch, "neuron") and torch.neuron.is_available()
+    if importlib.util.find_spec("torch_neuronx") is None:
+        return False
+    import torch_neuronx  # noqa: F401 (registers the "neuron" device, as the hardware probe does)
+
+    return torch.neuron.is_available()
 
 
 def _device(local_rank: int = 0):
@@ -45,7 +51,9 @@ def _sync(device) -> None:
     import torch
 
     if device.type == "neuron":
-        torch.neuron.synchronize()
+        import torch_neuronx
+
+        torch_neuronx.synchronize()  # what TorchNeuron's own get_dynamo_metrics calls to wait for the device
     elif device.type == "cuda":
         torch.cuda.synchronize()
 
