@@ -77,7 +77,9 @@ def test_a_slurm_plan_names_no_core_sets_efa_on_trainium_and_submits_one_supervi
     launch = plan(spec, instance_hardware("trn2.48xlarge", lnc=2), run_dir="/fsx/runs/r1", run_id="r1",
                   compile_cache="/fsx/cache")
     assert launch.backend == "slurm" and launch.cores is None and not launch.errors
-    assert "NEURON_RT_VISIBLE_CORES" not in launch.env  # each node is the job's alone
+    # each node is the job's alone: no core named, for the process or per rank (torch-neuronx picks by LOCAL_RANK)
+    assert "NEURON_RT_VISIBLE_CORES" not in launch.env and "STUDIO_NEURON_CORES" not in launch.env
+    assert launch.env["HF_DEACTIVATE_ASYNC_LOAD"] == "1"
     assert {k: launch.env[k] for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE")} == {
         "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
     reasons = {key: why for key, _, why in launch.applied}
