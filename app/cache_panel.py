@@ -33,9 +33,9 @@ def cache_text(backend: str, note: str = "") -> str:
     return "\n\n".join(part for part in (note, listing, f"Shared by every {backend} run. {REUSE[backend]}") if part)
 
 
-def build(manager: RunManager, backend: str) -> gr.Markdown:
+def build(manager: RunManager, backend: str, page: gr.Blocks) -> gr.Markdown:
     with gr.Accordion("Compile cache", open=False, elem_id="compile-cache"):
-        shown = gr.Markdown(cache_text(backend))
+        shown = gr.Markdown("")
         with gr.Row():
             refresh = gr.Button("Refresh", scale=0, min_width=120)
             clear = gr.Button("Clear compile cache", variant="stop", scale=0, min_width=220,
@@ -49,5 +49,6 @@ def build(manager: RunManager, backend: str) -> gr.Markdown:
         return cache_text(backend, "**Cleared.**")
 
     refresh.click(lambda: cache_text(backend), None, shown)
+    page.load(lambda: cache_text(backend), None, shown)  # its folder is this machine's: after a login
     clear.click(on_clear, None, shown)
     return shown

@@ -62,10 +62,10 @@ def shapes_text(done: dict) -> str:
             "compilation): " + ", ".join("x".join(map(str, s)) for s in done["shapes"]))
 
 
-def build(manager: RunManager, hardware: Hardware) -> gr.Tab:
+def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
     holder = ChatHolder()
     with gr.Row():
-        target = gr.Dropdown(chat_targets(manager), value=None, allow_custom_value=True, scale=4,
+        target = gr.Dropdown([], value=None, allow_custom_value=True, scale=4,
                              label="Run or model", info="a finished run (its model or LoRA adapter), or a model: "
                              "builtin:tiny-qwen3, a Hub id, a local folder", elem_id="chat-target")
         load = gr.Button("Load", variant="primary", scale=1, elem_id="chat-load")
@@ -136,3 +136,4 @@ def build(manager: RunManager, hardware: Hardware) -> gr.Tab:
     clear.click(lambda: ([], [], ""), None, [tuned, base, shapes])
     compare.change(lambda on: gr.update(visible=on), compare, base)
     target.focus(lambda: gr.update(choices=chat_targets(manager)), None, target)
+    page.load(lambda: gr.update(choices=chat_targets(manager)), None, target)  # after a login, not before

@@ -19,9 +19,9 @@ from studio_core.history import runs_with_a_model
 from studio_core.runs.manager import RunManager
 
 
-def build(manager: RunManager, hardware: Hardware) -> None:
+def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
     with gr.Row():
-        run = gr.Dropdown(runs_with_a_model(manager), value=None, label="Finished run", scale=3, elem_id="export-run")
+        run = gr.Dropdown([], value=None, label="Finished run", scale=3, elem_id="export-run")
         folder = gr.Textbox(label="Export folder", scale=3, elem_id="export-folder",
                             info="a new or empty folder; default: exports/<run> in the runs folder")
         merge = gr.Checkbox(False, label="Merge the LoRA adapter into its base", interactive=False,
@@ -75,5 +75,6 @@ def build(manager: RunManager, hardware: Hardware) -> None:
 
     run.change(on_run, run, [merge, folder])
     run.focus(lambda: gr.update(choices=runs_with_a_model(manager)), None, run)
+    page.load(lambda: gr.update(choices=runs_with_a_model(manager)), None, run)  # after a login, not before
     export.click(on_export, [run, folder, merge], [status, files, exported])
     push.click(on_push, [exported, repo, private, update, token], pushed)

@@ -48,12 +48,12 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
             with gr.Tab("Train", id="train", elem_id="tab-train"):
                 form, follow = train_tab.build(manager, hardware, selected)
             with gr.Tab("Runs", id="runs", elem_id="tab-runs"):
-                runs_tab.build(manager, form, tabs, train_tab_id="train")
-                cache_panel.build(manager, hardware.backend)
+                runs_tab.build(manager, demo, form, tabs, train_tab_id="train")
+                cache_panel.build(manager, hardware.backend, demo)
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
-                chat_tab.build(manager, hardware)
+                chat_tab.build(manager, hardware, demo)
             with gr.Tab("Export", id="export", elem_id="tab-export"):
-                export_tab.build(manager, hardware)
+                export_tab.build(manager, hardware, demo)
             with gr.Tab("Doctor", id="doctor", elem_id="tab-doctor"):
                 doctor_tab.build(manager, hardware)
         demo.load(lambda: latest_active_run(manager), None, selected).then(

@@ -47,16 +47,18 @@ def run_info(manager: RunManager, run_id: str | None) -> str:
     return "  \n".join(lines)
 
 
-def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | None = None,
+def build(manager: RunManager, page: gr.Blocks, form: TrainForm | None = None, tabs: gr.Tabs | None = None,
           train_tab_id: str = "train") -> tuple[gr.Dataframe, gr.Dropdown, gr.Timer]:
-    """`form` and `tabs`: the Train tab's form and the app's tabs, for "Clone into Train tab"."""
+    """`form` and `tabs`: the Train tab's form and the app's tabs, for "Clone into Train tab".
+    The runs are sent when `page` loads, never as the widgets' first values: those are in the
+    page Gradio serves before a login."""
     with gr.Row():
         refresh = gr.Button("Refresh", scale=0)
         state = gr.Dropdown([ALL, *STATES], value=ALL, label="State", elem_id="filter-state")
         trainer = gr.Dropdown([ALL, *trainers.TRAINERS], value=ALL, label="Trainer", elem_id="filter-trainer")
         model = gr.Dropdown([ALL], value=ALL, label="Model", elem_id="filter-model")
         sort = gr.Dropdown(list(history.SORTS), value="newest first", label="Sort", elem_id="sort-runs")
-    table = gr.Dataframe(runs_table(manager.list()), headers=COLUMNS, interactive=False, elem_id="runs-table")
+    table = gr.Dataframe(runs_table([]), headers=COLUMNS, interactive=False, elem_id="runs-table")
     picked = compare.build(manager)
     with gr.Row():
         opened = gr.Dropdown([], label="Open run", allow_custom_value=False, elem_id="open-run", scale=3)
@@ -123,6 +125,7 @@ def build(manager: RunManager, form: TrainForm | None = None, tabs: gr.Tabs | No
 
     refresh_io = ([opened, *filters], [table, opened, model, picked])
     refresh.click(on_refresh, *refresh_io)
+    page.load(on_refresh, *refresh_io)
     for widget in filters:
         widget.change(on_refresh, *refresh_io)
     table.select(on_select, table, opened)

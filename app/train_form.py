@@ -18,7 +18,6 @@ import yaml
 from studio_core import slurm, trainers
 from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.hardware import INSTANCES, Hardware, instance_hardware
-from studio_core.sources import cached_models
 from studio_core.spec import Layout, RunSpec, SpecError, check_args
 from studio_core.trainers import FormField
 from studio_core.trl_schema import trainer_fields
@@ -100,7 +99,8 @@ class TrainForm:
         w["trainer"] = gr.Radio([(t.label, key) for key, t in trainers.TRAINERS.items()], value=trainers.DEFAULT,
                                 label="Trainer", info=trainer_info(trainers.DEFAULT), elem_id="trainer")
         with gr.Row():
-            w["model"] = gr.Dropdown([BUILTIN_MODEL, *cached_models()], value=BUILTIN_MODEL,
+            # the models in this machine's Hugging Face cache come when the list gets focus (train_tab)
+            w["model"] = gr.Dropdown([BUILTIN_MODEL], value=BUILTIN_MODEL,
                                      allow_custom_value=True, label="Model", info="built-in tiny model, one "
                                      "in your Hugging Face cache, a Hub id (Qwen/Qwen3-0.6B) or a local folder",
                                      elem_id="model")
