@@ -16,7 +16,7 @@ from studio_core import hub
 from studio_core.export import ExportError, export_run, read_output_info
 from studio_core.hardware import Hardware
 from studio_core.history import runs_with_a_model
-from studio_core.runs.manager import RunManager
+from studio_core.runs.manager import RunManager, RunNotFound
 
 
 def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
@@ -43,7 +43,7 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
     def on_run(run_id):
         if not run_id:
             return gr.update(interactive=False, value=False), gr.update()
-        info = read_output_info(manager.runs_dir / run_id)
+        info = read_output_info(manager.view(run_id).dir)
         default = str(manager.runs_dir / "exports" / run_id)
         return (gr.update(interactive=info["kind"] == "adapter", value=False,
                           label="Merge the LoRA adapter into its base" if info["kind"] == "adapter"
@@ -55,8 +55,10 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
             return "**Pick a finished run.**", "", None
         progress(0, desc="exporting (loading, saving, writing the card)")
         try:
-            result = export_run(manager.runs_dir / run_id, out or manager.runs_dir / "exports" / run_id, merge_it,
+            result = export_run(manager.view(run_id).dir, out or manager.runs_dir / "exports" / run_id, merge_it,
                                 hardware=hardware)
+        except RunNotFound as error:
+            return f"**Cannot export:** {error.args[0]}", "", None
         except ExportError as error:
             return f"**Not exported:** {error}", "", None
         listing = "\n".join(f"- `{name}`" for name in result["files"])

@@ -103,6 +103,8 @@ def clone_spec(manager: RunManager, run_id: str) -> RunSpec:
     machine (listed in launch.json; the planner adds it again) and less the cores the run
     was given (a clone takes the next free ones)."""
     view = manager.view(run_id)
+    if view.spec_problem:
+        raise KeyError(f"run {run_id} cannot be cloned: its {folder.SPEC} {view.spec_problem}")
     spec = RunSpec.load(view.dir / folder.SPEC)
     applied = view.launch().get("applied", [])
     args = dict(spec.args)

@@ -10,12 +10,12 @@ file, so that a refusal and the core map can name it.
     with acquire(runs_dir, "neuron", [0, 1], holder=run_id, kind="run"):
         ...  # cores 0 and 1 are ours until the block ends or this process dies
 
-Children do not inherit the lock: the descriptors are close-on-exec, because an flock
-belongs to the open file, shared by every inherited copy, and a torchrun that kept it
-would keep the cores "held" after the supervisor is gone. The supervisor outlives
-torchrun and holds the lease for the whole run; if the supervisor itself is SIGKILLed,
-the cores read free while orphaned ranks may still run until kill_run_processes ends
-them. A plain os.fork() without exec (multiprocessing's "fork") still shares the lock.
+Children do not inherit the lock unless asked: the descriptors are close-on-exec, and an
+flock belongs to the open file, shared by every inherited copy, released only when the
+last copy is closed. The run's supervisor hands copies to torchrun on purpose
+(`descriptors()`, Popen's pass_fds): if the supervisor is SIGKILLed, the cores stay held
+until torchrun, which ends its ranks first, has ended too. A plain os.fork() without exec
+(multiprocessing's "fork") shares the lock as well.
 Lock files are never deleted: unlinking a file another process has open and locked
 would let a third process lock a new file of the same name while the first still runs.
 """
@@ -59,6 +59,10 @@ class CoreLease:
     @property
     def cores(self) -> list[int]:
         return sorted(self.fds)
+
+    def descriptors(self) -> tuple[int, ...]:
+        """The open lock files, for a child that is to hold the cores as long as it lives."""
+        return tuple(self.fds.values())
 
     def release(self) -> None:
         """Unlock and close every core's file; safe to call twice."""

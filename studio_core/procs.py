@@ -6,9 +6,13 @@ it; children inherit it), so a rank that lost its parent is still found by its m
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 
 import psutil
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
 
 
 def run_processes(run_id: str, same: tuple[str, ...] = ()) -> list[psutil.Process]:
@@ -37,3 +41,14 @@ def kill_run_processes(run_id: str, same: tuple[str, ...] = ()) -> list[psutil.P
             continue
     _, alive = psutil.wait_procs(procs, timeout=5)
     return alive
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent ends, however it ends (Linux's
+    PR_SET_PDEATHSIG). Call it in the child (e.g. as Popen's preexec_fn). If the parent is
+    already gone (reparented to init before the call), `sig` is sent now."""
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if parent == 1 or os.getppid() != parent:  # orphaned before, or while, asking
+        os.kill(os.getpid(), sig)

@@ -13,7 +13,12 @@ backend records the ending, with Slurm's reason, once the job is gone.
 
 It holds the run's core leases (studio_core.leases) from before torchrun starts until
 every process of the run has ended; on the CPU backend it pins itself, and so torchrun
-and every rank, to those CPU cores.
+and every rank, to those CPU cores. Nothing of the run outlives it: torchrun is started
+with the kernel's parent-death signal (PR_SET_PDEATHSIG) set to SIGTERM, on which torchrun
+ends its ranks and waits for them, and every rank has SIGKILL as its own (the worker sets
+it), should torchrun itself be killed. torchrun also holds copies of the lease's locks
+(an flock is released when the last descriptor of it closes), so if the supervisor is
+SIGKILLed the cores stay held until torchrun, after its ranks, has ended too.
 The final `status` event is written here, not by the workers, so it is there even when
 a rank is killed or dies in native code. SIGTERM (the manager's stop) is passed on to
 torchrun; whatever of the run is still alive after a grace period is killed.
@@ -35,10 +40,10 @@ from studio_core.backends.slurm import AUTO_RESUME_ENV, JOB
 from studio_core.checkpoints import RESUME_ENV, list_checkpoints
 from studio_core.hardware import pin_to_cpu_cores
 from studio_core.monitor import SAMPLE_EVERY_S, RunMonitor
-from studio_core.procs import kill_run_processes
+from studio_core.procs import die_with_parent, kill_run_processes
 from studio_core.runs import events as ev
 from studio_core.runs.events import EventReader
-from studio_core.runs.folder import EVENTS, LOG, read_json, read_launch
+from studio_core.runs.folder import ENDED, EVENTS, LOG, read_json, read_launch, write_json
 
 GRACE_S = 10
 SLURM_TASK = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")  # what this node's task's processes share
@@ -73,13 +78,15 @@ def main(run_dir: Path) -> int:
             lease = leases.acquire(run_dir.parent, backend, cores, holder=run_dir.name, kind="run")
         except leases.CoresBusy as busy:  # taken between the manager's check and now
             ev.append(events, ev.error(str(busy)))
-            ev.append(events, ev.status("failed"))
+            ended(run_dir, "failed", None)
             return 1
         ev.append(events, ev.log(f"holding {backend} cores {cores}"))
         if backend == "cpu":
             pin_to_cpu_cores(cores)  # torchrun and every rank inherit the pinning
 
-    torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=run_dir, env=children.environment(launch["env"]))
+    torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=run_dir, env=children.environment(launch["env"]),
+                                pass_fds=lease.descriptors() if lease else (),
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     where = f" on node {node.name}" if node else ""
     ev.append(events, ev.log(f"torchrun started{where} (pid {torchrun.pid})"))
     monitor: RunMonitor | None = RunMonitor(backend, cores, torchrun.pid)  # hardware events, every ~2 s
@@ -128,9 +135,9 @@ def main(run_dir: Path) -> int:
     attempt = this_attempt.read_new()
     saved_stop = any(e["type"] == "saved_stop" for e in attempt)
     if stop_requested or (code == 0 and saved_stop):  # stopped, by signal or with a checkpoint as asked
-        ev.append(events, ev.status("stopped", exit_code=code))
+        ended(run_dir, "stopped", code)
     elif code == 0:
-        ev.append(events, ev.status("finished", exit_code=0))
+        ended(run_dir, "finished", 0)
     else:
         tail = _log_tail(run_dir / LOG)
         cause = root_cause(tail)
@@ -145,8 +152,15 @@ def main(run_dir: Path) -> int:
             ev.append(events, ev.log(f"torchrun exited with code {code}; the final status comes when Slurm has "
                                      f"ended job {node.job_id}"))
             return 0
-        ev.append(events, ev.status("failed", exit_code=code))
+        ended(run_dir, "failed", code)
     return 0
+
+
+def ended(run_dir: Path, state: str, code: int | None) -> None:
+    """The final status: an event, and the supervisor's own record (ENDED), which still says how
+    the run ended if its events file was deleted or damaged meanwhile."""
+    ev.append(run_dir / EVENTS, ev.status(state, **({} if code is None else {"exit_code": code})))
+    write_json(run_dir / ENDED, {"state": state, "exit_code": code, "time": time.time()})
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,11 @@ import traceback
 from pathlib import Path
 
 from studio_core.device_env import use_rank_core
+from studio_core.procs import die_with_parent
 
 use_rank_core()  # first, before anything imports torch: one NeuronCore per rank (device_env says why)
+if "LOCAL_RANK" in os.environ:
+    die_with_parent()  # a rank never outlives its torchrun, however torchrun ends (supervisor.py says why)
 
 from studio_core import sources, trainers  # noqa: E402
 from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model

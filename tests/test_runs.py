@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from studio_core.runs.events import FINAL_STATES, read as read_events
+from studio_core import leases
 from studio_core.hardware import cpu_hardware, studio_cpus
 from studio_core.procs import kill_run_processes
 from studio_core.runs.folder import new_run_id
@@ -63,6 +64,14 @@ def still_there(proc: psutil.Process) -> bool:
         return False
     try:
         return psutil.Process(proc.pid).create_time() == proc.create_time()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def running(proc: psutil.Process) -> bool:
+    """This very process still exists and has not ended (a zombie has)."""
+    try:
+        return still_there(proc) and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
@@ -188,19 +197,58 @@ def test_stop_ends_the_run_and_every_process_of_it(manager):
     assert marked_processes(view.id) == {}
 
 
-def test_stop_after_the_supervisor_died_still_ends_every_process(manager):
-    view = manager.start(tiny(*LONG), cpu_hardware())
+def test_a_killed_supervisor_takes_every_process_with_it_and_holds_the_cores_until_then(manager):
+    """kill -9 of a 2-process run's supervisor: torchrun (its parent-death signal) ends both
+    ranks; until the last process of the run is gone, its cores read held and the run is
+    not shown as ended; then it reads failed, saying what happened."""
+    view = manager.start(tiny("studio.nproc=2", *LONG), cpu_hardware())
     wait_until_training(manager, view.id)
     procs = marked_processes(view.id)
-    supervisor = procs[json.loads((view.dir / "supervisor.json").read_text())["pid"]]
-    supervisor.send_signal(signal.SIGKILL)  # torchrun and the rank are orphans now
-
-    view = manager.wait(view.id)  # the lost supervisor noticed
-    assert view.live_state == "failed"
-    assert "supervisor ended without writing a final status" in view.error_text
-    manager.stop(view.id)  # finds the orphans by their STUDIO_RUN_ID marker
-    assert wait_until_gone(procs.values()) == []
+    assert len(ranks(procs)) == 2
+    cores = json.loads((view.dir / "launch.json").read_text())["cores"]
+    supervisor = procs.pop(json.loads((view.dir / "supervisor.json").read_text())["pid"])
+    supervisor.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while any(still_there(p) for p in procs.values()):
+        held = leases.holders(manager.runs_dir, "cpu", max(cores) + 1)  # first the cores, then who is left
+        left = [p for p in procs.values() if running(p)]  # a zombie holds nothing: it waits to be reaped
+        if left:
+            assert all(held.get(c, {}).get("holder") == view.id for c in cores), f"cores free, {left} still there"
+            live = manager.view(view.id)
+            assert live.live_state == "running", live.error_text  # not "failed" while its processes live
+            if not still_there(supervisor):
+                assert "supervisor is gone" in (live.where() or ""), live.where()
+        assert time.monotonic() < deadline, f"still there: {left}"
+        time.sleep(0.02)
+    view = manager.wait(view.id)
+    assert view.live_state == "failed" and "no process of the run is left" in view.error_text
+    assert leases.free_cores(manager.runs_dir, "cpu", max(cores) + 1) >= set(cores)
     assert marked_processes(view.id) == {}
+    manager.stop(view.id)  # nothing left to stop: fine
+
+
+def test_the_events_file_lost_late_in_a_run_changes_nothing_of_how_it_ended(tmp_path):
+    """events.jsonl deleted while the run trains, then again after it ended: the CLI that
+    follows it still sees it finish (exit 0), and a new reader takes the ending from the
+    supervisor's own record, saying the file was lost."""
+    runs_dir = tmp_path / "runs"
+    follow = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "train", str(TINY), "--runs-dir",
+                               str(runs_dir), "--set", "max_steps=300", "--set", "logging_steps=100"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (found := list(runs_dir.glob("*/events.jsonl"))) or '"step": 5,' not in found[0].read_text():
+        assert follow.poll() is None and time.monotonic() < deadline, follow.communicate()
+        time.sleep(0.05)
+    found[0].unlink()
+    out, err = follow.communicate(timeout=RUN_TIMEOUT_S)
+    assert follow.returncode == 0, out + err
+    assert "finished (exit code 0)" in out and "Traceback" not in err
+    view = RunManager(runs_dir).view(found[0].parent.name)
+    assert view.live_state == "finished" and view.error_text is None
+    found[0].unlink()  # after the end too: nothing is left of the events
+    view = RunManager(runs_dir).view(found[0].parent.name)
+    assert view.live_state == "finished" and view.error_text is None  # from ended.json
+    assert any("events.jsonl is missing" in problem for problem in view.damage())
 
 
 def test_worker_exception_is_surfaced(manager, tmp_path):

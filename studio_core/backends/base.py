@@ -25,7 +25,7 @@ class SubmitError(RuntimeError):
 class Ending:
     """How a run ended that has no final status in its events: the state to show, and why."""
 
-    state: str  # "failed" or "stopped"
+    state: str  # "failed" or "stopped"; "finished" when only the supervisor's own record says so
     reason: str
 
 

@@ -6,6 +6,11 @@ The supervisor holds the run's core leases, starts torchrun with the plan's comm
 environment, samples the hardware, waits, and writes the final `status` event, also when a
 rank was killed. Its pid and start time go to `supervisor.json` in the run folder, so a
 restarted app finds it again (a reused pid is told apart by the start time).
+
+A run is alive while its supervisor is, or, should the supervisor have been killed, while
+its torchrun still holds the run's cores (it holds copies of the lease until it and its
+ranks have ended; see studio_core.supervisor). How it ended comes from the final status
+event, else from the supervisor's own record (`ended.json`), else it was lost.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ from studio_core import children, leases
 from studio_core.backends.base import Ending, RunBackend
 from studio_core.procs import kill_run_processes
 from studio_core.runs import events
-from studio_core.runs.folder import EVENTS, LOG, read_json, write_json
+from studio_core.runs.events import FINAL_STATES
+from studio_core.runs.folder import ENDED, EVENTS, LAUNCH, LOG, read_json, write_json
 
 SUPERVISOR = "supervisor.json"
 STARTING_GRACE_S = 30  # how long a folder may exist before its supervisor.json does
-LOST = "the run's supervisor ended without writing a final status (killed, or the machine restarted)"
+LOST = ("the run's supervisor ended without writing a final status (it was killed, or the machine restarted); "
+        "no process of the run is left")
+ORPHANED = "its supervisor is gone (killed?): the run's processes are ending, and hold cores {cores} until they have"
 
 
 class LocalBackend(RunBackend):
@@ -50,7 +58,13 @@ class LocalBackend(RunBackend):
         leases.wait_held(run_dir.parent, backend, launch.cores, supervisor)
 
     def alive(self, run_dir: Path) -> bool:
-        return supervisor_process(run_dir) is not None
+        return supervisor_process(run_dir) is not None or bool(_cores_still_held(run_dir))
+
+    def where(self, run_dir: Path, live: bool) -> str | None:
+        if not live or supervisor_process(run_dir) is not None:
+            return None
+        held = _cores_still_held(run_dir)
+        return ORPHANED.format(cores=",".join(map(str, held))) if held else None
 
     def stop(self, run_dir: Path, grace_s: float) -> None:
         """SIGTERM the supervisor (it passes it on to torchrun and writes "stopped"), wait, then
@@ -70,7 +84,21 @@ class LocalBackend(RunBackend):
     def ending(self, run_dir: Path, created: float) -> Ending | None:
         if not (run_dir / SUPERVISOR).exists() and time.time() - created < STARTING_GRACE_S:
             return None
+        record = read_json(run_dir / ENDED)
+        if record.get("state") in FINAL_STATES:  # the events file lost it, the supervisor's record did not
+            return Ending(record["state"], f"{EVENTS} does not say how the run ended (deleted or damaged while it "
+                          f"ran); its supervisor recorded it: {record['state']}, exit code {record.get('exit_code')}")
         return Ending("failed", LOST)
+
+
+def _cores_still_held(run_dir: Path) -> list[int]:
+    """The run's cores that something of the run still holds (after its supervisor is gone: torchrun)."""
+    launch = read_json(run_dir / LAUNCH)
+    cores, backend = launch.get("cores") or [], (launch.get("hardware") or {}).get("backend")
+    if not cores or backend not in leases.BACKENDS:
+        return []
+    held = leases.holders(run_dir.parent, backend, max(cores) + 1)
+    return [core for core in cores if held.get(core, {}).get("holder") == run_dir.name]
 
 
 def supervisor_process(run_dir: Path) -> psutil.Process | None:

@@ -146,15 +146,27 @@ def append(path: str | Path, event: dict) -> dict:
 
 
 class EventReader:
-    """Reads the events added since the last call, from a remembered byte offset."""
+    """Reads the events added since the last call, from a remembered byte offset.
+
+    A file deleted while being read is no ending: nothing is read until one is there again.
+    A new file in its place (deleted, then appended to; or shorter than what was read) is
+    read from its start, and `replaced` says so. `skipped` counts the complete lines that
+    were no usable event."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.offset = 0
+        self.inode: int | None = None
+        self.replaced = False
+        self.skipped = 0
 
     def read_new(self) -> list[dict]:
         try:
-            if os.stat(self.path).st_size == self.offset:
+            stat = os.stat(self.path)
+            if self.inode is not None and (stat.st_ino != self.inode or stat.st_size < self.offset):
+                self.offset, self.replaced = 0, True
+            self.inode = stat.st_ino
+            if stat.st_size == self.offset:
                 return []  # nothing new: a stat instead of an open and a read
             with self.path.open("rb") as handle:
                 handle.seek(self.offset)
@@ -169,10 +181,13 @@ class EventReader:
                 continue
             try:
                 event = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash mid-write: nothing to recover from it
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                self.skipped += 1  # e.g. a line torn by a crash mid-write: nothing to recover from it
+                continue
             if usable(event):
                 events.append(event)
+            else:
+                self.skipped += 1
         return events
 
 

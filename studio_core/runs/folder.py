@@ -30,6 +30,7 @@ SPEC = "spec.yaml"
 LAUNCH = "launch.json"
 EVENTS = "events.jsonl"
 LOG = "train.log"
+ENDED = "ended.json"  # the supervisor's own record of how the run ended, beside its final status event
 OUTPUT = "output"
 # Written next to the saved model: whether output/ is a LoRA adapter or a full model, which
 # trainer made it and from which base, so chat and export load it the right way.
@@ -45,6 +46,12 @@ def new_run_id(runs_dir: Path, name: str) -> str:
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(3)}"
         if not (runs_dir / run_id).exists() and not (runs_dir / f"{CREATING}{run_id}").exists():
             return run_id
+
+
+def is_run_id(run_id: str) -> bool:
+    """A name a run folder may have: one plain folder name, no path (no /, no .., not hidden)."""
+    return (isinstance(run_id, str) and bool(run_id) and "/" not in run_id and "\\" not in run_id
+            and "\0" not in run_id and not run_id.startswith("."))
 
 
 def is_run(path: Path) -> bool:

@@ -144,6 +144,8 @@ class RunManager:
         if chosen is None:
             raise SpecError([f"run {run_id} has no checkpoint at step {step}; it has steps "
                              f"{', '.join(str(c['step']) for c in found)}"])
+        if view.spec_problem:
+            raise SpecError([f"run {run_id} cannot be resumed: its {folder.SPEC} {view.spec_problem}"])
         spec = RunSpec.load(view.dir / folder.SPEC)  # resolved and checked when the run began
         first = view.launch()
         backend = self._ready(spec)
@@ -202,6 +204,12 @@ class RunManager:
 
     # --- reading -----------------------------------------------------------------------
     def view(self, run_id: str) -> RunView:
+        """The run `run_id` of this runs folder. An id is a folder name here, never a path: a run
+        elsewhere is reached with its own runs folder (--runs-dir), not with ../ or /."""
+        if not folder.is_run_id(run_id):
+            raise RunNotFound(f"{run_id!r} is not a run id (a run id is a folder name in the runs folder, not a "
+                              f"path): give the id of a run in {self.runs_dir}, or point --runs-dir at the folder "
+                              "that holds the run")
         run_dir = self.runs_dir / run_id
         if not folder.is_run(run_dir):
             raise RunNotFound(f"no run {run_id!r} in {self.runs_dir}")

@@ -28,7 +28,8 @@ class RunView(RunState):
     """A run's state, rebuilt from its folder; `refresh` reads what its events added since."""
 
     dir: Path = field(default_factory=Path)
-    spec: dict = field(default_factory=dict)  # spec.yaml as plain data
+    spec: dict = field(default_factory=dict)  # spec.yaml as plain data ({} when it cannot be read)
+    spec_problem: str | None = None  # why spec.yaml cannot be read
     created: float = 0.0
     _reader: EventReader | None = field(default=None, repr=False)
     _launch: dict | None = field(default=None, repr=False)
@@ -43,7 +44,7 @@ class RunView(RunState):
             if self._reader is None:
                 self._reader = EventReader(self.dir / folder.EVENTS)
                 spec_file = self.dir / folder.SPEC
-                self.spec = _read_yaml(spec_file)
+                self.spec, self.spec_problem = _read_spec(spec_file)
                 self.created = spec_file.stat().st_mtime if spec_file.exists() else 0
             for event in self._reader.read_new():
                 self.apply(event)
@@ -92,7 +93,7 @@ class RunView(RunState):
             return self.reason
         if self.state not in FINAL_STATES and self.live_state not in ACTIVE_STATES:
             ending = self.backend.ending(self.dir, self.created)
-            return ending.reason if ending else None
+            return ending.reason if ending and ending.state != "finished" else None
         return None
 
     def eta_seconds(self) -> float | None:
@@ -116,6 +117,23 @@ class RunView(RunState):
         except FileNotFoundError:
             log_size = 0
         return self.live_state, self._reader.offset if self._reader else 0, log_size
+
+    def damage(self) -> list[str]:
+        """What is wrong with the run's folder, each in a sentence (none for a sound one): the run
+        still lists and opens; what cannot be read is left out."""
+        found = [f"{folder.SPEC} {self.spec_problem}: its settings are unknown"] if self.spec_problem else []
+        if not self.launch() and (self.dir / folder.LAUNCH).exists():
+            found.append(f"{folder.LAUNCH} cannot be read: how it was launched is unknown")
+        reader = self._reader
+        if reader is not None and reader.replaced:
+            found.append(f"{folder.EVENTS} was deleted or replaced while the run was going: what it said before "
+                         "is gone from it")
+        elif not (self.dir / folder.EVENTS).exists():
+            found.append(f"{folder.EVENTS} is missing: the run's progress is unknown")
+        if reader is not None and reader.skipped:
+            found.append(f"{reader.skipped} line(s) of {folder.EVENTS} are no event (not JSON, or without a type "
+                         "or a time) and were left out")
+        return found
 
     def saved_checkpoints(self) -> list[dict]:
         """The complete checkpoints on disk, oldest first: {step, path, size_bytes}."""
@@ -159,12 +177,19 @@ class RunView(RunState):
         return str(self.spec.get("dataset_name", ""))
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_spec(path: Path) -> tuple[dict, str | None]:
+    """spec.yaml as plain data, and what is wrong with it ({} and the problem when it cannot be read)."""
     try:
         data = yaml.safe_load(path.read_text())
-    except (FileNotFoundError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return {}, None  # a run folder being deleted
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        return {}, f"cannot be read ({_first_line(error)})"
+    return (data, None) if isinstance(data, dict) else ({}, "holds no recipe (a mapping of settings)")
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def late_compile_text(late: dict) -> str:
