@@ -9,6 +9,7 @@ Stdlib and pyarrow only: this runs in the web app's process.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 from pathlib import Path
@@ -38,12 +39,34 @@ def records(path: Path, batch_size: int = 1024, columns: list[str] | None = None
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         yield from _parquet_records(path, batch_size, columns)
-    elif suffix == ".csv":
-        yield from _csv_records(path)
-    elif suffix in (".jsonl", ".json"):
-        yield from _json_records(path)
+    elif suffix in (".csv", ".jsonl", ".json"):
+        try:
+            yield from _csv_records(path) if suffix == ".csv" else _json_records(path)
+        except UnicodeDecodeError as error:  # Python names only a position in its read buffer
+            raise _not_utf8(path) from error
     else:
         raise ValueError(f"{path}: {suffix or 'this'} files are not read; use .jsonl, .json, .csv or .parquet")
+
+
+def _not_utf8(path: Path) -> ValueError:
+    """The first place in the file that is not UTF-8, and how to convert the file."""
+    offset, convert = 0, f"{path.name} > {path.stem}-utf8{path.suffix}"
+    with path.open("rb") as handle:
+        if handle.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):  # Excel's "Unicode Text", Notepad's "Unicode"
+            return ValueError(f"{path} is UTF-16 text; save it as UTF-8, e.g. `iconv -f utf-16 -t utf-8 {convert}`, "
+                              "and give that file")
+        handle.seek(0)
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                spreadsheet = ' (from a spreadsheet: save as "CSV UTF-8")' if path.suffix.lower() == ".csv" else ""
+                return ValueError(
+                    f"{path}: line {number} is not UTF-8 text (byte 0x{line[error.start]:02x} at offset "
+                    f"{offset + error.start:,} in the file); save the file as UTF-8, e.g. if it is Latin-1: "
+                    f"`iconv -f latin1 -t utf-8 {convert}`{spreadsheet}, and give that file")
+            offset += len(line)
+    return ValueError(f"{path} is not UTF-8 text; save it as UTF-8, e.g. with `iconv -f latin1 -t utf-8`")
 
 
 def _parquet_records(path: Path, batch_size: int, columns: list[str] | None):

@@ -532,3 +532,172 @@ def test_the_scan_reads_the_data_as_the_trainer_will(tmp_path):
     assert [p.split(": ")[2:4] for p in scan_file(path)] == [["line 3", "`prompt` is empty; it needs text"]]
     assert [p.split(": ")[2:4] for p in scan_file(path, keep_columns=["messages"])] == [
         ["line 9", "`messages` is empty; it needs a list of {role, content} messages"]]
+
+
+# --- conversations a chat template would render otherwise than written --------------------------
+
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "colour_of", "arguments": {"thing": "mascot"}}}]}
+TOOL = {"role": "tool", "name": "colour_of", "content": "{\"colour\": \"teal\"}"}
+SYSTEM = {"role": "system", "content": "Answer in one sentence."}
+# (messages, the problem after "`messages` ") for each message a template would drop or empty
+BAD_MESSAGES = [
+    ([USER, {"role": "bot", "content": "Teal."}], "message 2 has the role `bot`, which chat templates do not know "
+     "(Qwen3's drops the turn); change it to `assistant` in the data"),
+    ([{"role": "User", "content": "Hi"}, GOOD], "message 1 has the role `User`, which chat templates do not know "
+     "(Qwen3's drops the turn); change it to `user` in the data"),
+    ([{"role": "narrator", "content": "Once"}, USER, GOOD], "message 1 has the role `narrator`, which chat templates "
+     "do not know (Qwen3's drops the turn); change it to `system`, `user` or `assistant` (`tool` for the answer to "
+     "a tool call) in the data"),
+    ([USER, TOOL, GOOD], "message 2 has the role `tool`, but no assistant message of this record makes a tool call "
+     "(`tool_calls`); give the call to the assistant message before it, or make it a `user` message"),
+    ([USER, {"role": "assistant", "content": 42}], "message 2 (`assistant`) has a number as its `content`, not text "
+     "(chat templates render it as empty or fail); write it in quotes, \"42\""),
+    ([USER, {"role": "assistant", "content": [{"type": "text", "text": "Teal."}]}], "message 2 (`assistant`) has a "
+     "list as its `content`, not text (chat templates render it as empty or fail); write the message's text as one "
+     "string"),
+    ([USER, {"role": "assistant", "content": None}], "message 2 (`assistant`) has no `content`; give it its text"),
+]
+GOOD_MESSAGES = [[USER, GOOD], [SYSTEM, USER, GOOD], [USER, CALL, TOOL, GOOD], [USER, CALL, TOOL, TOOL, GOOD],
+                 [USER, GOOD, {"role": "user", "content": ""}, GOOD]]
+
+
+@pytest.mark.parametrize(("messages", "problem"), BAD_MESSAGES, ids=[p.split(",")[0] for _, p in BAD_MESSAGES])
+def test_a_turn_the_template_would_drop_is_refused_by_line_and_column(tmp_path, messages, problem):
+    path = write(tmp_path / "data.jsonl", chats(30, {17: messages}))
+    scan = scan_file(path)
+    assert scan == [f"dataset: {path}: line 17: `messages` {problem}"]
+
+
+def test_the_qwen3_template_drops_what_the_scan_refuses_and_keeps_what_it_passes(tmp_path):
+    # The reason for the refusals above: Transformers' renderer with TRL's Qwen3 template (the
+    # built-in model's) leaves out a turn of an unknown role and any content that is not text; a
+    # tool answer to no call it keeps, but Phi-3's template (no tool support) drops it.
+    from transformers.utils.chat_template_utils import render_jinja_template
+    folder = Path(sys.modules["trl"].__file__).parent / "chat_templates"
+
+    def rendered(messages, template="qwen3"):
+        (text,), _ = render_jinja_template([messages], chat_template=(folder / f"{template}.jinja").read_text())
+        return text
+    for messages, _ in BAD_MESSAGES:
+        template = "phi3" if any(m["role"] == "tool" for m in messages) else "qwen3"
+        lost = [m for m in messages if m.get("content") and str(m["content"]) not in rendered(messages, template)]
+        assert lost or any(m.get("content") is None for m in messages), messages
+    for messages in GOOD_MESSAGES:
+        assert scan_file(write(tmp_path / "good.jsonl", [{"messages": messages}] * 3)) == []
+        assert all(m["content"] in rendered(messages) for m in messages if m.get("content"))
+
+
+def test_roles_are_checked_in_every_conversational_column_and_file_kind(tmp_path):
+    bot = [{"role": "bot", "content": "Teal."}]
+    rows = [RECORDS["preference"][0]] * 4 + [{"prompt": [USER], "chosen": [GOOD], "rejected": bot}]
+    path = write(tmp_path / "pairs.parquet", rows)
+    assert scan_file(path) == [f"dataset: {path}: row 5: `rejected` message 1 has the role `bot`, which chat "
+                               "templates do not know (Qwen3's drops the turn); change it to `assistant` in the data"]
+    rows = [{"question": [USER], "answer": [GOOD]}] * 4 + [{"question": [USER], "answer": [{**GOOD, "content": 7}]}]
+    path = write(tmp_path / "renamed.jsonl", rows)
+    (problem,) = scan_file(path, column_map={"question": "prompt", "answer": "completion"})
+    assert problem.startswith(f"dataset: {path}: line 5: `answer` message 1 (`assistant`) has a number")
+    # a tool call in the prompt makes the tool answer in the completion fine
+    path = write(tmp_path / "tools.jsonl", [{"prompt": [USER, CALL], "completion": [TOOL, GOOD]}] * 3)
+    assert scan_file(path) == [] and scan_file(path).warnings == []
+
+
+# (messages, the warning after "`messages`: "): turns that train, but likely not as meant
+OUT_OF_ORDER = [
+    ([GOOD, USER, GOOD], "the conversation starts with an `assistant` turn (message 1), before any user turn; put "
+     "the user's message first"),
+    ([SYSTEM, GOOD, USER], "the conversation starts with an `assistant` turn (message 2)"),
+    ([USER, USER, GOOD], "messages 1 and 2 are both `user` turns; merge them or put the assistant's answer between "
+     "them"),
+    ([SYSTEM, USER, GOOD, GOOD], "messages 3 and 4 are both `assistant` turns; merge them or put the user's message "
+     "between them"),
+]
+
+
+@pytest.mark.parametrize(("messages", "warning"), OUT_OF_ORDER, ids=[w.split(";")[0] for _, w in OUT_OF_ORDER])
+def test_turns_out_of_order_are_a_warning_not_a_refusal(tmp_path, messages, warning):
+    path = write(tmp_path / "data.jsonl", chats(20, {4: messages}))
+    scan = scan_file(path)
+    assert scan == [] and not scan  # the refusals: none, so Start goes ahead
+    (found,) = scan.warnings
+    assert found.startswith(f"dataset: {path}: line 4: `messages`: {warning}")
+    assert found.endswith("(this trains, but likely not as meant)")
+
+
+def test_order_is_checked_on_the_conversation_trl_builds(tmp_path):
+    # prompt + completion (and prompt + chosen / rejected) is one conversation
+    rows = [RECORDS["prompt_completion"][0]] * 3 + [{"prompt": [USER], "completion": [USER]}]
+    path = write(tmp_path / "pc.jsonl", rows)
+    assert scan_file(path).warnings == [f"dataset: {path}: line 4: `prompt` then `completion`: messages 1 and 2 are "
+                                        "both `user` turns; merge them or put the assistant's answer between them "
+                                        "(this trains, but likely not as meant)"]
+    rows = [RECORDS["preference_implicit"][0]] * 3 + [{"chosen": [USER, GOOD], "rejected": [GOOD]}]
+    path = write(tmp_path / "implicit.jsonl", rows)
+    assert [w.split(": ")[2:4] for w in scan_file(path).warnings] == [["line 4", "`rejected`"]]
+    # a bad record is refused, and not warned about as well; standard data has no turns
+    path = write(tmp_path / "both.jsonl", chats(6, {2: [GOOD, {"role": "bot", "content": "x"}]}))
+    scan = scan_file(path)
+    assert len(scan) == 1 and scan.warnings == []
+    assert scan_file(write(tmp_path / "text.jsonl", [{"text": "x"}] * 5)).warnings == []
+
+
+def test_the_first_few_warnings_then_how_many_more(tmp_path):
+    path = write(tmp_path / "data.jsonl", chats(40, {i: [GOOD, USER] for i in range(11, 31)}))
+    scan = scan_file(path, most=3)
+    assert scan == []
+    assert [w.split(": ")[2] for w in scan.warnings[:3]] == ["line 11", "line 12", "line 13"]
+    assert scan.warnings[3] == f"dataset: {path}: 17 more records with turns out of order in the first 40"
+
+
+# --- unpaired preference data for a trainer of pairs ---------------------------------------------
+
+@pytest.mark.parametrize("trainer", ["dpo", "reward"])
+@pytest.mark.parametrize(("record", "keys"), [
+    (RECORDS["unpaired_preference"][0], "(studio.trainer: kto)"),
+    (RECORDS["unpaired_preference"][1], "(studio.trainer: kto)"),
+    ({"question": "q", "answer": "a", "desirable": True},
+     "(studio.trainer: kto, studio.column_map: {question: prompt, answer: completion, desirable: label})"),
+])
+def test_unpaired_data_for_pairs_points_to_kto_not_to_renaming(trainer, record, keys):
+    name = trainers.get(trainer).name
+    (problem,) = fit_problems(detect([record]), trainer)
+    assert f"one answer per prompt, labelled desirable or not, where {name} needs pairs (a chosen and a rejected " \
+           "answer to the same prompt), which no renaming of columns makes; train it with KTO, which takes " \
+           f"unpaired preference data {keys}, or give {name} a dataset of pairs" in problem
+    assert "column_map: {" not in problem.split("train it with")[0]  # no rename into chosen/rejected offered
+    assert suggest_fix([record], trainer) == {}
+    # the keys it names make the data fit KTO
+    column_map = suggest_column_map(list(record), "kto")
+    assert fit_problems(detect(apply_column_map([record], column_map, None)), "kto") == []
+
+
+# --- files that are not UTF-8 --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "content", "line"), [
+    ("data.jsonl", b'{"text": "ok"}\n{"text": "fine"}\n{"text": "caf\xe9"}\n', 3),
+    ("data.json", b'[\n  {"text": "ok"},\n  {"text": "caf\xe9"}\n]\n', 3),
+    ("data.csv", b"prompt,completion\nq,a\nq,cr\xe8me\n", 3),
+])
+def test_a_file_that_is_not_utf8_names_the_line_and_the_fix(tmp_path, name, content, line):
+    path = tmp_path / name
+    path.write_bytes(content)
+    offset = next(i for i, byte in enumerate(content) if byte >= 0x80)  # Latin-1's é or è
+    expected = (f"{path}: line {line} is not UTF-8 text (byte 0x{content[offset]:02x} at offset {offset} in the "
+                f"file); save the file as UTF-8, e.g. if it is Latin-1: `iconv -f latin1 -t utf-8 {name} > "
+                f"data-utf8{path.suffix}`")
+    with pytest.raises(ValueError) as error:
+        read_rows(path)
+    assert str(error.value).startswith(expected)
+    assert scan_file(path)[0].startswith(f"dataset: {expected}")
+    converted = tmp_path / f"data-utf8{path.suffix}"  # the fix it names, done as iconv does it
+    converted.write_bytes(content.decode("latin-1").encode("utf-8"))
+    assert scan_file(converted) == []
+
+
+def test_a_utf16_file_is_named_as_such(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_bytes("prompt,completion\nq,a\n".encode("utf-16"))
+    with pytest.raises(ValueError, match=r"data.csv is UTF-16 text; save it as UTF-8, e\.g\. `iconv -f utf-16 -t "
+                                         r"utf-8 data.csv > data-utf8.csv`"):
+        read_rows(path)
