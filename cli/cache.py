@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from cli.options import runs_folder
 from studio_core import compile_cache
 from studio_core.hardware import detect_hardware
 from studio_core.runs.manager import RunManager
@@ -13,7 +14,7 @@ def cmd_cache(args) -> int:
     folder = compile_cache.compile_cache_dir(args.backend or detect_hardware().backend)
     if args.clear:
         try:
-            compile_cache.clear(folder, RunManager(args.runs_dir).active_runs())
+            compile_cache.clear(folder, RunManager(runs_folder(args)).active_runs())
         except compile_cache.CacheInUse as error:
             print(error, file=sys.stderr)
             return 2

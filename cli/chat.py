@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import sys
 
-from cli.options import hardware_for
+from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
 from studio_core.chat import ChatError, ChatProcess
 from studio_core.cores import format_cores
 from studio_core.runs.manager import RunManager
 
 
 def cmd_chat(args) -> int:
-    manager = RunManager(args.runs_dir)
+    if not args.temperature >= 0:  # NaN too
+        raise CommandLineError(f"--temperature {args.temperature}: use 0 (greedy, the default) or more")
+    if not 0 < args.top_p <= 1:
+        raise CommandLineError(f"--top-p {args.top_p}: use a number above 0, at most 1 (the default)")
+    manager = RunManager(runs_folder(args, write=True))  # the chat holds a core there
+    hardware = hardware_for(args)
+    check_one_core(args.cores, hardware)
     try:
-        chat = ChatProcess.start(args.target, manager.runs_dir, hardware_for(args), cores=args.cores)
+        chat = ChatProcess.start(args.target, manager.runs_dir, hardware, cores=args.cores)
     except ChatError as error:
         print(f"Cannot chat: {error}", file=sys.stderr)
         return 2

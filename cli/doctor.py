@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from cli.options import runs_folder
 from studio_core import doctor
-from studio_core.runs.manager import RunManager
 
 
 def cmd_doctor(args) -> int:
+    runs_dir = runs_folder(args)  # its "runs folder" check says whether runs can be written there
     print("Checking this machine for the studio (the device checks take a minute on CPU, more on Neuron):\n",
           flush=True)
     results = []
-    for check in doctor.checks(RunManager(args.runs_dir).runs_dir):
+    for check in doctor.checks(runs_dir):
         results.append(check)
         print(check.line(), flush=True)
     print("\n" + doctor.report(results).splitlines()[-1])

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import sys
 
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from cli.options import CommandLineError, check_new_folder, check_one_core, runs_folder
 from studio_core import hub
 from studio_core.export import ExportError, export_run
 from studio_core.hardware import detect_hardware
@@ -11,11 +15,16 @@ from studio_core.runs.manager import RunManager
 
 
 def cmd_export(args) -> int:
-    manager = RunManager(args.runs_dir)
+    check_push_options(args)
+    manager = RunManager(runs_folder(args, write=True))
+    run_dir = manager.view(args.run_id).dir  # a run of that id, before anything slow
+    out = check_new_folder("--out", args.out)
     try:
         token, source = hub.resolve_token(None) if args.push else (None, None)
-        result = export_run(manager.runs_dir / args.run_id, args.out, merge=args.merge,
-                            hardware=detect_hardware(), cores=args.cores)
+        hardware = detect_hardware()
+        if hardware.backend == "cpu":  # only there the export holds a core
+            check_one_core(args.cores, hardware)
+        result = export_run(run_dir, out, merge=args.merge, hardware=hardware, cores=args.cores)
     except (ExportError, hub.HubError) as error:
         print(f"Cannot export: {error}", file=sys.stderr)
         return 2
@@ -29,3 +38,18 @@ def cmd_export(args) -> int:
         return 1
     print(f"Pushed ({'private' if args.private else 'public'}): {url}")
     return 0
+
+
+def check_push_options(args) -> None:
+    """--push's repo id (as hub.push checks it, but before the export), and its companions."""
+    if not args.push:
+        given = [option for option, on in (("--public", not args.private), ("--update", args.update)) if on]
+        if given:
+            raise CommandLineError(f"{', '.join(given)}: these go with --push REPO_ID: add it, or leave them out")
+        return
+    try:
+        validate_repo_id(args.push.strip())
+    except HFValidationError as error:
+        raise CommandLineError(f"--push {args.push!r}: {error} (write it as your-name/model-name)") from None
+    if "/" not in args.push:
+        raise CommandLineError(f"--push {args.push!r}: write it as your-name/{args.push} or an-org/{args.push}")

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from cli.cache import cmd_cache
 from cli.chat import cmd_chat
 from cli.doctor import cmd_doctor
 from cli.export import cmd_export
+from cli.options import CommandLineError, whole_number
 from cli.serve import cmd_serve
 from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
 from studio_core import compile_cache
-from studio_core.hardware import INSTANCES
+from studio_core.chat import MAX_CACHE_LEN
+from studio_core.hardware import INSTANCES, CpuCoresError
 from studio_core.runs.manager import RunNotFound
 from studio_core.spec import SpecError
 
@@ -37,8 +40,11 @@ COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "export",
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):  # serve takes no word of its own
+        parser().error(f"unknown command {argv[0]!r}{did_you_mean(argv[0])}: the commands are "
+                       f"{', '.join(COMMANDS)} (none: serve, the web app)")
     # serve is the default command: `launch.py --port 8000` is `launch.py serve --port 8000`
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["serve", *argv]
     args = parser().parse_args(argv)
     try:
@@ -50,6 +56,16 @@ def main(argv: list[str]) -> int:
         print(f"{error.args[0]}: `launch.py runs` lists the runs (add --runs-dir for another runs folder)",
               file=sys.stderr)
         return 2
+    except (CommandLineError, CpuCoresError) as error:
+        print(error, file=sys.stderr)
+        return 2
+
+
+def did_you_mean(word: str) -> str:
+    if word.endswith((".yaml", ".yml")):
+        return f" (to train this recipe: launch.py train {word})"
+    close = difflib.get_close_matches(word, COMMANDS, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
 
     serve = command("serve", cmd_serve, "start the web app (the default command)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--port", type=whole_number(1, 65535), default=7860)
     serve.add_argument("--auth", help="user:password required to log in (needed for a non-loopback --host)")
     serve.add_argument("--auth-file", help="file with one user:password per line")
 
@@ -80,12 +96,13 @@ def parser() -> argparse.ArgumentParser:
                          help="plan for this instance type instead of the detected hardware")
         sub.add_argument("--backend", choices=("cpu",), help="plan for the CPU even if a device is present")
         sub.add_argument("--lnc", type=int, choices=(1, 2), default=2, help="with --instance: the LNC setting")
-        for option, key in (("--nproc", "nproc"), ("--tp", "tp_size"), ("--fsdp", "fsdp_size"), ("--cores", "cores")):
-            sub.add_argument(option, dest=key, help=f"the layout's {key} (same as --set studio.{key}=...)")
+        for option, key, kind in (("--nproc", "nproc", whole_number(1)), ("--tp", "tp_size", whole_number(1)),
+                                  ("--fsdp", "fsdp_size", whole_number(1)), ("--cores", "cores", str)):
+            sub.add_argument(option, dest=key, type=kind, help=f"the layout's {key} (same as --set studio.{key}=...)")
         slurm = sub.add_argument_group("Slurm", "run on a Slurm cluster (from its login node); --nproc is per node")
         slurm.add_argument("--slurm", action="store_true", help="submit the run to Slurm (sbatch) instead of "
                            "running it here" if name == "train" else "plan a run on Slurm (no cluster needed)")
-        slurm.add_argument("--nodes", type=int, help="nodes of the job (default 1; with --slurm-script: 2)")
+        slurm.add_argument("--nodes", type=whole_number(1), help="nodes of the job (default 1; with --slurm-script: 2)")
         slurm.add_argument("--partition", help="the partition (default: the cluster's default)")
         slurm.add_argument("--time", help="the job's time limit, as sbatch reads it: 90, 1:30:00, 2-00:00:00")
         slurm.add_argument("--account", help="the account charged for the job")
@@ -117,7 +134,8 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--base", action="store_true", help="also answer with the base model, for comparison")
     chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--max-new-tokens", type=int, default=128)
+    chat.add_argument("--max-new-tokens", type=whole_number(1, MAX_CACHE_LEN - 1), default=128,
+                      help=f"the answer's length limit (the chat's cache holds {MAX_CACHE_LEN} tokens in all)")
     chat.add_argument("--cores", help="the core to chat on (default: the first free one)")
     chat.add_argument("--backend", choices=("cpu",), help="chat on the CPU even if a device is present")
     export = command("export", cmd_export, "export a finished run as a model folder with a card; push it")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from pathlib import Path
+from dataclasses import replace
 
-from cli.options import hardware_for, load_spec
+from cli.options import CommandLineError, check_new_file, hardware_for, load_spec, runs_folder
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import FINAL_STATES, RunView, late_compile_text
@@ -16,36 +16,47 @@ from studio_core.spec import SpecError
 
 
 def cmd_plan(args) -> int:
+    scripts = {option: check_new_file(option, path) for option, path in
+               (("--export-script", args.export_script), ("--slurm-script", args.slurm_script)) if path}
     spec = load_spec(args)
     hardware = hardware_for(args)
-    launch = RunManager(args.runs_dir).plan(spec, hardware, this_machine=not args.instance)
+    launch = RunManager(runs_folder(args)).plan(spec, hardware, this_machine=not args.instance)
     print(f"Hardware: {hardware.describe()}\n")
-    print(launch.describe())
+    print(replace(launch, errors=[]).describe())
     if launch.errors:
-        return 2
+        raise SpecError(launch.errors)
     if not args.no_forecast:
         try:
             print("\n" + forecast_in_subprocess(launch.spec, hardware.backend).describe())
         except SpecError as error:
             print(f"\nNo shape forecast: {error}")
-    for path, text in ((args.export_script, launch_script(launch) if args.export_script else None),
-                       (args.slurm_script, slurm_script(launch, args.nodes or 2) if args.slurm_script else None)):
-        if path:
-            Path(path).write_text(text)
-            Path(path).chmod(0o755)
-            print(f"\nWrote {path}")
+    for option, path in scripts.items():
+        text = launch_script(launch) if option == "--export-script" else slurm_script(launch, args.nodes or 2)
+        try:
+            path.write_text(text)
+            path.chmod(0o755)
+        except OSError as error:
+            raise CommandLineError(f"{option} {path}: cannot write it ({error.strerror}): choose a file in a "
+                                   "folder you can write to") from None
+        print(f"\nWrote {path}")
     return 0
 
 
 def cmd_train(args) -> int:
-    manager = RunManager(args.runs_dir)
+    manager = RunManager(runs_folder(args, write=True))
     if args.resume:
-        if args.recipe or args.set:
-            raise SpecError(["--resume goes on with the run's own settings: give no recipe and no --set"])
+        given = [name for name, value in (("the recipe", args.recipe), ("--set", args.set), ("--nproc", args.nproc),
+                                          ("--tp", args.tp_size), ("--fsdp", args.fsdp_size), ("--cores", args.cores))
+                 if value not in (None, [])]
+        if given:
+            raise SpecError([f"--resume goes on with the run's own settings: leave out {', '.join(given)}"])
+        manager.view(args.resume)  # a run of that id, before the hardware is probed
         view = manager.resume(args.resume, hardware_for(args), step=args.from_checkpoint)
         print(f"Run {view.id} resumed from step {view.step}; its folder: {view.dir}")
     elif not args.recipe:
         raise SpecError(["give a recipe (e.g. recipes/tiny-sft.yaml), or --resume RUN_ID"])
+    elif args.from_checkpoint is not None:
+        raise SpecError(["--from-checkpoint goes with --resume RUN_ID (a new run from a recipe starts at step 0)"])
     else:
         view = manager.start(load_spec(args), hardware_for(args))
         where = view.where()
@@ -135,20 +146,22 @@ def compiling_text(view: RunView) -> str:
 
 
 def cmd_runs(args) -> int:
-    runs = RunManager(args.runs_dir).list()
+    runs = RunManager(runs_folder(args)).list()
     print(f"{'run':48} {'state':9} {'step':>11}  model / dataset")
     for view in runs:
         steps = f"{view.step}/{view.max_steps or '?'}"
         spec, where = view.spec, view.where()
-        print(f"{view.id:48} {view.live_state:9} {steps:>11}  "
-              f"{spec.get('model_name_or_path')} / {spec.get('dataset_name')}" + (f"  [{where}]" if where else ""))
+        what = f"{spec.get('model_name_or_path')} / {spec.get('dataset_name')}" if spec else "?"
+        print(f"{view.id:48} {view.live_state:9} {steps:>11}  {what}" + (f"  [{where}]" if where else ""))
         if view.live_state in ("failed", "stopped") and view.error_text:
             print(f"    {view.error_text}")
+        for problem in view.damage():
+            print(f"    damaged: {problem}")
     return 0
 
 
 def cmd_stop(args) -> int:
-    manager = RunManager(args.runs_dir)
+    manager = RunManager(runs_folder(args, write=True))
     if args.save:
         manager.stop_and_save(args.run_id)
         view = manager.wait(args.run_id)

@@ -156,6 +156,10 @@ def _neuron_ls(timeout: float = 10) -> dict | None:
 CPU_CORES_ENV = "STUDIO_CPU_CORES"
 
 
+class CpuCoresError(ValueError):
+    """STUDIO_CPU_CORES cannot be used as it is; the message says what to write instead."""
+
+
 def studio_cpus() -> list[int]:
     """The OS CPUs that the CPU backend's cores 0..n-1 stand for: the CPUs this process may use
     (in a container limited to CPUs 4-7, core 0 is CPU 4), in the order STUDIO_CPU_CORES lists
@@ -167,10 +171,10 @@ def studio_cpus() -> list[int]:
     try:
         listed = [cpu for cpu in parse_cores(wanted) if cpu in allowed]
     except ValueError as error:
-        raise ValueError(f"{CPU_CORES_ENV}={wanted!r}: {error}") from error
+        raise CpuCoresError(f"{CPU_CORES_ENV}={wanted!r}: {error}") from error
     if not listed:
-        raise ValueError(f"{CPU_CORES_ENV}={wanted!r} names none of the CPUs this process may use "
-                         f"({','.join(map(str, sorted(allowed)))}): name some of those, or unset it")
+        raise CpuCoresError(f"{CPU_CORES_ENV}={wanted!r} names none of the CPUs this process may use "
+                            f"({','.join(map(str, sorted(allowed)))}): name some of those, or unset it")
     return listed
 
 
