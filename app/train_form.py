@@ -138,6 +138,7 @@ class TrainForm:
                                         info="tokens (not for the trainers that generate); 0: no truncation")
             w["logging_steps"] = gr.Number(10, label="logging_steps", precision=0, elem_id="logging_steps")
         self.trainer_groups = {}  # trainer -> the group of its own settings, shown for it alone
+        self.reward_checks = {}  # trainer -> (its "Check reward functions" button, the report)
         for key, entry in trainers.TRAINERS.items():
             if entry.fields:
                 with gr.Group(visible=key == trainers.DEFAULT) as self.trainer_groups[key]:
@@ -146,6 +147,10 @@ class TrainForm:
                             w[f"{key}.{field.name}"] = field_widget(key, field)
                     for field in (f for f in entry.fields if f.kind == "rewards"):
                         w[f"{key}.{field.name}"] = field_widget(key, field)
+                        self.reward_checks[key] = (
+                            gr.Button("Check reward functions (runs your reward files on the first rows)",
+                                      size="sm", elem_id=f"{key}-check-rewards"),
+                            gr.Markdown("", elem_id=f"{key}-rewards-report"))
         w["run_name"] = gr.Textbox(label="Run name", placeholder="e.g. tiny-sft", elem_id="run_name")
         with gr.Accordion("Layout: processes, parallelism, cores", open=False,
                           elem_id="layout-box") as self.layout_box:

@@ -61,10 +61,15 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
     if problems:
         lines += ["**Does not fit this trainer:**", *[f"- {p}" for p in problems]]
         lines += [describe_fix(fix)] * bool(fix)
-    elif bad := data_check.scan_file(path, spec.column_map, spec.keep_columns, text_field):
-        lines += ["**Records to fix before training:**", *[f"- {p}" for p in bad]]
     else:
-        lines.append(f"**Fits {trainers.get(spec.trainer).name}.**")
+        scan = data_check.scan_file(path, spec.column_map, spec.keep_columns, text_field)
+        if scan:
+            lines += ["**Records to fix before training:**", *[f"- {p}" for p in scan]]
+        else:
+            lines.append(f"**Fits {trainers.get(spec.trainer).name}.**")
+        if scan.warnings:
+            lines += ["**Warnings (these records train, but likely not as meant):**",
+                      *[f"- {w}" for w in scan.warnings]]
     preview = pd.DataFrame([{k: str(v)[:200] for k, v in row.items()} for row in mapped])
     return "\n".join(lines), preview, fix
 
@@ -163,6 +168,14 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         return (text, gr.update(value=preview, visible=preview is not None), fix,
                 gr.update(visible=bool(fix)))
 
+    def on_check_rewards(values):
+        """The one place in the form, besides Start, where a user's reward files run."""
+        try:
+            manager.check(spec_from_form(form.named(values)), run_user_code=True)
+        except SpecError as error:
+            return problems_markdown(error)
+        return "Every reward function was built and called on the dataset's first rows: no problem found."
+
     def on_preview(values):
         try:
             v = form.named(values)
@@ -259,6 +272,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         picked(on_starting_values, [w["trainer"], w["model"], w["learning_rate"], lr_start],
                [w["learning_rate"], lr_start], show_progress="hidden")
     form.check_button.click(on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
+    for button, report in form.reward_checks.values():
+        button.click(on_check_rewards, inputs, report)
     form.fix_button.click(fix_values, suggested_fix, [w["column_map"], w["keep_columns"]]).then(
         on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
     for name in ("extra", "trainer"):

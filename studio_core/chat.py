@@ -57,9 +57,12 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
     if not name:
         raise ChatError("pick a finished run or name a model (a Hub id or a local folder)")
     run_dir = Path(runs_dir).expanduser() / name
-    if not folder.is_run_id(name) and folder.is_run(Path(name).expanduser()):
-        raise ChatError(f"{name} is a run folder, not a run id of {runs_dir}: give its id with that runs folder "
-                        f"(--runs-dir {Path(name).expanduser().parent}), or its model folder {name}/output")
+    outside = next((p for p in (Path(name).expanduser(), run_dir) if not folder.is_run_id(name) and folder.is_run(p)),
+                   None)
+    if outside is not None:
+        outside = outside.resolve()
+        raise ChatError(f"{name} is a run folder, not a run id of {runs_dir}: give its id {outside.name} with its "
+                        f"runs folder (--runs-dir {outside.parent}), or its model folder {outside / folder.OUTPUT}")
     if folder.is_run_id(name) and folder.is_run(run_dir):
         output = run_dir / folder.OUTPUT
         info = folder.output_info(run_dir)

@@ -16,12 +16,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def environment(added: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment with `added` on top. PYTHONPATH is joined, not replaced:
-    `added`'s own entries (the planner gives the repository), then the inherited ones."""
+def environment(added: dict[str, str] | None = None, without: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment with `added` on top and the variables `without` left out.
+    PYTHONPATH is joined, not replaced: `added`'s own entries (the planner gives the
+    repository), then the inherited ones."""
     added = dict(added or {})
     paths = [added.pop("PYTHONPATH", str(REPO_ROOT)), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, **added}
+    env = {key: value for key, value in {**os.environ, **added}.items() if key not in without}
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for part in paths for p in part.split(os.pathsep) if p))
     return env
 
@@ -36,6 +37,7 @@ def run(module: str, *args: object, env: dict[str, str] | None = None, **popen) 
     return subprocess.run(module_argv(module, *args), env=environment(env), **popen)
 
 
-def start(module: str, *args: object, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+def start(module: str, *args: object, env: dict[str, str] | None = None, without: tuple[str, ...] = (),
+          **popen) -> subprocess.Popen:
     """Start `python -m module args...` and return at once (Popen's keywords pass through)."""
-    return subprocess.Popen(module_argv(module, *args), env=environment(env), **popen)
+    return subprocess.Popen(module_argv(module, *args), env=environment(env, without), **popen)

@@ -32,7 +32,7 @@ from studio_core.hardware import Hardware, pin_to_cpu_cores
 from studio_core.runs import events, folder
 from studio_core.runs.folder import OUTPUT_INFO
 from studio_core.sources import HUB_ID
-from studio_core.spec import RunSpec
+from studio_core.spec import SECRET_FIELDS, RunSpec, holds_token
 
 CARD_TEMPLATE = Path(__file__).with_name("model_card.md")
 TIMEOUT_S = 3600
@@ -225,7 +225,9 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
     spec: RunSpec = summary["spec"]
     trainer = trainers.get(spec.trainer)
     hardware = summary["hardware"]
-    settings = "\n".join(f"| `{k}` | `{v!r}` |" for k, v in sorted(spec.args.items()))
+    # a secret never reaches the card, even from a run folder made before the studio refused them
+    settings = "\n".join(f"| `{k}` | `{v!r}` |" for k, v in sorted(spec.args.items())
+                         if k not in SECRET_FIELDS and not holds_token(v))
     final = "\n".join(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |"
                       for k, v in summary["final"].items())
     where = hardware.get("instance_type") or hardware.get("backend", "?")

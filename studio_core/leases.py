@@ -122,12 +122,17 @@ def choosing(runs_dir: str | Path):
 
 
 class NoFreeCores(ValueError):
-    """No valid block of free cores is left; `holding` names who holds the others."""
+    """No valid block of `wanted` free cores is left; `holding` names who holds the others."""
 
-    def __init__(self, count: int, held: dict[int, dict]):
-        self.count, self.held = count, held
+    def __init__(self, count: int, held: dict[int, dict], wanted: int = 1):
+        self.count, self.held, self.wanted = count, held, wanted
         self.holding = "; ".join(sorted({describe(info) for info in held.values()}))
-        super().__init__(f"{len(held)} of {count} are held ({self.holding})")
+        if wanted > count:  # no wait frees enough: the machine is too small
+            super().__init__(f"the machine has {count} cores and {wanted} are asked for: ask for at most {count}")
+        elif not held:
+            super().__init__(f"no {wanted} of the {count} cores make a valid core set")
+        else:
+            super().__init__(f"{len(held)} of {count} are held ({self.holding})")
 
 
 def choose(runs_dir: str | Path, hardware, nproc: int, cores: str | None) -> list[int]:
@@ -138,13 +143,17 @@ def choose(runs_dir: str | Path, hardware, nproc: int, cores: str | None) -> lis
     held = holders(runs_dir, hardware.backend, count)
     if cores is not None:
         wanted = parse_cores(cores)
+        beyond = [c for c in wanted if c >= count]
+        if beyond:
+            raise ValueError(f"this machine has {hardware.backend} cores 0-{count - 1}; there is no core "
+                             f"{', '.join(map(str, beyond))}: name cores from that range")
         busy = [f"core {c} is held by {describe(held[c])}" for c in wanted if c in held]
         if busy:
             raise ValueError(f"{'; '.join(busy)}: choose free cores, or stop what holds them first")
         return wanted
     block = pick_cores(nproc, set(range(count)) - set(held), hardware)
     if block is None:
-        raise NoFreeCores(count, held)
+        raise NoFreeCores(count, held, nproc)
     return block
 
 

@@ -23,13 +23,17 @@ assistant message. (TRL's own trl.rewards want math answers or <think> tags: non
 `check_rewards` validates the list and calls every function once on sample rows (or, for a
 dataset not read before launch, only imports them: the worker then calls them on its first rows);
 `check_rewards_in_subprocess` does that in a child process, so that a user file that hangs or
-crashes cannot take the web app with it. The child is this module:
+crashes cannot take the web app with it, and without the Hub token in its environment.
+A reward file is code that runs with the user's rights: it is imported and called only on an
+explicit action (Start, "Check reward functions"); a plan or a preview only reads it
+(`check_rewards(..., user_code=False)`: it parses and defines the function). The child is this module:
 
     echo '{"rewards": [...], "sample_rows": [...]}' | python -m studio_core.rewards  # JSON list of problems
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import importlib.util
@@ -46,6 +50,9 @@ import traceback
 from pathlib import Path
 
 from studio_core import children
+
+# Where huggingface_hub finds a token in the environment: never handed to a user's reward code.
+HUB_TOKENS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_TOKEN")
 
 
 def completion_text(completion) -> str:
@@ -164,12 +171,43 @@ def _problems(entry) -> list[str]:
     return problems
 
 
-def _load_user_function(file: str, function: str):
-    """Import `file` by path under a fresh module name and return its `function`."""
+def _user_file(file: str) -> Path:
+    """The reward file's path, if it is a Python file that exists (RewardError saying what to change)."""
     path = Path(file).resolve()
     if not path.is_file():
         raise RewardError(f"file {file!r} does not exist (looked for {path}); give the path of a Python "
                           "file, absolute or relative to the directory the studio runs in")
+    if path.suffix != ".py":
+        raise RewardError(f"file {file!r} is not a Python file (it must end in .py): give the .py file that "
+                          "defines your reward function")
+    return path
+
+
+def _defines(file: str, function: str) -> None:
+    """Without running it: the file parses, and defines `function` at its top level."""
+    path = _user_file(file)
+    try:
+        tree = ast.parse(path.read_bytes(), filename=path.name)
+    except (SyntaxError, ValueError) as exc:
+        line = f" line {exc.lineno}" if getattr(exc, "lineno", None) else ""
+        raise RewardError(f"{path.name}{line} is not valid Python ({exc.msg if isinstance(exc, SyntaxError) else exc}); "
+                          "fix the file") from exc
+    names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                  ast.ClassDef))}
+    names |= {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+              for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+              if isinstance(target, ast.Name)}
+    imports = [alias for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names]
+    names |= {(alias.asname or alias.name).split(".")[0] for alias in imports}
+    if function not in names and not any(alias.name == "*" for alias in imports):  # a * import may bring it
+        defined = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        raise RewardError(f"{path.name} has no {function!r}; it defines: {', '.join(defined) or 'no functions'}; "
+                          "set function: to one of them")
+
+
+def _load_user_function(file: str, function: str):
+    """Import `file` by path under a fresh module name and return its `function`."""
+    path = _user_file(file)
     name = f"studio_user_rewards_{next(_module_ids)}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -275,13 +313,16 @@ def _call_problem(func, batch: dict, file: str | None) -> str | None:
     return None
 
 
-def check_rewards(rewards: list[dict], sample_rows: list[dict] | None, on_entry=None) -> list[str]:
+def check_rewards(rewards: list[dict], sample_rows: list[dict] | None, on_entry=None,
+                  user_code: bool = True) -> list[str]:
     """Every problem with `rewards`, as messages naming the entry; [] when all are fine.
 
     Each entry is validated, built (user files imported) and called once on `sample_rows` (dataset
     rows with a `prompt`). With `sample_rows` None (a dataset not read before launch: made-up rows
     would refuse functions that read a real column) nothing is called; the worker calls them on the
-    real first rows. `on_entry(label)` is called before each entry, to tell which one hangs."""
+    real first rows. `on_entry(label)` is called before each entry, to tell which one hangs.
+    Without `user_code`, a user's file is only read (it parses and defines the function), never
+    imported or called: what a plan or a preview checks."""
     if not isinstance(rewards, list) or not rewards:
         return ["studio.rewards: must be a non-empty list, e.g. [{name: length, target: 200}]"]
     if sample_rows is not None and (
@@ -293,6 +334,15 @@ def check_rewards(rewards: list[dict], sample_rows: list[dict] | None, on_entry=
         label = _label(index, entry)
         if on_entry:
             on_entry(label)
+        if not user_code and isinstance(entry, dict) and "file" in entry:  # read, not run
+            found = _problems(entry)
+            if not found:
+                try:
+                    _defines(entry["file"], entry["function"])
+                except RewardError as exc:
+                    found = [str(exc)]
+            problems += [f"{label}: {p}" for p in found]
+            continue
         try:
             func, _ = _build(index, entry)
         except RewardError as exc:
@@ -327,7 +377,7 @@ def check_rewards_in_subprocess(rewards: list[dict], sample_rows: list[dict] | N
     Sample values JSON cannot carry (images, dates) reach the child as their str()."""
     request = json.dumps({"rewards": rewards, "sample_rows": sample_rows}, default=str)
     child = children.start("studio_core.rewards", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+                           stderr=subprocess.PIPE, text=True, start_new_session=True, without=HUB_TOKENS)
     try:
         out, err = child.communicate(request, timeout=timeout)
     except subprocess.TimeoutExpired:

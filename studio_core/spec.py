@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from studio_core import data_check, rewards, slurm, sources, trainers
+from studio_core import data_check, peft_check, rewards, slurm, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.data_files import read_rows
 from studio_core.layout import check_sizes
@@ -28,6 +28,14 @@ from studio_core.trl_schema import check_value, trainer_fields
 STUDIO_OWNED = {
     "output_dir": "the model is saved in the run folder's output/ (choose where runs go with --runs-dir)",
 }
+# TRL settings that hold a secret (of the fields of every trainer's config, hub_token only):
+# what a recipe or the form holds goes to spec.yaml, output/training_args.bin and the model
+# card, so a token is refused there, with the ways to pass one that are never written down.
+SECRET_FIELDS = {"hub_token"}
+TOKEN_WAYS = ("log in once with `hf auth login`, or set HF_TOKEN in the environment the studio runs in; the "
+              "studio reads it from there and never writes it down")
+# A value that looks like a Hugging Face access token, in whatever setting.
+TOKEN_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
 # The studio block's keys besides the layout's.
 STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards"}
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -184,14 +192,19 @@ class RunSpec:
         return self.run_name or f"{self.trainer}-{Path(self.model_name_or_path).name}"
 
 
-def validate(spec: RunSpec) -> list[str]:
-    """Every problem that stops this spec from launching, each saying what to change."""
+def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None) -> list[str]:
+    """Every problem that stops this spec from launching, each saying what to change. A user's
+    reward files are imported and called only with `run_user_code` (Start, "Check reward
+    functions"); otherwise (a plan, a preview) they are only read. What is worth saying but
+    does not stop it (records that train, likely not as meant) goes to `warnings`."""
     problems: list[str] = []
     try:
         trainers.get(spec.trainer)
     except KeyError as error:
         return [str(error).strip("'\"")]
     problems += check_args(spec.trainer, spec.args)
+    seen = {p.split(":", 1)[0] for p in problems}  # a LoRA value of the wrong type is already named
+    problems += [p for p in peft_check.peft_problems(spec.args) if p.split(":", 1)[0] not in seen]
     problems += _check_numbers(spec)
     problems += _check_layout(spec.layout)
     # YAML reads `run_name: 2024-06-01` as a date and `dataset_name: 7` as a number.
@@ -205,7 +218,7 @@ def validate(spec: RunSpec) -> list[str]:
     if "model_name_or_path" not in not_text:
         problems += sources.check_model(spec.model_name_or_path, bool(spec.args.get("trust_remote_code")))
     if "dataset_name" not in not_text:
-        problems += _check_data(spec)
+        problems += _check_data(spec, run_user_code, warnings if warnings is not None else [])
     return problems
 
 
@@ -216,6 +229,9 @@ def check_args(trainer: str, args: dict) -> list[str]:
     for key, value in args.items():
         if key in STUDIO_OWNED:
             problems.append(f"{key}: set by the studio ({STUDIO_OWNED[key]}); remove it")
+        elif key in SECRET_FIELDS or holds_token(value):
+            problems.append(f"{key}: a secret does not belong in a recipe or the form (it would be written to "
+                            f"the run folder and the model card); remove it and {TOKEN_WAYS}")
         elif key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
             config = trainers.get(trainer).config_class
@@ -228,7 +244,26 @@ def check_args(trainer: str, args: dict) -> list[str]:
     return problems
 
 
-def _check_data(spec: RunSpec) -> list[str]:
+def holds_token(value) -> bool:
+    """Does this setting's value (or anything in it) look like a Hugging Face access token?"""
+    if isinstance(value, str):
+        return bool(TOKEN_VALUE.search(value))
+    if isinstance(value, dict):
+        return any(holds_token(v) or holds_token(k) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(holds_token(v) for v in value)
+    return False
+
+
+def _reward_check(spec: RunSpec, run_user_code: bool):
+    """How the reward functions are checked: a user's files imported and called in a child
+    process (without the Hub token) when that is asked for; else read only, in this process."""
+    if run_user_code and any(isinstance(r, dict) and "file" in r for r in spec.rewards):
+        return rewards.check_rewards_in_subprocess
+    return lambda entries, rows: rewards.check_rewards(entries, rows, user_code=False)
+
+
+def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str]) -> list[str]:
     """The dataset's source, then (for a local file) its first rows against the trainer and the
     GRPO reward functions called once on them, then every record (data_check.scan_file). A Hub
     dataset or a folder is not read here: its rewards are only imported, and the worker runs
@@ -240,17 +275,18 @@ def _check_data(spec: RunSpec) -> list[str]:
     path = sources.dataset_file(spec.dataset_name)
     if path is None:
         problems = data_check.check_mapping(None, spec.column_map, spec.keep_columns)
-        if takes_rewards and not problems:  # imported and looked up in a child process, not called
-            problems += rewards.check_rewards_in_subprocess(spec.rewards, None)
+        if takes_rewards and not problems:  # imported and looked up (with run_user_code), not called
+            problems += _reward_check(spec, run_user_code)(spec.rewards, None)
     else:
         try:
             rows = read_rows(path, 5)
         except ValueError as error:
             return [f"dataset_name: {error}"]
-        # In a child process: it imports the user's reward file and transformers
-        problems = check_rows(spec, rows, check_rewards=rewards.check_rewards_in_subprocess)
-        problems = problems or data_check.scan_file(path, spec.column_map, spec.keep_columns,
-                                                    spec.args.get("dataset_text_field", "text"))
+        problems = check_rows(spec, rows, check_rewards=_reward_check(spec, run_user_code))
+        if not problems:
+            scan = data_check.scan_file(path, spec.column_map, spec.keep_columns,
+                                        spec.args.get("dataset_text_field", "text"))
+            problems, warnings[:] = list(scan), [*warnings, *scan.warnings]
     if not takes_rewards and spec.rewards:
         using = ", ".join(t.key for t in trainers.TRAINERS.values() if t.rewards)
         problems.append(f"studio.rewards: {trainers.get(spec.trainer).name} takes no reward functions; remove them "
@@ -276,8 +312,8 @@ def check_rows(spec: RunSpec, rows: list[dict], check_rewards=rewards.check_rewa
     return problems
 
 
-def validated(spec: RunSpec) -> RunSpec:
-    problems = validate(spec)
+def validated(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None) -> RunSpec:
+    problems = validate(spec, run_user_code, warnings)
     if problems:
         raise SpecError(problems)
     return spec

@@ -91,7 +91,9 @@ class Trainer:
 
 
 REWARD_LIST_HELP = ("Reward functions (YAML list): built-ins length {target}, regex {pattern}, exact_match "
-                    "{column}; or {file: my_rewards.py, function: name}; each with a weight")
+                    "{column}; or {file: my_rewards.py, function: name}; each with a weight. Your own file is "
+                    "Python code that runs with your rights, on Check reward functions and on Start (Preview "
+                    "only reads it), as trust_remote_code runs a model's code: use files you trust")
 DEFAULT_REWARDS = "- {name: length, target: 40, weight: 1.0}\n- {name: exact_match, column: reference, weight: 1.0}\n"
 
 # Online RL generates on the training device; on Neuron every new shape compiles for minutes.

@@ -50,10 +50,12 @@ class RunManager:
         self._lock = threading.Lock()  # the web app reads runs from several threads
 
     # --- checking and planning ---------------------------------------------------------
-    def check(self, spec: RunSpec) -> RunSpec:
+    def check(self, spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None) -> RunSpec:
         """The spec checked (SpecError with every problem), with local paths made absolute
-        (the run's processes start in the run folder)."""
-        spec = with_absolute_paths(validated(spec))
+        (the run's processes start in the run folder). A user's reward files are imported and
+        called only with `run_user_code` (Start does; a plan or a preview only reads them).
+        Warnings about the data go to `warnings`."""
+        spec = with_absolute_paths(validated(spec, run_user_code, warnings))
         try:
             backends.get(spec.layout.run_on)
         except KeyError as error:
@@ -64,30 +66,36 @@ class RunManager:
         """The plan of a launch, the spec checked first. With `this_machine` (a preview of Start
         here, now) the cores are the ones Start would take at this moment: the asked-for ones if
         free (else SpecError naming their holder), or the next free block."""
-        spec = self.check(spec)
+        data_warnings: list[str] = []
+        spec = self.check(spec, warnings=data_warnings)
         this_machine = this_machine and backends.get(spec.layout.run_on).local_cores
         cores = self.choose_cores(spec, hardware) if this_machine else (
             parse_cores(spec.layout.cores) if spec.layout.cores else None)
-        launch = self._plan(spec, hardware, cores)
+        launch = self._plan(spec, hardware, cores, warnings=data_warnings)
         if this_machine and not launch.errors:
             launch.applied.insert(0, ("studio.cores", format_cores(cores), "free on this machine now; Start takes "
                                       "the cores that are free when it is clicked (next free, when none are named)"))
         return launch
 
-    def _plan(self, spec: RunSpec, hardware: Hardware, cores: list[int] | None, run_id: str = "<run id>") -> Plan:
-        return plan(spec, hardware, cores=cores, run_dir=self.runs_dir / run_id, run_id=run_id,
-                    compile_cache=compile_cache_root(), model_config=sources.model_config(spec.model_name_or_path))
+    def _plan(self, spec: RunSpec, hardware: Hardware, cores: list[int] | None, run_id: str = "<run id>",
+              warnings: list[str] = ()) -> Plan:
+        """The plan, with `warnings` about the data (the check's) among its own."""
+        launch = plan(spec, hardware, cores=cores, run_dir=self.runs_dir / run_id, run_id=run_id,
+                      compile_cache=compile_cache_root(), model_config=sources.model_config(spec.model_name_or_path))
+        launch.warnings += warnings
+        return launch
 
     # --- starting ----------------------------------------------------------------------
     def start(self, spec: RunSpec, hardware: Hardware) -> RunView:
         """Check, pick cores, plan, write the run folder, hand it to the spec's backend.
         Raises SpecError (naming the holder when a core is taken, or what the cluster refused);
         nothing is left behind then."""
-        spec = self.check(spec)  # before the lock: the slow part
+        data_warnings: list[str] = []
+        spec = self.check(spec, run_user_code=True, warnings=data_warnings)  # before the lock: the slow part
         backend = self._ready(spec)
         run_id = folder.new_run_id(self.runs_dir, spec.display_name)
         if not backend.local_cores:  # the cluster picks the nodes: no core of this machine is held
-            launch = self._plan(spec, hardware, None, run_id)
+            launch = self._plan(spec, hardware, None, run_id, data_warnings)
             if launch.errors:
                 raise SpecError(launch.errors)
             run_dir = self._create(run_id, launch, hardware)
@@ -99,7 +107,7 @@ class RunManager:
             return self.view(run_id)
         with leases.choosing(self.runs_dir):  # until the run's process holds the cores chosen here
             cores = self.choose_cores(spec, hardware)
-            launch = self._plan(spec, hardware, cores, run_id)
+            launch = self._plan(spec, hardware, cores, run_id, data_warnings)
             if launch.errors:
                 raise SpecError(launch.errors)
             run_dir = self._create(run_id, launch, hardware)
@@ -136,6 +144,8 @@ class RunManager:
         view = self.view(run_id)
         if view.active:
             raise SpecError([f"run {run_id} is {view.live_state}: stop it (or stop and save) first"])
+        if view.spec_problem:
+            raise SpecError([f"run {run_id} cannot be resumed: its {folder.SPEC} {view.spec_problem}"])
         found = list_checkpoints(view.dir)
         if not found:
             raise SpecError([f"run {run_id} saved no checkpoint, so it cannot be resumed: train with save_steps "
@@ -144,8 +154,6 @@ class RunManager:
         if chosen is None:
             raise SpecError([f"run {run_id} has no checkpoint at step {step}; it has steps "
                              f"{', '.join(str(c['step']) for c in found)}"])
-        if view.spec_problem:
-            raise SpecError([f"run {run_id} cannot be resumed: its {folder.SPEC} {view.spec_problem}"])
         spec = RunSpec.load(view.dir / folder.SPEC)  # resolved and checked when the run began
         first = view.launch()
         backend = self._ready(spec)
@@ -192,6 +200,9 @@ class RunManager:
         try:
             return leases.choose(self.runs_dir, hardware, spec.layout.nproc, spec.layout.cores)
         except leases.NoFreeCores as none:
+            if none.wanted > none.count:  # no wait frees enough cores: the machine is too small
+                raise SpecError([f"studio.nproc: {spec.layout.nproc} processes but this machine has {none.count} "
+                                 f"{hardware.backend} cores: use at most {none.count}"]) from none
             raise SpecError([f"studio.nproc: no {spec.layout.nproc} free {hardware.backend} cores in a valid "
                              f"block; {none}: wait for or stop one of them, or ask for fewer processes"]) from none
         except ValueError as error:
