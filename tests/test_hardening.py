@@ -10,14 +10,12 @@ test_cli_errors.py.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli.main import main as cli_main
 from studio_core.chat import ChatError, resolve
 from studio_core.export import _card_text
 from studio_core.hardware import cpu_hardware
@@ -104,15 +102,16 @@ def test_check_rewards_and_start_run_the_file_without_the_hub_token(tmp_path, mo
     assert marker.read_text() == "no token"  # it ran, in a child that was not given the token
 
 
-def test_launch_py_plan_runs_nothing_of_a_reward_file(tmp_path):
+@pytest.mark.fast
+def test_launch_py_plan_runs_nothing_of_a_reward_file(tmp_path, monkeypatch, capsys):
     spec, marker = grpo_with_marker_reward(tmp_path)
     recipe = tmp_path / "recipe.yaml"
     spec.save(recipe)
-    done = subprocess.run([sys.executable, "launch.py", "plan", str(recipe), "--runs-dir", str(tmp_path / "runs"),
-                           "--no-forecast"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "MARKER": str(marker)})
-    assert done.returncode == 0, done.stderr
-    assert "Settings the studio applied" in done.stdout and not marker.exists()
+    monkeypatch.setenv("MARKER", str(marker))
+    code = cli_main(["plan", str(recipe), "--runs-dir", str(tmp_path / "runs"), "--backend", "cpu", "--no-forecast"])
+    shown = capsys.readouterr()
+    assert code == 0, shown.err
+    assert "Settings the studio applied" in shown.out and not marker.exists()
 
 
 # --- run ids are names, never paths ----------------------------------------------------------
@@ -141,7 +140,7 @@ def test_chat_does_not_take_a_run_folder_outside_the_runs_folder_for_a_run(tmp_p
 
 
 # --- one damaged run folder among sound ones ---------------------------------------------------
-def test_a_damaged_run_folder_lists_as_damaged_and_the_others_as_ever(sft_runs, tmp_path):
+def test_a_damaged_run_folder_lists_as_damaged_and_the_others_as_ever(sft_runs, tmp_path, capsys):
     from app.runs_tab import runs_table  # the Runs tab's table (imports Gradio)
 
     manager = sft_runs.copy_to(tmp_path / "runs", "full")
@@ -167,10 +166,9 @@ def test_a_damaged_run_folder_lists_as_damaged_and_the_others_as_ever(sft_runs, 
         manager.resume("bad-spec", cpu_hardware())
     with pytest.raises(SpecError, match="saved no checkpoint"):  # the sound one is refused for its own reason
         manager.resume(sound, cpu_hardware())
-    done = subprocess.run([sys.executable, "launch.py", "runs", "--runs-dir", str(manager.runs_dir)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    assert "damaged: spec.yaml cannot be read" in done.stdout and sound in done.stdout
+    assert cli_main(["runs", "--runs-dir", str(manager.runs_dir)]) == 0  # `launch.py runs`
+    listed = capsys.readouterr().out
+    assert "damaged: spec.yaml cannot be read" in listed and "damaged: 2 line(s)" in listed and sound in listed
 
 
 # --- conversations a chat template would not render as meant ----------------------------------

@@ -197,43 +197,13 @@ def test_stop_ends_the_run_and_every_process_of_it(manager):
     assert marked_processes(view.id) == {}
 
 
-def test_a_killed_supervisor_takes_every_process_with_it_and_holds_the_cores_until_then(manager):
-    """kill -9 of a 2-process run's supervisor: torchrun (its parent-death signal) ends both
-    ranks; until the last process of the run is gone, its cores read held and the run is
-    not shown as ended; then it reads failed, saying what happened."""
-    view = manager.start(tiny("studio.nproc=2", *LONG), cpu_hardware())
-    wait_until_training(manager, view.id)
-    procs = marked_processes(view.id)
-    assert len(ranks(procs)) == 2
-    cores = json.loads((view.dir / "launch.json").read_text())["cores"]
-    supervisor = procs.pop(json.loads((view.dir / "supervisor.json").read_text())["pid"])
-    supervisor.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while any(still_there(p) for p in procs.values()):
-        held = leases.holders(manager.runs_dir, "cpu", max(cores) + 1)  # first the cores, then who is left
-        left = [p for p in procs.values() if running(p)]  # a zombie holds nothing: it waits to be reaped
-        if left:
-            assert all(held.get(c, {}).get("holder") == view.id for c in cores), f"cores free, {left} still there"
-            live = manager.view(view.id)
-            assert live.live_state == "running", live.error_text  # not "failed" while its processes live
-            if not still_there(supervisor):
-                assert "supervisor is gone" in (live.where() or ""), live.where()
-        assert time.monotonic() < deadline, f"still there: {left}"
-        time.sleep(0.02)
-    view = manager.wait(view.id)
-    assert view.live_state == "failed" and "no process of the run is left" in view.error_text
-    assert leases.free_cores(manager.runs_dir, "cpu", max(cores) + 1) >= set(cores)
-    assert marked_processes(view.id) == {}
-    manager.stop(view.id)  # nothing left to stop: fine
-
-
 def test_the_events_file_lost_late_in_a_run_changes_nothing_of_how_it_ended(tmp_path):
     """events.jsonl deleted while the run trains, then again after it ended: the CLI that
     follows it still sees it finish (exit 0), and a new reader takes the ending from the
     supervisor's own record, saying the file was lost."""
     runs_dir = tmp_path / "runs"
     follow = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "train", str(TINY), "--runs-dir",
-                               str(runs_dir), "--set", "max_steps=300", "--set", "logging_steps=100"], cwd=REPO,
+                               str(runs_dir), "--set", "max_steps=150", "--set", "logging_steps=100"], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (found := list(runs_dir.glob("*/events.jsonl"))) or '"step": 5,' not in found[0].read_text():
@@ -428,7 +398,9 @@ def test_relative_paths_are_made_absolute_for_the_worker(tmp_path, monkeypatch):
 
 
 # --- core reservation -------------------------------------------------------------------
-def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manager):
+def test_a_run_holds_its_cores_until_nothing_of_it_is_left(manager):
+    """A second run asking for a held core is refused; "next free" trains beside it; and when
+    the first run's supervisor is killed (kill -9) its core is free only once its processes are."""
     first = manager.start(tiny(*LONG, "studio.cores=0"), cpu_hardware())
     wait_until_training(manager, first.id)
     rank0 = ranks(marked_processes(first.id))["0"]
@@ -450,11 +422,39 @@ def test_a_run_holds_its_cores_and_a_second_run_asking_for_them_is_refused(manag
          for run_id in (first.id, second.id))]
     assert a_first < b_first and b_last < a_last
 
-    manager.stop(first.id)
+    kill_the_supervisor_and_watch_its_processes_end(manager, first.id)
     assert 0 not in manager.core_holders(cpu_hardware())
-    again = manager.start(tiny("studio.cores=0"), cpu_hardware())  # freed by the stop: taken again
+    again = manager.start(tiny("studio.cores=0"), cpu_hardware())  # free once nothing of the first is left
     assert json.loads((again.dir / "launch.json").read_text())["cores"] == [0]
     manager.stop(again.id)
+
+
+def kill_the_supervisor_and_watch_its_processes_end(manager: RunManager, run_id: str) -> None:
+    """kill -9 the run's supervisor: torchrun (its parent-death signal) ends the ranks; until the
+    last process of the run is gone its cores read held and the run is not shown as ended; then
+    it reads failed, saying what happened, and nothing of it is left."""
+    run_dir = manager.runs_dir / run_id
+    procs = marked_processes(run_id)
+    cores = json.loads((run_dir / "launch.json").read_text())["cores"]
+    supervisor = procs.pop(json.loads((run_dir / "supervisor.json").read_text())["pid"])
+    assert procs and ranks(procs)
+    supervisor.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while any(still_there(p) for p in procs.values()):
+        held = leases.holders(manager.runs_dir, "cpu", max(cores) + 1)  # first the cores, then who is left
+        left = [p for p in procs.values() if running(p)]  # a zombie holds nothing: it waits to be reaped
+        if left:
+            assert all(held.get(c, {}).get("holder") == run_id for c in cores), f"cores free, {left} still there"
+            live = manager.view(run_id)
+            assert live.live_state == "running", live.error_text  # not "failed" while its processes live
+            if not still_there(supervisor):
+                assert "supervisor is gone" in (live.where() or ""), live.where()
+        assert time.monotonic() < deadline, f"still there: {left}"
+        time.sleep(0.02)
+    view = manager.wait(run_id)
+    assert view.live_state == "failed" and "no process of the run is left" in view.error_text
+    assert marked_processes(run_id) == {}
+    manager.stop(run_id)  # nothing left to stop: fine
 
 
 def test_two_starts_in_the_same_moment_take_different_cores(manager):
