@@ -19,7 +19,7 @@ from app import forecast_panel, run_panel
 from app.core_map import core_map_html
 from app.train_form import (THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
                             learning_rate_start, spec_from_form, target_hardware, trainer_info)
-from studio_core import data_check, sources, trainers
+from studio_core import data_check, data_scan, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.cores import parse_cores
 from studio_core.data_files import read_rows
@@ -62,7 +62,7 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
         lines += ["**Does not fit this trainer:**", *[f"- {p}" for p in problems]]
         lines += [describe_fix(fix)] * bool(fix)
     else:
-        scan = data_check.scan_file(path, spec.column_map, spec.keep_columns, text_field)
+        scan = data_scan.scan_file(path, spec.column_map, spec.keep_columns, text_field)
         if scan:
             lines += ["**Records to fix before training:**", *[f"- {p}" for p in scan]]
         else:

@@ -2,7 +2,7 @@
 JSON (a list of records, or objects one after another), CSV with a header row, Parquet.
 
 `read_rows` gives the first records for a preview and the type check; `records` walks the whole
-file for data_check.scan_file, handing a record that cannot be read over as a ValueError (with
+file for data_scan.scan_file, handing a record that cannot be read over as a ValueError (with
 its line or row) so the walk goes on. Every message names the file, the place and what to change.
 Stdlib and pyarrow only: this runs in the web app's process.
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from studio_core import data_check, peft_check, rewards, slurm, sources, trainers
+from studio_core import data_check, data_scan, peft_check, rewards, slurm, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.data_files import read_rows
 from studio_core.layout import check_sizes
@@ -265,7 +265,7 @@ def _reward_check(spec: RunSpec, run_user_code: bool):
 
 def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str]) -> list[str]:
     """The dataset's source, then (for a local file) its first rows against the trainer and the
-    GRPO reward functions called once on them, then every record (data_check.scan_file). A Hub
+    GRPO reward functions called once on them, then every record (data_scan.scan_file). A Hub
     dataset or a folder is not read here: its rewards are only imported, and the worker runs
     `check_rows` on its first rows before it loads the model."""
     problems = sources.check_dataset(spec.dataset_name)
@@ -284,7 +284,7 @@ def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str]) -> list
             return [f"dataset_name: {error}"]
         problems = check_rows(spec, rows, check_rewards=_reward_check(spec, run_user_code))
         if not problems:
-            scan = data_check.scan_file(path, spec.column_map, spec.keep_columns,
+            scan = data_scan.scan_file(path, spec.column_map, spec.keep_columns,
                                         spec.args.get("dataset_text_field", "text"))
             problems, warnings[:] = list(scan), [*warnings, *scan.warnings]
     if not takes_rewards and spec.rewards:

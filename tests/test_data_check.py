@@ -20,11 +20,11 @@ from studio_core.data_check import (
     detect,
     fit_problems,
     prepare_dataset,
-    scan_file,
     suggest_column_map,
     suggest_fix,
 )
 from studio_core.data_files import read_rows
+from studio_core.data_scan import scan_file
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 
