@@ -57,6 +57,16 @@ def main(run_dir: Path) -> int:
     this_attempt = EventReader(events)
     this_attempt.read_new()  # a resumed run's folder holds earlier attempts' events: skip them
     stop_requested_at: float | None = None
+    torchrun: subprocess.Popen | None = None
+
+    def on_stop(signum, frame):  # from the first moment: a stop asked while starting is a stop too
+        nonlocal stop_requested_at
+        stop_requested_at = stop_requested_at or time.monotonic()
+        if torchrun is not None:
+            torchrun.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     backend, cores = launch["hardware"]["backend"], launch["cores"]
     node = on_slurm(launch)
     argv = launch["argv"]
@@ -94,13 +104,8 @@ def main(run_dir: Path) -> int:
         ev.append(events, ev.log(monitor.describe()))
     next_sample = time.monotonic() + SAMPLE_EVERY_S
 
-    def on_stop(signum, frame):
-        nonlocal stop_requested_at
-        stop_requested_at = stop_requested_at or time.monotonic()
-        torchrun.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
-
-    signal.signal(signal.SIGTERM, on_stop)
-    signal.signal(signal.SIGINT, on_stop)
+    if stop_requested_at is not None:  # asked before torchrun was there to pass it to
+        torchrun.send_signal(signal.SIGTERM)
     while True:
         try:
             code = torchrun.wait(timeout=0.5)
