@@ -152,3 +152,20 @@ def test_concurrent_appends_from_several_processes_all_arrive_whole(tmp_path):
         mine = [e["step"] for e in seen if e["writer"] == writer]
         assert mine == list(range(EVENTS_PER_WRITER))  # each writer's events, in its order
         assert all(len(e["padding"]) == 200 + 50 * writer for e in seen if e["writer"] == writer)
+
+
+@pytest.mark.fast
+def test_a_reader_whose_file_is_deleted_waits_and_reads_the_new_one_from_its_start(tmp_path):
+    path = tmp_path / "events.jsonl"
+    events.append(path, events.status("running"))
+    events.append(path, events.progress(1, 10, 0.1, 0.5, 0.0, 7))
+    reader = events.EventReader(path)
+    assert [e["type"] for e in reader.read_new()] == ["status", "progress"]
+    path.unlink()
+    assert reader.read_new() == [] and not reader.replaced  # gone: no ending invented
+    for step in range(2, 12):  # a new file, longer than what was read of the old one
+        events.append(path, events.progress(step, 10, 0.1, 0.5, 0.0, 7))
+    assert [e["step"] for e in reader.read_new()] == list(range(2, 12)) and reader.replaced
+    with open(path, "a") as handle:
+        handle.write('{"type": "progress", "step": 99}\nnot json\n')
+    assert reader.read_new() == [] and reader.skipped == 2

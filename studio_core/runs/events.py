@@ -149,30 +149,32 @@ class EventReader:
     """Reads the events added since the last call, from a remembered byte offset.
 
     A file deleted while being read is no ending: nothing is read until one is there again.
-    A new file in its place (deleted, then appended to; or shorter than what was read) is
-    read from its start, and `replaced` says so. `skipped` counts the complete lines that
-    were no usable event."""
+    A new file in its place (deleted, then appended to) is read from its start, and
+    `replaced` says so: it is told apart by its first line (its first event, with its time),
+    since a new file may get the old one's inode number. `skipped` counts the complete lines
+    that were no usable event."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.offset = 0
-        self.inode: int | None = None
+        self.head = b""  # the file's first line, as read
         self.replaced = False
         self.skipped = 0
 
     def read_new(self) -> list[dict]:
         try:
-            stat = os.stat(self.path)
-            if self.inode is not None and (stat.st_ino != self.inode or stat.st_size < self.offset):
-                self.offset, self.replaced = 0, True
-            self.inode = stat.st_ino
-            if stat.st_size == self.offset:
+            size = os.stat(self.path).st_size
+            if size == self.offset:
                 return []  # nothing new: a stat instead of an open and a read
             with self.path.open("rb") as handle:
+                if self.offset and (size < self.offset or handle.read(len(self.head)) != self.head):
+                    self.offset, self.replaced = 0, True
                 handle.seek(self.offset)
                 data = handle.read()
         except FileNotFoundError:
             return []
+        if not self.offset:
+            self.head = data[:data.find(b"\n") + 1]
         end = data.rfind(b"\n") + 1  # keep a trailing partial line for next time
         self.offset += end
         events = []
