@@ -34,7 +34,7 @@ def runs_table(views: list[RunView], state: str = ALL, trainer: str = ALL, model
 
 
 def run_info(manager: RunManager, run_id: str | None) -> str:
-    """The opened run's disk space and where its experiment tracking opens."""
+    """The opened run's disk space, where its experiment tracking opens, and what is damaged."""
     if not run_id:
         return ""
     try:
@@ -44,6 +44,7 @@ def run_info(manager: RunManager, run_id: str | None) -> str:
     lines = [f"**Disk:** {format_size(view.size())} in `{view.dir}`"]
     hint = history.tracking_hint(view)
     lines.append(f"**Experiment tracking:** {hint}" if hint else "**Experiment tracking:** none (report_to)")
+    lines += [f"**Damaged:** {problem}" for problem in view.damage()]
     return "  \n".join(lines)
 
 

@@ -141,7 +141,7 @@ def test_chat_does_not_take_a_run_folder_outside_the_runs_folder_for_a_run(tmp_p
 
 # --- one damaged run folder among sound ones ---------------------------------------------------
 def test_a_damaged_run_folder_lists_as_damaged_and_the_others_as_ever(sft_runs, tmp_path, capsys):
-    from app.runs_tab import runs_table  # the Runs tab's table (imports Gradio)
+    from app.runs_tab import run_info, runs_table  # the Runs tab's (imports Gradio)
 
     manager = sft_runs.copy_to(tmp_path / "runs", "full")
     sound = sft_runs.ids["full"]
@@ -162,6 +162,8 @@ def test_a_damaged_run_folder_lists_as_damaged_and_the_others_as_ever(sft_runs, 
     assert views["bad-events"].live_state == "finished" and views["bad-events"].step == 300
     table = runs_table(list(views.values()))  # what the Runs tab shows: every run, one row each
     assert sorted(table["run"]) == sorted(views)
+    assert "**Damaged:** spec.yaml cannot be read" in run_info(manager, "bad-spec")  # the opened run says so
+    assert "Damaged" not in run_info(manager, sound)
     with pytest.raises(SpecError, match="run bad-spec cannot be resumed: its spec.yaml cannot be read"):
         manager.resume("bad-spec", cpu_hardware())
     with pytest.raises(SpecError, match="saved no checkpoint"):  # the sound one is refused for its own reason
