@@ -71,13 +71,18 @@ def cmd_train(args) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    return follow(manager, view)
+    return follow(manager, view, resumed=bool(args.resume))
 
 
-def follow(manager: RunManager, view: RunView) -> int:
+def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:
+    """Follow the run to its end, with a progress bar and its metrics as they come. A `resumed`
+    run's history (metrics, late compilations, steps up to its checkpoint) is not shown again."""
     from tqdm import tqdm
 
     bar, shown, warned, fetch = None, 0, 0, None
+    first_step = view.step if resumed else 0
+    if resumed:
+        shown, warned = len(view.metrics), len(view.late_compiles())
     while True:
         view = manager.view(view.id)
         if bar is None:
@@ -85,7 +90,7 @@ def follow(manager: RunManager, view: RunView) -> int:
         if bar is None and view.max_steps:
             if fetch is not None:
                 fetch.close()
-            bar = tqdm(total=view.max_steps, unit="step", dynamic_ncols=True)
+            bar = tqdm(total=view.max_steps, initial=first_step, unit="step", dynamic_ncols=True)
         for event in view.metrics[shown:]:
             line = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in event.items()
                              if k not in ("type", "time"))

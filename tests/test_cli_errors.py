@@ -230,3 +230,12 @@ def test_a_read_only_runs_folder_is_named_before_anything_runs(tmp_path):
     refused(done.returncode, done.stdout, done.stderr, 2,
             f"runs folder {runs_dir}: cannot write to it (Permission denied): give --runs-dir")
     assert run_folders(runs_dir) == []
+
+
+def test_output_cut_short_by_the_reader_is_no_traceback(tmp_path):
+    """`launch.py runs | head`: the reader goes away before the listing is written."""
+    listing = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "runs", "--runs-dir", str(tmp_path)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    listing.stdout.close()  # before it has printed anything: it imports for a second first
+    err = listing.stderr.read()
+    assert listing.wait(timeout=60) == 1 and "Traceback" not in err and "BrokenPipeError" not in err, err

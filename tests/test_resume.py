@@ -88,3 +88,5 @@ def test_resume_refusals_say_what_to_change(manager, sft_runs):
                       "--backend", "cpu")
     assert again.returncode == 0, again.stderr
     assert progress_steps(manager.wait(saved.id), since_resume=True) == [6, 7, 8, 9, 10]
+    printed = [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")]
+    assert printed and all(int(step) > 5 for step in printed), again.stdout  # no replay of what came before
