@@ -20,7 +20,7 @@ def cmd_export(args) -> int:
     run_dir = manager.view(args.run_id).dir  # a run of that id, before anything slow
     out = check_new_folder("--out", args.out)
     try:
-        token, source = hub.resolve_token(None) if args.push else (None, None)
+        token, source = hub.resolve_token(None, can_type=False) if args.push else (None, None)
         hardware = detect_hardware()
         if hardware.backend == "cpu":  # only there the export holds a core
             check_one_core(args.cores, hardware)

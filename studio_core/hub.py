@@ -24,14 +24,16 @@ class HubError(ValueError):
     """The push cannot be made or did not complete; the message says what to change."""
 
 
-def resolve_token(typed: str | None) -> tuple[str, str]:
-    """(token, where it came from, for messages): typed, HF_TOKEN, or the saved login."""
+def resolve_token(typed: str | None, can_type: bool = True) -> tuple[str, str]:
+    """(token, where it came from, for messages): typed, HF_TOKEN, or the saved login.
+    `can_type`: the asker has a token field (the page); the command line has none."""
     if typed and typed.strip():
         return typed.strip(), "the token typed for this push"
     token = get_token()  # HF_TOKEN first, then huggingface_hub's token file
     if token:
         return token, "HF_TOKEN" if os.environ.get("HF_TOKEN") else "your saved Hugging Face login"
-    raise HubError("no Hub token: type one for this push, set HF_TOKEN, or log in once with `hf auth login`")
+    typing = "type one for this push, " if can_type else ""
+    raise HubError(f"no Hub token: {typing}set HF_TOKEN, or log in once with `hf auth login`")
 
 
 def push(folder: str | Path, repo_id: str, token: str, source: str = "the token", private: bool = True,

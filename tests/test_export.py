@@ -184,8 +184,11 @@ def test_no_network_and_no_token_are_explained(exports, standin, monkeypatch, tm
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # no saved login there
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
-    with pytest.raises(hub.HubError, match="no Hub token"):
+    with pytest.raises(hub.HubError, match="no Hub token: type one for this push, set HF_TOKEN"):
         hub.resolve_token("")
+    with pytest.raises(hub.HubError) as cli_refusal:  # the command line has no token field to type into
+        hub.resolve_token(None, can_type=False)
+    assert "type one" not in str(cli_refusal.value) and "HF_TOKEN" in str(cli_refusal.value)
     assert hub.resolve_token(" typed ") == ("typed", "the token typed for this push")
 
 
