@@ -180,7 +180,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         try:
             v = form.named(values)
             target = target_hardware(v, hardware)
-            launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware)
+            launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware,
+                                  elsewhere=target is not hardware)
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
         return "", gr.update(value=launch.describe(), visible=True)
@@ -189,7 +190,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         try:
             v = form.named(values)
             target = target_hardware(v, hardware)
-            launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware)
+            launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware,
+                                  elsewhere=target is not hardware)
             if launch.errors:
                 raise SpecError(launch.errors)
         except SpecError as error:

@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 
 from cli.options import CommandLineError, check_new_file, hardware_for, load_spec, runs_folder
+from studio_core import sources
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import FINAL_STATES, RunView, late_compile_text
@@ -20,12 +21,17 @@ def cmd_plan(args) -> int:
                (("--export-script", args.export_script), ("--slurm-script", args.slurm_script)) if path}
     spec = load_spec(args)
     hardware = hardware_for(args)
-    launch = RunManager(runs_folder(args)).plan(spec, hardware, this_machine=not args.instance)
+    launch = RunManager(runs_folder(args)).plan(spec, hardware, this_machine=not args.instance,
+                                                elsewhere=bool(args.instance))
     print(f"Hardware: {hardware.describe()}\n")
     print(replace(launch, errors=[]).describe())
     if launch.errors:
         raise SpecError(launch.errors)
-    if not args.no_forecast:
+    missing = sources.not_here(launch.spec.model_name_or_path, launch.spec.dataset_name) if args.instance else []
+    if missing and not args.no_forecast:
+        print(f"\nNo shape forecast: {' and '.join(missing)} not on this machine, and a plan for another one "
+              "downloads nothing; run the plan where they are (or with them in the Hugging Face cache) to see it")
+    elif not args.no_forecast:
         try:
             print("\n" + forecast_in_subprocess(launch.spec, hardware.backend).describe())
         except SpecError as error:

@@ -26,6 +26,19 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
 
 
+def not_here(model: str, dataset: str) -> list[str]:
+    """The Hub model and dataset of a run that are not on this machine (not in the local Hugging
+    Face cache), each in a few words; a plan for another machine does not check them here."""
+    missing = []
+    if HUB_ID.match(model or "") and not _looks_local(model) and not isinstance(
+            try_to_load_from_cache(model, "config.json"), str):
+        missing.append(f"model {model}")
+    if (HUB_ID.match(dataset or "") and dataset_file(dataset) is None and not _looks_local(dataset)
+            and not (Path(constants.HF_HUB_CACHE) / f"datasets--{dataset.replace('/', '--')}").exists()):
+        missing.append(f"dataset {dataset}")
+    return missing
+
+
 def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
     if not name:
         return ["model_name_or_path: empty; give a Hub id, a local folder, or builtin:tiny-qwen3"]

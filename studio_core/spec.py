@@ -192,11 +192,15 @@ class RunSpec:
         return self.run_name or f"{self.trainer}-{Path(self.model_name_or_path).name}"
 
 
-def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None) -> list[str]:
+def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None,
+             elsewhere: bool = False) -> list[str]:
     """Every problem that stops this spec from launching, each saying what to change. A user's
     reward files are imported and called only with `run_user_code` (Start, "Check reward
     functions"); otherwise (a plan, a preview) they are only read. What is worth saying but
-    does not stop it (records that train, likely not as meant) goes to `warnings`."""
+    does not stop it (records that train, likely not as meant) goes to `warnings`. For a plan
+    of another machine (`elsewhere`), a Hub model or dataset not on this one is not fetched
+    nor checked: `warnings` says so."""
+    warnings = warnings if warnings is not None else []
     problems: list[str] = []
     try:
         trainers.get(spec.trainer)
@@ -215,11 +219,20 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
     problems += [f"{name}: {names[name]!r} is not text; write it in quotes" for name in not_text]
     if isinstance(spec.run_name, str) and not RUN_NAME.match(spec.run_name):
         problems.append(f"run_name: {spec.run_name!r} must be 1-64 letters, digits, '.', '_' or '-'")
-    if "model_name_or_path" not in not_text:
+    skipped = sources.not_here(*names_of(spec)) if elsewhere and not not_text else []
+    if skipped:
+        warnings.append(f"not checked here: {' and '.join(skipped)} (not on this machine, which plans for another; "
+                        "the run downloads them there, and checks them before it trains)")
+    if "model_name_or_path" not in not_text and not any(s.startswith("model ") for s in skipped):
         problems += sources.check_model(spec.model_name_or_path, bool(spec.args.get("trust_remote_code")))
     if "dataset_name" not in not_text:
-        problems += _check_data(spec, run_user_code, warnings if warnings is not None else [])
+        problems += _check_data(spec, run_user_code, warnings, here=not any(s.startswith("dataset ") for s in skipped))
     return problems
+
+
+def names_of(spec: RunSpec) -> tuple[str, str]:
+    """The run's model and dataset, as the recipe names them."""
+    return spec.model_name_or_path, spec.dataset_name
 
 
 def check_args(trainer: str, args: dict) -> list[str]:
@@ -263,12 +276,12 @@ def _reward_check(spec: RunSpec, run_user_code: bool):
     return lambda entries, rows: rewards.check_rewards(entries, rows, user_code=False)
 
 
-def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str]) -> list[str]:
+def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str], here: bool = True) -> list[str]:
     """The dataset's source, then (for a local file) its first rows against the trainer and the
     GRPO reward functions called once on them, then every record (data_scan.scan_file). A Hub
     dataset or a folder is not read here: its rewards are only imported, and the worker runs
     `check_rows` on its first rows before it loads the model."""
-    problems = sources.check_dataset(spec.dataset_name)
+    problems = sources.check_dataset(spec.dataset_name) if here else []  # not here: a Hub dataset, not looked for
     if problems:
         return problems
     takes_rewards = trainers.get(spec.trainer).rewards
@@ -312,8 +325,9 @@ def check_rows(spec: RunSpec, rows: list[dict], check_rewards=rewards.check_rewa
     return problems
 
 
-def validated(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None) -> RunSpec:
-    problems = validate(spec, run_user_code, warnings)
+def validated(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None,
+              elsewhere: bool = False) -> RunSpec:
+    problems = validate(spec, run_user_code, warnings, elsewhere)
     if problems:
         raise SpecError(problems)
     return spec

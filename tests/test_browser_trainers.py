@@ -13,10 +13,12 @@ import pytest
 from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
 from studio_browser import expect, run_state, set_number
 from studio_core import trainers
+from test_trainers import STEPS, check_trained
 
 
-@pytest.mark.parametrize(("trainer", "steps"), [("dpo", 10), ("kto", 10), ("grpo", 2), ("rloo", 2), ("reward", 10)])
-def test_each_trainer_from_the_page(page, app, trainer, steps):
+@pytest.mark.parametrize(("trainer", "steps"), [(key, STEPS[key]) for key in trainers.TRAINERS if key != "sft"])
+def test_each_trainer_from_the_page(page, app, trainer, steps, tmp_path):
+    """Also the full training of each (test_trainers trains their LoRA recipes), checked as there."""
     entry = trainers.get(trainer)
     page.get_by_label(entry.label).check()
     expect(page.locator("#dataset input").first).to_have_value(entry.sample)
@@ -31,6 +33,7 @@ def test_each_trainer_from_the_page(page, app, trainer, steps):
     run_state(page, "FINISHED").wait_for(timeout=180_000)
     [view] = app.new_runs()
     assert view.trainer == trainer and view.live_state == "finished" and view.step == steps
+    check_trained(view, trainer, lora=False, tmp_path=tmp_path)
     if not entry.chats:  # a reward model: offered for export, not for chat
         page.get_by_role("tab", name="Chat").click()
         page.locator("#chat-target input").first.click()

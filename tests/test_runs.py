@@ -317,6 +317,31 @@ def test_cli_plan_prints_the_command_and_runs_nothing(tmp_path):
 
 
 @pytest.mark.fast
+def test_a_plan_for_another_machine_needs_no_network_and_no_cache(tmp_path, monkeypatch, capsys):
+    """The Trainium quick start planned on a laptop whose Hugging Face cache is empty: the model and
+    dataset are not fetched (the Hub stand-in is asked nothing) nor refused; one line says what was
+    not checked and why, and the plan is printed."""
+    from cli.main import main as cli_main
+    from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
+
+    use_hub_cache(tmp_path / "empty-cache", monkeypatch)
+    recipe = str(REPO / "recipes" / "qwen3-0.6b-sft.yaml")
+    for online in (False, True):
+        with HubStandIn() as hub:
+            if online:
+                point_hub_client_at(hub, monkeypatch)
+            code = cli_main(["plan", recipe, "--instance", "trn2.3xlarge", "--nproc", "4", "--runs-dir",
+                             str(tmp_path / "runs")])
+            assert hub.requests == []
+        shown = capsys.readouterr()
+        assert code == 0, shown.err
+        assert "not checked here: model Qwen/Qwen3-0.6B and dataset trl-lib/Capybara" in shown.out
+        assert "No shape forecast: model Qwen/Qwen3-0.6B and dataset trl-lib/Capybara not on this machine" in (
+            shown.out)
+        assert "STUDIO_NEURON_CORES=0-3" in shown.out and "Traceback" not in shown.out + shown.err
+
+
+@pytest.mark.fast
 def test_cli_plan_for_trainium_without_trainium(tmp_path):
     runs_dir = tmp_path / "runs"
     # --no-forecast: the forecast for a trn instance is test_forecast's part

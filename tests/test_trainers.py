@@ -1,9 +1,11 @@
-"""Each trainer of the registry, full and LoRA, trains the tiny model end to end through the
-run manager, from its own tiny recipe; a reward model's output scores texts.
+"""Each trainer of the registry trains the tiny model end to end, full and LoRA; a reward
+model's output scores texts.
 
 SFT's two recipes, as they are (300 steps), are the session's shared runs (conftest's
-sft_runs, which the chat and export tests read too); the other trainers train here for a few
-steps."""
+sft_runs, which the chat and export tests read too). The other trainers train their LoRA
+recipe here, through the run manager, for a few steps; their full training is the page's
+(test_browser_trainers trains each from the page, as many steps, and checks it with
+`check_trained` below)."""
 
 from pathlib import Path
 
@@ -33,17 +35,23 @@ def test_every_trainer_has_a_test_and_its_recipes():
         assert RunSpec.load(RECIPES / f"tiny-{key}-lora.yaml").args["use_peft"] is True
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("trainer", list(trainers.TRAINERS))
+@pytest.mark.parametrize(("trainer", "lora"), [("sft", False), *((key, True) for key in trainers.TRAINERS)],
+                         ids=lambda v: {False: "full", True: "lora"}.get(v, v))
 def test_trainer_runs_end_to_end(trainer, lora, tmp_path, request):
     if trainer == "sft":  # its recipes as they are: the session's shared runs of them
         shared, key = request.getfixturevalue("sft_runs"), "lora" if lora else "full"
         view = shared.copy_to(tmp_path / "runs", key).view(shared.ids[key])
     else:
-        recipe = RECIPES / f"tiny-{trainer}{'-lora' if lora else ''}.yaml"
+        recipe = RECIPES / f"tiny-{trainer}-lora.yaml"
         spec = RunSpec.load(recipe).with_overrides([f"max_steps={STEPS[trainer]}", "logging_steps=2"])
         manager = RunManager(tmp_path / "runs")
         view = manager.wait(manager.start(spec, cpu_hardware()).id, timeout=300)
+    check_trained(view, trainer, lora, tmp_path)
+
+
+def check_trained(view, trainer: str, lora: bool, tmp_path: Path) -> None:
+    """A finished run of `trainer`: its steps, its trainer's own metrics, and its saved model
+    (a LoRA adapter or the full model; a reward model scores texts, and its export says so)."""
     assert view.live_state == "finished", view.error_text
     assert view.step == STEPS[trainer]
     logged = set().union(*(m.keys() for m in view.metrics))

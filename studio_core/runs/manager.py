@@ -50,24 +50,28 @@ class RunManager:
         self._lock = threading.Lock()  # the web app reads runs from several threads
 
     # --- checking and planning ---------------------------------------------------------
-    def check(self, spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None) -> RunSpec:
+    def check(self, spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None,
+              elsewhere: bool = False) -> RunSpec:
         """The spec checked (SpecError with every problem), with local paths made absolute
         (the run's processes start in the run folder). A user's reward files are imported and
         called only with `run_user_code` (Start does; a plan or a preview only reads them).
-        Warnings about the data go to `warnings`."""
-        spec = with_absolute_paths(validated(spec, run_user_code, warnings))
+        Warnings about the data go to `warnings`; `elsewhere`: a plan for another machine, which
+        does not fetch or check a Hub model or dataset this machine does not have."""
+        spec = with_absolute_paths(validated(spec, run_user_code, warnings, elsewhere))
         try:
             backends.get(spec.layout.run_on)
         except KeyError as error:
             raise SpecError([str(error).strip("'\"")]) from None
         return spec
 
-    def plan(self, spec: RunSpec, hardware: Hardware, this_machine: bool = False) -> Plan:
+    def plan(self, spec: RunSpec, hardware: Hardware, this_machine: bool = False, elsewhere: bool = False) -> Plan:
         """The plan of a launch, the spec checked first. With `this_machine` (a preview of Start
         here, now) the cores are the ones Start would take at this moment: the asked-for ones if
-        free (else SpecError naming their holder), or the next free block."""
+        free (else SpecError naming their holder), or the next free block. With `elsewhere` (a
+        plan for another machine: --instance, "Plan for") a Hub model or dataset this machine
+        does not have is neither fetched nor checked; a warning says so."""
         data_warnings: list[str] = []
-        spec = self.check(spec, warnings=data_warnings)
+        spec = self.check(spec, warnings=data_warnings, elsewhere=elsewhere)
         this_machine = this_machine and backends.get(spec.layout.run_on).local_cores
         cores = self.choose_cores(spec, hardware) if this_machine else (
             parse_cores(spec.layout.cores) if spec.layout.cores else None)
