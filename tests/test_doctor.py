@@ -5,8 +5,8 @@ service). The checks that cannot fail here are made to fail on purpose, one by o
 
 The doctor's compiled step is also this suite's real check of Inductor's compile cache:
 what it leaves there, and `launch.py cache` showing and clearing it. It uses the session's
-compile cache, as the page's Doctor test does: whichever runs first compiles, and in each
-the second process must take both graphs from the cache.
+compile cache, as the page's Doctor test does: whichever runs first compiles (both, if at
+the same moment), and in each the second process must take both graphs from the cache.
 """
 
 from __future__ import annotations
@@ -59,22 +59,24 @@ def test_every_check_runs_and_passes_on_this_machine(checked):
     assert imds_requests == [("PUT", "/latest/api/token"), ("GET", "/latest/meta-data/instance-type")]
     assert "rank 0 on cpu, rank 1 on cpu, sum 3.0" in lines["collective"]
     # forward and backward graphs, compiled (unless another doctor of this session did) then reused
-    assert re.search(r"first process (2 graph\(s\) compiled, 0|0 graph\(s\) compiled, 2) from the cache; second "
-                     r"process 0 compiled, 2 from the cache", lines["compile"]), lines["compile"]
+    first = re.search(r"first process (\d) graph\(s\) compiled, (\d) from the cache; second process 0 compiled, 2 "
+                      r"from the cache", lines["compile"])
+    assert first and int(first[1]) + int(first[2]) == 2, lines["compile"]
     assert str(compile_cache_dir("cpu")) in lines["cache"] and str(root / "runs") in lines["runs folder"]
     assert hub_requests and "answers" in lines["hub"]
 
 
 def test_the_compiled_step_leaves_its_graphs_in_the_cache_which_cli_shows_and_clears(checked, tmp_path):
     cache = summary(compile_cache_dir("cpu"))
-    assert cache.entries == {"Inductor FX graphs": 2, "AOTAutograd entries": 1}
+    # 2 graphs and 1 AOTAutograd entry; a doctor compiling at the same moment (the page's) may add copies
+    assert cache.entries["Inductor FX graphs"] >= 2 and cache.entries["AOTAutograd entries"] >= 1, cache.entries
     assert cache.size_bytes > 10_000  # the entries and the compiled C++ they load
     copy = tmp_path / "cc"
     shutil.copytree(compile_cache_dir("cpu"), copy / "cpu")  # real cache files, without compiling again
     env = {"STUDIO_COMPILE_CACHE": str(copy)}
     shown = launch_py("cache", "--backend", "cpu", "--runs-dir", str(tmp_path / "runs"), env=env)
     assert shown.returncode == 0, shown.stderr
-    assert str(copy / "cpu") in shown.stdout and "Inductor FX graphs: 2, AOTAutograd entries: 1" in shown.stdout
+    assert str(copy / "cpu") in shown.stdout and summary(copy / "cpu").describe() in shown.stdout
     cleared = launch_py("cache", "--backend", "cpu", "--clear", "--runs-dir", str(tmp_path / "runs"), env=env)
     assert cleared.returncode == 0, cleared.stderr
     assert "Cleared" in cleared.stdout and "no entries" in cleared.stdout
