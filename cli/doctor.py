@@ -14,5 +14,5 @@ def cmd_doctor(args) -> int:
     for check in doctor.checks(runs_dir):
         results.append(check)
         print(check.line(), flush=True)
-    print("\n" + doctor.report(results).splitlines()[-1])
+    print("\n" + doctor.verdict(results))
     return 0 if all(c.ok for c in results) else 1

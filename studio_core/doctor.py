@@ -288,7 +288,7 @@ def hub() -> Check:
     return Check("hub", True, f"{constants.ENDPOINT} answers (HTTP {answer.status_code})")
 
 
-def report(results: list[Check]) -> str:
+def verdict(results: list[Check]) -> str:
+    """The last line of the doctor's answer: all passed, or how many failed."""
     failed = sum(not c.ok for c in results)
-    ending = "all checks passed" if not failed else f"{failed} check(s) failed: see \"what to do\" above"
-    return "\n".join([*(c.line() for c in results), "", ending])
+    return "all checks passed" if not failed else f"{failed} check(s) failed: see \"what to do\" above"
