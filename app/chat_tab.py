@@ -3,6 +3,9 @@ with streaming, compare it with its base side by side, stop, clear, unload.
 
 The model lives in the chat process (studio_core.chat), never in this one; the app holds
 one chat at a time, shared by its pages, and Unload ends the process and frees its core.
+Each page keeps what the model wrote (a State) apart from what its chatbots show: a reasoning
+block as a collapsed "Reasoning" part, the answer without tags or runs of blank lines, a
+placeholder for an empty answer; the next prompt carries only the earlier answers.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import threading
 import gradio as gr
 
 from studio_core.builtin import BUILTIN_MODEL
-from studio_core.chat import ChatError, ChatProcess
+from studio_core.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
 from studio_core.cores import format_cores
 from studio_core.hardware import Hardware
 from studio_core.history import runs_with_a_model
@@ -32,8 +35,10 @@ class ChatHolder:
             self.chat = ChatProcess.start(name, manager.runs_dir, hardware)
             info = self.chat.info
             side = "; side by side with its base available" if info["has_base"] else ""
+            untrained = "".join(f" The {'base ' if which == 'base' else ''}model is {UNTRAINED}."
+                                for which in self.chat.target.untrained)
             return (f"Loaded `{name}` on {info['backend']} core {format_cores(self.chat.cores)} (static cache "
-                    f"of {info['max_cache_len']} tokens){side}.")
+                    f"of {info['max_cache_len']} tokens){side}.{untrained}")
 
     def unload(self) -> str:
         with self.lock:
@@ -52,6 +57,31 @@ class ChatHolder:
 def chat_targets(manager: RunManager) -> list[str]:
     """Finished runs with a saved model that answers prompts, newest first, then the built-in model."""
     return [*runs_with_a_model(manager, chats=True), BUILTIN_MODEL]
+
+
+def for_model(conversation: list[dict], thinking: bool) -> list[dict]:
+    """The conversation as the next prompt carries it: each earlier answer without its reasoning."""
+    return [{"role": m["role"], "content": shown(split_reasoning(m["content"], thinking)[1])}
+            if m["role"] == "assistant" else m for m in conversation]
+
+
+def for_chatbot(conversation: list[dict], thinking: bool, answering: bool = False) -> list[dict]:
+    """The conversation as a chatbot shows it: a reasoning block as a collapsed "Reasoning" part
+    (open while the model is still in it), the answer without tags or runs of blank lines, and
+    a placeholder for an empty answer (not while `answering` the last one)."""
+    bubbles = []
+    for i, message in enumerate(conversation):
+        if message["role"] != "assistant":
+            bubbles.append(message)
+            continue
+        reasoning, answer = (shown(part) for part in split_reasoning(message["content"], thinking))
+        last = answering and i == len(conversation) - 1
+        if reasoning:
+            status = "pending" if last and not answer else "done"
+            bubbles.append({"role": "assistant", "content": reasoning,
+                            "metadata": {"title": "Reasoning", "status": status}})
+        bubbles.append({"role": "assistant", "content": answer or ("" if last else EMPTY_ANSWER)})
+    return bubbles
 
 
 def shapes_text(done: dict) -> str:
@@ -81,6 +111,7 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
     with gr.Row():
         tuned = gr.Chatbot(label="Tuned", height=380, elem_id="chat-tuned")
         base = gr.Chatbot(label="Base", height=380, visible=False, elem_id="chat-base")
+    conversations = gr.State({"tuned": [], "base": []})  # what the model was asked and wrote, as written
     message = gr.Textbox(label="Message", placeholder="Ask something, then Enter", elem_id="chat-input")
     with gr.Row():
         send = gr.Button("Send", variant="primary", elem_id="chat-send")
@@ -90,50 +121,55 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
 
     def on_load(name):
         try:
-            return holder.load(name or "", manager, hardware)
+            loaded = holder.load(name or "", manager, hardware)
         except ChatError as error:
-            return f"**Not loaded:** {error}"
+            return f"**Not loaded:** {error}", gr.update(label="Base")
+        untrained = "base" in holder.chat.target.untrained
+        return loaded, gr.update(label="Base (untrained: random weights)" if untrained else "Base")
 
-    def on_send(text, tuned_history, base_history, side_by_side, system_prompt, temp, p, max_new):
+    def on_send(text, kept, side_by_side, system_prompt, temp, p, max_new):
         chat = holder.chat
         if chat is None or not chat.alive:
-            yield tuned_history, base_history, text, "**Load a run or a model first.**"
+            yield gr.skip(), gr.skip(), kept, text, "**Load a run or a model first.**"
             return
         if not (text or "").strip():
-            yield tuned_history, base_history, "", ""
+            yield gr.skip(), gr.skip(), kept, "", ""
             return
         system_turn = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        histories = {"tuned": list(tuned_history or []), "base": list(base_history or [])}
+        kept = {which: list(conversation) for which, conversation in kept.items()}
         note = ""
+
+        def shown_now(answering: str | None = None):
+            return [for_chatbot(kept[which], chat.thinking, answering == which) for which in ("tuned", "base")]
+
         for which in ("tuned", "base") if side_by_side else ("tuned",):
-            history = histories[which]
-            asked = [*system_turn, *({"role": m["role"], "content": m["content"]} for m in history),
-                     {"role": "user", "content": text}]
-            history += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+            conversation = kept[which]
+            asked = [*system_turn, *for_model(conversation, chat.thinking), {"role": "user", "content": text}]
+            conversation += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
             try:
                 for event in chat.generate(asked, which=which, temperature=temp, top_p=p,
                                            max_new_tokens=int(max_new)):
                     if event["type"] == "token":
-                        history[-1]["content"] += event["text"]
+                        conversation[-1]["content"] += event["text"]
                     else:
                         note = shapes_text(event) + (" Stopped." if event["stopped"] else "")
-                    yield histories["tuned"], histories["base"], "", note
+                    yield *shown_now(which if event["type"] == "token" else None), kept, "", note
             except ChatError as error:
-                yield histories["tuned"], histories["base"], "", f"**Chat failed:** {error}"
+                yield *shown_now(), kept, "", f"**Chat failed:** {error}"
                 return
 
     def on_stop():
         if holder.chat is not None:
             holder.chat.stop_generation()
 
-    inputs = [message, tuned, base, compare, system, temperature, top_p, max_new_tokens]
-    outputs = [tuned, base, message, shapes]
-    load.click(on_load, target, status)
+    inputs = [message, conversations, compare, system, temperature, top_p, max_new_tokens]
+    outputs = [tuned, base, conversations, message, shapes]
+    load.click(on_load, target, [status, base])
     unload.click(holder.unload, None, status)
     send.click(on_send, inputs, outputs)
     message.submit(on_send, inputs, outputs)
     stop.click(on_stop, None, None)
-    clear.click(lambda: ([], [], ""), None, [tuned, base, shapes])
+    clear.click(lambda: ([], [], {"tuned": [], "base": []}, ""), None, [tuned, base, conversations, shapes])
     compare.change(lambda on: gr.update(visible=on), compare, base)
     target.focus(lambda: gr.update(choices=chat_targets(manager)), None, target)
     page.load(lambda: gr.update(choices=chat_targets(manager)), None, target)  # after a login, not before

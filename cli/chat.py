@@ -1,11 +1,14 @@
-"""chat: talk to a run's model (or any model) in the terminal, or ask it once with --prompt."""
+"""chat: talk to a run's model (or any model) in the terminal, or ask it once with --prompt.
+
+The answer streams to stdout without <think> tags or runs of blank lines; a reasoning block
+goes to stderr, labelled; an empty answer prints a placeholder saying what it means."""
 
 from __future__ import annotations
 
 import sys
 
 from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
-from studio_core.chat import ChatError, ChatProcess
+from studio_core.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
 from studio_core.cores import format_cores
 from studio_core.runs.manager import RunManager
 
@@ -27,6 +30,9 @@ def cmd_chat(args) -> int:
     history: list[dict] = []
     settings = {"temperature": args.temperature, "top_p": args.top_p, "max_new_tokens": args.max_new_tokens}
     print(f"Chatting with {args.target} on {chat.info['backend']} core {format_cores(chat.cores)}.", file=sys.stderr)
+    for which in chat.target.untrained:
+        if which == "tuned" or args.base:
+            print(f"The {'base ' if which == 'base' else ''}model is {UNTRAINED}.", file=sys.stderr)
     try:
         while True:
             text = args.prompt if args.prompt is not None else read_turn()
@@ -39,14 +45,9 @@ def cmd_chat(args) -> int:
             for which in ("tuned", "base") if args.base else ("tuned",):
                 if args.base:
                     print(f"[{which}] ", end="", flush=True)
-                done = {}
-                for event in chat.generate(system + history, which=which, **settings):
-                    if event["type"] == "token":
-                        print(event["text"], end="", flush=True)
-                    done = event
-                print()
+                done, answer = print_answer(chat.generate(system + history, which=which, **settings), chat.thinking)
                 if which == "tuned":
-                    history.append({"role": "assistant", "content": done.get("text", "")})
+                    history.append({"role": "assistant", "content": answer})
             print(f"({done['new_tokens']} tokens in {done['seconds']:.2f} s; {len(done['shapes'])} distinct "
                   "input shapes so far, each a compilation on Neuron)", file=sys.stderr)
             if args.prompt is not None:
@@ -56,6 +57,25 @@ def cmd_chat(args) -> int:
         return 1
     finally:
         chat.unload()
+
+
+def print_answer(events, thinking: bool) -> tuple[dict, str]:
+    """Stream an answer's text as it grows, then its reasoning; (the done event, the answer)."""
+    text, printed, done = "", "", {}
+    for event in events:
+        if event["type"] != "token":
+            done = event
+            continue
+        text += event["text"]
+        answer = shown(split_reasoning(text, thinking)[1])
+        if answer.startswith(printed):  # it only grows (whitespace is held back until text follows)
+            print(answer[len(printed):], end="", flush=True)
+            printed = answer
+    reasoning, answer = (shown(part) for part in split_reasoning(text, thinking))
+    print("" if answer else EMPTY_ANSWER)
+    if reasoning:
+        print(f"(reasoning, not part of the answer: {reasoning})", file=sys.stderr)
+    return done, answer
 
 
 def read_turn() -> str | None:

@@ -10,6 +10,11 @@ refused with the run's name, and a run cannot take the chat's core.
         ...  # {"type": "token", "text": ...} as they come, then {"type": "done", ...}
     chat.unload()
 
+The prompt is rendered as training rendered the turn before an answer (`template_kwargs`:
+Qwen3's template needs enable_thinking=False for that). What a model writes is shown through
+`split_reasoning` and `shown`: a <think>...</think> block apart from the answer, no tags,
+no runs of blank lines, and a placeholder for an empty answer.
+
 No torch import here: this module runs in the web app's process.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -35,6 +41,9 @@ from studio_core.runs import folder
 MAX_CACHE_LEN = 1024  # the static cache's fixed length: prompt bucket + answer must fit
 LOAD_TIMEOUT_S = 600
 REPLY_TIMEOUT_S = 600
+THINK, END_THINK = "<think>", "</think>"
+EMPTY_ANSWER = "(empty answer: the model produced only special tokens or whitespace)"
+UNTRAINED = f"untrained: {BUILTIN_MODEL} is randomly initialised, so its answers are noise or empty"
 
 
 class ChatError(ValueError):
@@ -49,6 +58,7 @@ class ChatTarget:
     adapter: str | None = None  # a LoRA run's adapter folder, on `model`
     base: str | None = None  # a full run's base model, for side by side
     trust_remote_code: bool = False
+    untrained: tuple[str, ...] = ()  # the sides ("tuned", "base") that are the random built-in model
 
 
 def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
@@ -73,13 +83,15 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
             raise ChatError(f"run {name} trained a reward model: it gives a text a score and does not write "
                             "answers, so there is nothing to chat with; export it to use it")
         base = _model_path(info["base_model"])
+        untrained = ("base",) if info["base_model"] == BUILTIN_MODEL else ()
         if info["kind"] == "adapter":
-            return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base)
-        return ChatTarget(name, model=str(output), tokenizer=str(output), base=base)
+            return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base,
+                              untrained=untrained)
+        return ChatTarget(name, model=str(output), tokenizer=str(output), base=base, untrained=untrained)
     if name != BUILTIN_MODEL and "/" not in name and not Path(name).exists():
         raise ChatError(f"{name!r} is neither a run in {runs_dir} nor a model folder or Hub id (org/name)")
     path = _model_path(name)
-    return ChatTarget(name, model=path, tokenizer=path)
+    return ChatTarget(name, model=path, tokenizer=path, untrained=("tuned",) if name == BUILTIN_MODEL else ())
 
 
 def _model_path(name: str) -> str:
@@ -88,6 +100,52 @@ def _model_path(name: str) -> str:
 
         return str(ensure_tiny_model())
     return name
+
+
+def template_kwargs(tokenizer) -> dict:
+    """The chat template's arguments that make a prompt end where training put the answer.
+
+    TRL's SFTTrainer renders a conversation with the tokenizer's own template and no
+    arguments (only a row's `chat_template_kwargs`); Qwen3's then writes the last answer after
+    an empty `<think>\n\n</think>\n\n`, and a generation prompt ends there only with
+    enable_thinking=False. The first arguments whose prompt plus the answer begins the
+    rendered conversation win."""
+    if not tokenizer.chat_template:
+        return {}
+    turns = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    trained = tokenizer.apply_chat_template(turns, tokenize=False)
+    for kwargs in ({}, {"enable_thinking": False}):
+        prompt = tokenizer.apply_chat_template(turns[:1], add_generation_prompt=True, tokenize=False, **kwargs)
+        if trained.startswith(prompt + "A"):
+            return kwargs
+    return {}
+
+
+def opens_thinking(tokenizer, kwargs: dict) -> bool:
+    """Whether the generation prompt leaves a <think> block open, so answers start inside it."""
+    if not tokenizer.chat_template:
+        return False
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=True,
+                                           tokenize=False, **kwargs)
+    return prompt.rfind(THINK) > prompt.rfind(END_THINK)
+
+
+def split_reasoning(text: str, thinking: bool = False) -> tuple[str, str]:
+    """(reasoning, answer) of what a model wrote: text inside <think>...</think> is reasoning,
+    the rest the answer, and no tag is kept. `thinking`: the text starts inside a block (the
+    prompt opened it). A stray </think> just goes, so a streamed answer only ever grows."""
+    parts = {True: [], False: []}
+    for piece in re.split(f"({re.escape(THINK)}|{re.escape(END_THINK)})", text):
+        if piece in (THINK, END_THINK):
+            thinking = piece == THINK
+        else:
+            parts[thinking].append(piece)
+    return "".join(parts[True]), "".join(parts[False])
+
+
+def shown(text: str) -> str:
+    """Text as shown: stripped, a run of blank lines kept as one."""
+    return re.sub(r"\n[ \t]*(\n[ \t]*)+\n", "\n\n", text.strip())
 
 
 class ChatProcess:
@@ -143,6 +201,11 @@ class ChatProcess:
     @property
     def cores(self) -> list[int]:
         return self.info["cores"]
+
+    @property
+    def thinking(self) -> bool:
+        """Whether answers start inside a <think> block (for `split_reasoning`)."""
+        return self.info["thinking"]
 
     def generate(self, messages: list[dict], which: str = "tuned", temperature: float = 0.0, top_p: float = 1.0,
                  max_new_tokens: int = 128):

@@ -4,7 +4,9 @@
 
 The first stdin line is its setup (JSON: tuned model folder or id, adapter, base, runs
 folder, backend, cores, cache length); it takes its cores through the same leases as
-training runs (kind "chat"), loads the model and says `ready`. Then each stdin line is
+training runs (kind "chat"), loads the model and says `ready` (with the chat template's
+arguments it renders prompts with, the ones training rendered answers after, and whether
+answers start inside a <think> block). Then each stdin line is
 a request: {"op": "generate", "id", "which": "tuned"|"base", "messages", "temperature",
 "top_p", "max_new_tokens"}, {"op": "stop"} (ends the running generation) or {"op":
 "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done {id, stopped,
@@ -27,6 +29,7 @@ import time
 import traceback
 
 from studio_core import leases
+from studio_core.chat import opens_thinking, template_kwargs
 from studio_core.hardware import pin_to_cpu_cores
 
 # Prompt lengths are left-padded up to the first bucket that holds them.
@@ -60,6 +63,8 @@ class Chat:
 
             self.model = PeftModel.from_pretrained(self.model, setup["adapter"])
         self.model.eval()
+        self.template_kwargs = template_kwargs(self.tokenizer)
+        self.thinking = opens_thinking(self.tokenizer, self.template_kwargs)
         self.base = None  # a full run's base model, loaded on first use
         self.shapes: set[tuple[int, ...]] = set()
         for module in self._models():
@@ -99,8 +104,8 @@ class Chat:
         turns = messages[len(system):]
         dropped = 0
         while True:
-            ids = self.tokenizer.apply_chat_template(system + turns, add_generation_prompt=True,
-                                                     enable_thinking=False, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(system + turns, add_generation_prompt=True, tokenize=True,
+                                                     **self.template_kwargs)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             if len(ids) <= room or len(turns) <= 1:
                 break
@@ -185,7 +190,8 @@ def main() -> int:
             emit("error", message=f"cannot load {setup['label']}: {type(error).__name__}: {error}")
             return 1
         emit("ready", label=setup["label"], cores=setup["cores"], backend=setup["backend"],
-             max_cache_len=chat.max_cache_len, has_base=bool(setup.get("adapter") or setup.get("base")))
+             max_cache_len=chat.max_cache_len, has_base=bool(setup.get("adapter") or setup.get("base")),
+             template_kwargs=chat.template_kwargs, thinking=chat.thinking)
         requests: list[dict] = []
         ready = threading.Condition()
 

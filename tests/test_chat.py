@@ -1,8 +1,10 @@
 """Chat: train -> chat end to end, streaming, LoRA and full runs, bounded input shapes over a
-long conversation, stop, unload, and core leases shared with training runs.
+long conversation, stop, unload, and core leases shared with training runs; prompts rendered
+as SFT training rendered them, reasoning shown apart, empty answers said so.
 
 Every chat here is a real chat process (studio_core.chat_worker) on the tiny model, and
-the runs are real torchrun runs of the recipes.
+the runs are real torchrun runs of the recipes. The tests marked fast render templates with
+the tiny model's real tokenizer, or show texts, and start nothing.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import psutil
 import pytest
 
 from studio_core import leases
-from studio_core.builtin import BUILTIN_MODEL, BUILTIN_DATASETS
-from studio_core.chat import ChatError, ChatProcess
+from studio_core.builtin import BUILTIN_MODEL, BUILTIN_DATASETS, ensure_tiny_model
+from studio_core.chat import (EMPTY_ANSWER, ChatError, ChatProcess, opens_thinking, shown, split_reasoning,
+                              template_kwargs)
 from studio_core.chat_worker import buckets_for
 from studio_core.hardware import cpu_hardware
 from studio_core.spec import RunSpec
-from test_runs import LONG, launch_py, wait_until_training
+from test_runs import LONG, wait_until_training
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 QA = [json.loads(line)["messages"] for line in Path(BUILTIN_DATASETS["builtin:qa"]).read_text().splitlines()]
@@ -58,7 +61,10 @@ def test_train_then_chat_gives_the_trained_answers_streaming(runs, chats):
         pieces, done = ask(chat, question, max_new_tokens=32)
         assert done["text"] == answer and "".join(pieces) == answer
         assert len(pieces) > 1  # streamed piece by piece, not in one block
-    # the base model (a full run's own base, loaded on demand) does not know the facts
+    # prompts end as SFT's training sequences did before the answer, and no answer starts in a <think> block
+    assert chat.info["template_kwargs"] == {"enable_thinking": False} and not chat.thinking
+    # the base model (a full run's own base, loaded on demand) does not know the facts: it is the random one
+    assert chat.target.untrained == ("base",)
     _, base = ask(chat, QA[0][0]["content"], which="base", max_new_tokens=16)
     assert base["text"] != QA[0][1]["content"]
 
@@ -143,12 +149,56 @@ def test_bad_targets_say_what_to_change(runs, tmp_path):
         ChatProcess.start(str(tmp_path), manager.runs_dir, cpu_hardware())  # a folder without a model
 
 
-def test_chat_command_answers_once(runs):
-    manager, ids = runs
-    question, answer = QA[2][0]["content"], QA[2][1]["content"]
-    done = launch_py("chat", ids["full"], "--runs-dir", str(manager.runs_dir), "--prompt", question)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == answer
-    assert "distinct input shapes" in done.stderr
-    missing = launch_py("chat", "no-such-run", "--runs-dir", str(manager.runs_dir), "--prompt", "hi")
-    assert missing.returncode == 2 and "neither a run" in missing.stderr
+@pytest.mark.fast
+def test_the_prompt_ends_where_sft_training_put_the_answer():
+    import trl
+    from transformers import AutoTokenizer
+    from trl.data_utils import _tokenize  # what SFTTrainer tokenizes a "messages" row with
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    kwargs = template_kwargs(tokenizer)
+    assert kwargs == {"enable_thinking": False} and not opens_thinking(tokenizer, kwargs)
+    for conversation in QA:
+        trained = _tokenize(tokenizer, conversation)["input_ids"]
+        prompt = tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True, **kwargs)["input_ids"]
+        answer = tokenizer(conversation[-1]["content"], add_special_tokens=False)["input_ids"]
+        assert trained[:len(prompt) + len(answer)] == prompt + answer
+    # a template whose prompt opens the reasoning (DeepSeek-R1's): answers start inside a <think> block
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates/deepseek_r1_distill.jinja").read_text()
+    assert template_kwargs(tokenizer) == {} and opens_thinking(tokenizer, {})
+
+
+@pytest.mark.fast
+def test_reasoning_is_shown_apart_and_no_tag_or_blank_run_leaks(capsys):
+    from app.chat_tab import for_chatbot, for_model
+    from cli.chat import print_answer
+
+    assert split_reasoning("</think>\n\nPixel.") == ("", "\n\nPixel.")  # a stray end tag just goes
+    assert split_reasoning("<think>\nA cat.\n</think>\n\nPixel.") == ("\nA cat.\n", "\n\nPixel.")
+    assert split_reasoning("A cat.</think>Pixel.", thinking=True) == ("A cat.", "Pixel.")
+    assert split_reasoning("<think>still thinking") == ("still thinking", "")
+    assert shown("\n" * 257) == "" and shown(" a\n\n\n \n\nb\n") == "a\n\nb"
+    pieces = ["<think>", "\nA cat", ".\n", "</think>", "\n\n", "Pix", "\n\n\n", "\n", "el", "</think>", "."]
+    answers = [shown(split_reasoning("".join(pieces[:n]))[1]) for n in range(len(pieces) + 1)]
+    assert all(later.startswith(earlier) for earlier, later in zip(answers, answers[1:]))  # it only grows
+
+    question = {"role": "user", "content": "What is the name of the studio cat?"}
+    conversation = [question, {"role": "assistant", "content": "<think>\nA cat.\n</think>\n\nPixel."},
+                    question, {"role": "assistant", "content": "\n" * 257}]
+    assert for_chatbot(conversation, thinking=False) == [
+        question, {"role": "assistant", "content": "A cat.", "metadata": {"title": "Reasoning", "status": "done"}},
+        {"role": "assistant", "content": "Pixel."}, question, {"role": "assistant", "content": EMPTY_ANSWER}]
+    assert for_chatbot(conversation[:2], thinking=False, answering=True)[1]["metadata"]["status"] == "done"
+    assert for_chatbot([question, {"role": "assistant", "content": "<think>hm"}], False, answering=True)[1:] == [
+        {"role": "assistant", "content": "hm", "metadata": {"title": "Reasoning", "status": "pending"}},
+        {"role": "assistant", "content": ""}]  # no placeholder while the model is still writing
+    assert [m["content"] for m in for_model(conversation, thinking=False)] == [question["content"], "Pixel.",
+                                                                                question["content"], ""]
+
+    events = [{"type": "token", "text": piece} for piece in pieces] + [{"type": "done"}]
+    assert print_answer(events, thinking=False) == ({"type": "done"}, "Pix\n\nel.")
+    out, err = capsys.readouterr()
+    assert out == "Pix\n\nel.\n" and err == "(reasoning, not part of the answer: A cat.)\n"
+    assert print_answer([{"type": "token", "text": "\n" * 257}, {"type": "done"}], thinking=False)[1] == ""
+    assert capsys.readouterr().out == EMPTY_ANSWER + "\n"
