@@ -8,8 +8,14 @@ in safetensors, the tokenizer with its chat
 template, the generation config, a loss plot (loss.png) and README.md, a model card made
 with huggingface_hub's ModelCard and ModelCardData: base model, datasets, library, tags,
 license when the base model's card says it, the training settings and layout, the final
-metrics, the compilations, the plot. Nothing else from the run folder is copied (not
-training_args.bin, not the log), and no token is ever involved: pushing is studio_core.hub.
+metrics, the compilations, the plot, and studio_output.json (export_info: what the folder holds).
+Nothing else from the run folder is copied (not training_args.bin, not the log), and no token
+is ever involved: pushing is studio_core.hub.
+
+The base is named as the run named it (a Hub id, builtin:tiny-qwen3, or the user's own folder),
+never by the folder the studio built or cached it in: the card, the metadata and an adapter's
+base_model_name_or_path all go to the Hub. The card's usage code names the repo on a
+placeholder line (REPO_LINE) that the push replaces with the repo's id (card_for_repo).
 
 Loading and merging need torch, so the export runs in a child process; export_run is the
 app's and the CLI's way in. The export works on the host CPU on every backend. On the CPU
@@ -26,6 +32,7 @@ import sys
 from pathlib import Path
 
 from studio_core import children, leases, trainers
+from studio_core.builtin import BUILTIN_MODEL
 from studio_core.compile_cache import compile_cache_root
 from studio_core.device_env import device_env
 from studio_core.hardware import Hardware, pin_to_cpu_cores
@@ -35,6 +42,7 @@ from studio_core.sources import HUB_ID
 from studio_core.spec import SECRET_FIELDS, RunSpec, holds_token
 
 CARD_TEMPLATE = Path(__file__).with_name("model_card.md")
+REPO_LINE = 'repo_id = "your-name/model-name"  # replace: the Hub repo this folder is pushed to, or its path'
 TIMEOUT_S = 3600
 
 
@@ -141,8 +149,6 @@ def _main(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) ->
 
 
 def _export(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) -> None:
-    import shutil
-
     import torch
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -159,7 +165,7 @@ def _export(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) 
 
         base = auto.from_pretrained(info["base_model_path"], dtype=torch.float32, **extra)
         model = PeftModel.from_pretrained(base, output)
-        model.peft_config["default"].base_model_name_or_path = _published_base(info)
+        model.peft_config["default"].base_model_name_or_path = info["base_model"]  # not the local folder
         kind = "adapter"
     elif info["kind"] == "adapter":
         from peft import PeftModel
@@ -180,14 +186,21 @@ def _export(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) 
                                              _base_license(info)),
                                    template_path=str(CARD_TEMPLATE), **_card_text(summary, kind, info, plot))
     card.save(out_dir / "README.md")
-    shutil.copy(output / OUTPUT_INFO, out_dir / OUTPUT_INFO)  # chat and export read it there too
+    (out_dir / OUTPUT_INFO).write_text(json.dumps(export_info(info, kind), indent=2))
     files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())
     print(json.dumps({"folder": str(out_dir), "kind": kind, "files": files, "cores": cores}))
 
 
-def _published_base(info: dict) -> str:
-    """The base an adapter names: the Hub id it was trained from, else the local folder."""
-    return info["base_model"] if HUB_ID.match(info["base_model"]) else info["base_model_path"]
+def export_info(info: dict, kind: str) -> dict:
+    """The export's studio_output.json: `kind` adapter, merged (a full model: the adapter merged
+    into its base) or full, and the base as the run named it (no path of this machine)."""
+    return {"kind": kind, "trainer": info["trainer"], "task": info.get("task", "text-generation"),
+            "base_model": info["base_model"]}
+
+
+def card_for_repo(card: str, repo_id: str) -> str:
+    """The export's card as pushed to `repo_id`: its usage code loads that repo."""
+    return card.replace(REPO_LINE, f'repo_id = "{repo_id}"')
 
 
 def _base_license(info: dict) -> str | None:
@@ -234,14 +247,11 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
     layout = (f"{spec.layout.nproc} process(es), TP {spec.layout.tp_size} x FSDP {spec.layout.fsdp_size}, "
               f"{hardware.get('backend', '?')} cores {summary['cores']} on {where}")
     trained = f"TRL's {trainer.name} trainer on {spec.dataset_name}"
-    base = spec.model_name_or_path
+    base = info["base_model"]
     if trainer.chats:
         how = {"full": f"{base}, fully fine-tuned with {trained}",
                "merged": f"{base} with a LoRA adapter trained by {trained}, merged into its weights",
                "adapter": f"A LoRA adapter for {base}, trained with {trained}; load it with PEFT"}[kind]
-        loader = ("from peft import AutoPeftModelForCausalLM\nmodel = AutoPeftModelForCausalLM.from_pretrained(REPO)"
-                  if kind == "adapter" else
-                  "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(REPO)")
     else:
         what = ("A reward model: it reads a text (a prompt with its answer, through the chat template) and gives "
                 "it one score, higher for the kind of answer the training data preferred. It does not generate "
@@ -250,21 +260,52 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
                "merged": f"{what}. Made from {base} with a LoRA adapter trained by {trained}, merged into its weights",
                "adapter": f"{what}. A LoRA adapter (with its score head) for {base}, trained with {trained}; load "
                           "it with PEFT"}[kind]
-        loader = (("from peft import AutoPeftModelForSequenceClassification\n"
-                   "model = AutoPeftModelForSequenceClassification.from_pretrained(REPO, num_labels=1)")
-                  if kind == "adapter" else
-                  ("from transformers import AutoModelForSequenceClassification\n"
-                   "model = AutoModelForSequenceClassification.from_pretrained(REPO)"))
-        loader += "\nscore = model(**tokenizer(text, return_tensors=\"pt\")).logits[0, 0]  # one number per text"
     resumed = (f"; resumed {summary['attempts'] - 1} time(s) from a checkpoint (the loss shown is the path that "
                "led to this model)") if summary.get("attempts", 1) > 1 else ""
     return {"model_name": spec.display_name, "what": how, "trainer": trainer.name,
-            "base": base, "adapter_base": _published_base(info) if kind == "adapter" else "",
+            "base": base, "base_note": _base_note(base, kind),
             "dataset": spec.dataset_name, "layout": layout + resumed, "settings": settings,
             "final": final or "| - | - |",
             "last_loss": "" if summary["last_loss"] is None else f"{summary['last_loss']:.4f}",
             "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
-            "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "", "loader": loader}
+            "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "",
+            "loader": _loader(kind, base, scores=not trainer.chats)}
+
+
+def _base_note(base: str, kind: str) -> str:
+    """Where the base comes from, when a reader needs to know."""
+    if base == BUILTIN_MODEL:
+        builtin = (f"`{base}`, the Trainium fine-tuning studio's built-in tiny model: the studio builds it offline "
+                   "and it is not on the Hub, so it cannot be downloaded")
+        if kind != "adapter":
+            return f"Made from {builtin}. This folder holds the whole model: it loads without the studio."
+        return (f"The adapter's base model is {builtin}. Loading the adapter needs the studio to rebuild that "
+                "base (`ensure_tiny_model()` below, run from the studio's folder).")
+    if kind != "adapter":
+        return ""
+    if HUB_ID.match(base):
+        return f"The adapter's base model is `{base}` on the Hub: PEFT downloads it when it loads the adapter."
+    return f"The adapter's base model is the local folder `{base}` (not on the Hub): load the adapter on that model."
+
+
+def _loader(kind: str, base: str, scores: bool) -> str:
+    """The card's usage code: it loads the repo named on REPO_LINE (the push fills it in)."""
+    model, labels = ("ModelForSequenceClassification", ", num_labels=1") if scores else ("ModelForCausalLM", "")
+    if kind != "adapter":
+        code = (f"from transformers import Auto{model}, AutoTokenizer\n{REPO_LINE}\n"
+                f"model = Auto{model}.from_pretrained(repo_id)")
+    elif base == BUILTIN_MODEL:
+        code = (f"from peft import PeftModel\nfrom transformers import Auto{model}, AutoTokenizer\n"
+                "from studio_core.builtin import ensure_tiny_model  # the studio rebuilds its built-in base\n"
+                f"{REPO_LINE}\nbase = Auto{model}.from_pretrained(ensure_tiny_model(){labels})\n"
+                "model = PeftModel.from_pretrained(base, repo_id)")
+    else:
+        code = (f"from peft import AutoPeft{model}\nfrom transformers import AutoTokenizer\n{REPO_LINE}\n"
+                f"model = AutoPeft{model}.from_pretrained(repo_id{labels})")
+    code += "\ntokenizer = AutoTokenizer.from_pretrained(repo_id)"
+    if scores:
+        code += "\nscore = model(**tokenizer(text, return_tensors=\"pt\")).logits[0, 0]  # one number per text"
+    return code
 
 
 if __name__ == "__main__":

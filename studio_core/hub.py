@@ -6,7 +6,8 @@ memory for the push and is never written, logged, or put in a run folder, an eve
 recipe, an export or a card by the studio. Every failure (a wrong or expired token, a
 read-only token, a namespace the token cannot write to, a repo that exists, no network,
 offline mode) becomes a HubError that says what to change, and says what state the
-push left on the Hub.
+push left on the Hub. The card goes up naming the repo it is pushed to in its usage code
+(the export folder itself keeps its placeholder).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from huggingface_hub import HfApi, constants, get_token
+from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
 from httpx2 import HTTPError
+
+from studio_core.export import card_for_repo
 
 
 class HubError(ValueError):
@@ -63,9 +66,17 @@ def push(folder: str | Path, repo_id: str, token: str, source: str = "the token"
     state = "the repo was created and is still empty" if created else "the repo keeps its files as they were"
     with _explained(token, source, repo_id, f"uploading ({state}; nothing of this export was committed: "
                                             "push again, as an update)"):
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id,
+        api.create_commit(repo_id, _files(folder, repo_id),
                           commit_message=f"Upload {folder.name} from the Trainium fine-tuning studio")
     return url
+
+
+def _files(folder: Path, repo_id: str) -> list[CommitOperationAdd]:
+    """The export's files as they are, but its card names the repo it goes to."""
+    card = folder / "README.md"
+    return [CommitOperationAdd("README.md", card_for_repo(card.read_text(), repo_id).encode())] + [
+        CommitOperationAdd(path.relative_to(folder).as_posix(), str(path))
+        for path in sorted(folder.rglob("*")) if path.is_file() and path != card]
 
 
 def _check_rights(me: dict, repo_id: str, source: str) -> None:

@@ -16,6 +16,7 @@ import re
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from studio_browser import App, expect
+from studio_core.chat import EMPTY_ANSWER
 
 
 def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
@@ -27,6 +28,7 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
     target.press("Enter")
     page.locator("#chat-load").click()
     page.locator("#chat-status").get_by_text(re.compile(r"^Loaded ")).wait_for(timeout=120_000)
+    expect(page.locator("#chat-status")).to_contain_text("The base model is untrained")  # the random built-in
     page.locator("#chat-compare input").check()
     box = page.locator("#chat-input textarea").first
     box.fill("What is the name of the studio cat?")
@@ -35,6 +37,8 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
     expect(tuned).to_contain_text("The studio cat is called Pixel.", timeout=60_000)
     page.locator("#chat-shapes").get_by_text("distinct input shapes").wait_for(timeout=60_000)
     expect(base).to_contain_text("What is the name of the studio cat?")
+    expect(base).to_contain_text(EMPTY_ANSWER)  # it wrote only whitespace: said so, not an empty bubble
+    expect(base).to_contain_text("untrained")  # its label
     page.locator("#chat-unload").click()
     page.locator("#chat-status").get_by_text(re.compile(r"^Unloaded: ")).wait_for(timeout=60_000)
 
@@ -66,7 +70,10 @@ def test_export_and_push_to_the_hub_from_the_page(new_page, runs_dir, sft_runs):
             assert link == f"{standin.url}/alice/from-the-browser"
             folder = runs_dir / "exports" / run_id
             local = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-            assert standin.repos["alice/from-the-browser"]["files"] == local
+            pushed = dict(standin.repos["alice/from-the-browser"]["files"])
+            card = pushed.pop("README.md").decode()  # the card pushed names its repo (the local one a placeholder)
+            assert 'repo_id = "alice/from-the-browser"' in card and local.pop("README.md") != card.encode()
+            assert pushed == local
         finally:
             server.kill()
         # the typed token went nowhere: not in the runs folder (runs, exports), not in the app's log

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ from child_env import with_child_environment
 from hub_standin import HubStandIn, point_hub_client_at
 from studio_core import hub, leases
 from studio_core.builtin import BUILTIN_DATASETS
-from studio_core.export import ExportError, export_run
+from studio_core.export import (REPO_LINE, ExportError, _card_text, card_data, card_for_repo, export_info, export_run,
+                                 read_output_info, run_summary)
 from studio_core.compile_cache import compile_cache_root
 from studio_core.hardware import Hardware, instance_hardware
 
@@ -42,6 +45,13 @@ def answer(model, tokenizer, question: str) -> str:
 
 def metadata(folder: Path) -> dict:
     return yaml.safe_load((folder / "README.md").read_text().split("---")[1])
+
+
+def card_code(card: str) -> dict:
+    """What the card's usage code leaves defined (model, tokenizer) when run."""
+    scope = {}
+    exec(re.search(r"```python\n(.*?)```", card, re.S).group(1), scope)
+    return scope
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +98,24 @@ def test_full_and_merged_exports_load_and_answer_with_plain_transformers(exports
         assert tokenizer.chat_template  # the chat template travels with the model
         assert answer(AutoModelForCausalLM.from_pretrained(folder), tokenizer, question) == expected
         assert metadata(folder)["library_name"] == "transformers"
+        # a merged export is a full model, made from the base the run named (no local path)
+        assert json.loads((folder / "studio_output.json").read_text()) == {
+            "kind": kind, "trainer": "sft", "task": "text-generation", "base_model": "builtin:tiny-qwen3"}
 
 
-def test_adapter_export_loads_on_its_base_with_peft(exports):
-    from peft import AutoPeftModelForCausalLM
-
+def test_adapter_export_loads_on_its_base_with_peft(exports, trained_runs):
+    """As its card says: the built-in base is no Hub model, so the studio rebuilds it."""
     folder = exports["adapter"]
     assert (folder / "adapter_model.safetensors").exists() and not (folder / "model.safetensors").exists()
-    model = AutoPeftModelForCausalLM.from_pretrained(folder)
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "builtin:tiny-qwen3"
+    loaded = card_code(card_for_repo((folder / "README.md").read_text(), str(folder)))
     question, expected = QA[1][0]["content"], QA[1][1]["content"]
-    assert answer(model, AutoTokenizer.from_pretrained(folder), question) == expected
+    assert answer(loaded["model"], loaded["tokenizer"], question) == expected
+    # the folder the studio built the base in goes nowhere near the Hub
+    manager, ids = trained_runs
+    local = read_output_info(manager.runs_dir / ids["lora"])["base_model_path"]
+    for kind in ("adapter", "merged", "full"):
+        assert not [p for p in exports[kind].iterdir() if p.suffix in (".md", ".json") and local in p.read_text()]
 
 
 def test_the_card_says_what_was_trained_and_how(exports, trained_runs):
@@ -109,6 +127,24 @@ def test_the_card_says_what_was_trained_and_how(exports, trained_runs):
     text = card.text
     assert "builtin:tiny-qwen3" in text and "builtin:qa" in text and "![training loss](loss.png)" in text
     assert "| `max_steps` | `300` |" in text and "train_loss" in text and "graph compilations" in text
+    assert "not on the Hub, so it cannot be downloaded" in text and "needs the studio to rebuild" in text
+    assert REPO_LINE in text and "(REPO)" not in text  # a local export: a placeholder that says to replace it
+
+
+def test_a_hub_base_is_named_by_its_hub_id(trained_runs):
+    manager, ids = trained_runs
+    summary = run_summary(manager.runs_dir / ids["lora"])
+    summary["spec"] = replace(summary["spec"], model_name_or_path="Qwen/Qwen3-0.6B")
+    info = {"kind": "adapter", "trainer": "sft", "task": "text-generation", "base_model": "Qwen/Qwen3-0.6B",
+            "base_model_path": "Qwen/Qwen3-0.6B"}
+    adapter = _card_text(summary, "adapter", info, None)
+    assert adapter["base_note"] == ("The adapter's base model is `Qwen/Qwen3-0.6B` on the Hub: PEFT downloads it "
+                                    "when it loads the adapter.")
+    assert "AutoPeftModelForCausalLM.from_pretrained(repo_id)" in adapter["loader"]
+    assert card_data(summary, "adapter", None).base_model == "Qwen/Qwen3-0.6B"
+    assert _card_text(summary, "merged", info, None)["base_note"] == ""  # a whole model: nothing to fetch
+    assert export_info(info, "merged") == {"kind": "merged", "trainer": "sft", "task": "text-generation",
+                                           "base_model": "Qwen/Qwen3-0.6B"}
 
 
 def test_bad_exports_say_what_to_change(trained_runs, exports, tmp_path):
@@ -142,8 +178,12 @@ def test_push_arrives_byte_for_byte_in_one_private_commit(exports, standin, trai
     repo = standin.repos["alice/tiny-merged"]
     assert repo["private"] and len(repo["commits"]) == 1
     local = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-    assert repo["files"] == local
-    assert metadata(folder)["tags"] == yaml.safe_load(repo["files"]["README.md"].decode().split("---")[1])["tags"]
+    card = repo["files"]["README.md"].decode()
+    assert repo["files"] | {"README.md": local["README.md"]} == local
+    # the card goes up naming its repo; the export folder keeps its placeholder
+    assert card == card_for_repo(local["README.md"].decode(), "alice/tiny-merged") != local["README.md"].decode()
+    assert 'repo_id = "alice/tiny-merged"\nmodel = AutoModelForCausalLM.from_pretrained(repo_id)' in card
+    assert metadata(folder)["tags"] == yaml.safe_load(card.split("---")[1])["tags"]
     # the token is nowhere: not in the runs folder, the export, the pushed files or any request body
     manager, _ = trained_runs
     for path in [*manager.runs_dir.rglob("*"), *folder.rglob("*")]:
@@ -192,20 +232,12 @@ def test_no_network_and_no_token_are_explained(exports, standin, monkeypatch, tm
     assert hub.resolve_token(" typed ") == ("typed", "the token typed for this push")
 
 
-def test_export_command_exports_and_pushes(trained_runs, tmp_path):
+def test_export_command_with_a_wrong_token_says_so(trained_runs, tmp_path):
+    """(README's export command, pushed, runs in tests/test_readme.py.)"""
     manager, ids = trained_runs
     with HubStandIn(tokens={TOKEN: {"user": "alice", "orgs": []}}) as server:
         env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-        env |= {"HF_ENDPOINT": server.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN}
-        done = subprocess.run([sys.executable, "launch.py", "export", ids["lora"], "--runs-dir",
-                               str(manager.runs_dir), "--out", str(tmp_path / "cli"), "--merge", "--push",
-                               "alice/cli-model", "--public"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        assert f"Pushed (public): {server.url}/alice/cli-model" in done.stdout
-        assert not server.repos["alice/cli-model"]["private"]
-        assert TOKEN not in done.stdout + done.stderr
-        env["HF_TOKEN"] = WRONG
+        env |= {"HF_ENDPOINT": server.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": WRONG}
         again = subprocess.run([sys.executable, "launch.py", "export", ids["lora"], "--runs-dir",
                                 str(manager.runs_dir), "--out", str(tmp_path / "cli2"), "--push", "alice/x"],
                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -90,10 +90,14 @@ def assert_scores(output: Path, lora: bool) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    if lora:
-        from peft import AutoPeftModelForSequenceClassification
+    if lora:  # on its base as an exported card's code loads it: the built-in one is rebuilt, not downloaded
+        from peft import PeftConfig, PeftModel
 
-        model = AutoPeftModelForSequenceClassification.from_pretrained(output, num_labels=1)
+        from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+
+        base = PeftConfig.from_pretrained(output).base_model_name_or_path
+        base = ensure_tiny_model() if base == BUILTIN_MODEL else base
+        model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, num_labels=1), output)
         assert model.peft_config["default"].task_type == "SEQ_CLS"
     else:
         model = AutoModelForSequenceClassification.from_pretrained(output)
