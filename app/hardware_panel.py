@@ -5,9 +5,14 @@ is not available (and why).
 Everything comes from the run's `hardware` events (written by its supervisor through
 studio_core.monitor), which RunView keeps in `view.hardware`. The run panel places these
 widgets and adds `render(view)`'s values to its own.
+
+The x-axis is training time (RunState.training_time_at): a resumed run's attempts follow one
+another, the time it stood stopped left out, each attempt its own stretch of line.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
 
 import gradio as gr
 import pandas as pd
@@ -17,6 +22,7 @@ from studio_core.runs.view import RunView
 from studio_core.sizes import MB
 
 MAX_POINTS = 600  # per plot: a long run's samples are thinned to this many, evenly
+X_TITLE = "training time (s)"  # a longer title is cut off; the note says what a resume does to it
 
 
 class HardwarePanel:
@@ -24,7 +30,7 @@ class HardwarePanel:
 
     def __init__(self):
         self.note = gr.Markdown("", elem_classes="run-hardware")
-        plot = {"x": "seconds", "x_title": "seconds since start", "height": 220}
+        plot = {"x": "seconds", "x_title": X_TITLE, "height": 220}
         with gr.Row():
             self.cpu = gr.LinePlot(y="cpu_percent", color="node", title="CPU of the run's processes (%, 100 = one "
                                    "core)", **plot)
@@ -43,10 +49,9 @@ class HardwarePanel:
 
     def empty(self) -> dict:
         """{widget: value} when no run is shown."""
-        return {self.note: "", self.cpu: _process_frame([], "cpu_percent"), self.rss: _process_frame([], "rss_mb"),
-                self.neuron_util: gr.update(value=_core_frame([], "utilization"), visible=False),
-                self.neuron_mem: gr.update(value=_core_frame([], "memory_mb"), visible=False),
-                self.cuda_mem: gr.update(value=_process_frame([], "cuda_mb"), visible=False)}
+        return {self.note: "", self.cpu: None, self.rss: None, self.neuron_util: gr.update(value=None, visible=False),
+                self.neuron_mem: gr.update(value=None, visible=False),
+                self.cuda_mem: gr.update(value=None, visible=False)}
 
     def render(self, view: RunView) -> dict:
         """{widget: value} for this run."""
@@ -54,12 +59,19 @@ class HardwarePanel:
         neuron = [s for s in samples if "neuron" in s]
         cuda = [s for s in samples if "cuda_mem_bytes" in s]
         return {self.note: note_markdown(view),
-                self.cpu: _process_frame(samples, "cpu_percent", view.created),
-                self.rss: _process_frame(samples, "rss_mb", view.created),
-                self.neuron_util: gr.update(value=_core_frame(neuron, "utilization", view.created),
+                self.cpu: _plotted(_process_frame(samples, "cpu_percent", view)),
+                self.rss: _plotted(_process_frame(samples, "rss_mb", view)),
+                self.neuron_util: gr.update(value=_plotted(_core_frame(neuron, "utilization", view)),
                                             visible=bool(neuron)),
-                self.neuron_mem: gr.update(value=_core_frame(neuron, "memory_mb", view.created), visible=bool(neuron)),
-                self.cuda_mem: gr.update(value=_process_frame(cuda, "cuda_mb", view.created), visible=bool(cuda))}
+                self.neuron_mem: gr.update(value=_plotted(_core_frame(neuron, "memory_mb", view)), visible=bool(neuron)),
+                self.cuda_mem: gr.update(value=_plotted(_process_frame(cuda, "cuda_mb", view)), visible=bool(cuda))}
+
+
+def _plotted(frame: pd.DataFrame) -> pd.DataFrame | None:
+    """The frame, or None for no rows. A plot coloured by a column (node, core) that was once
+    sent an empty frame fixes an empty colour scale and draws every later line without a
+    colour, invisible (Gradio 6); None leaves the plot empty without fixing anything."""
+    return frame if len(frame) else None
 
 
 def note_markdown(view: RunView) -> str:
@@ -85,6 +97,9 @@ def note_markdown(view: RunView) -> str:
         lines.append("Not available: " + "; ".join(sources["unavailable"]) + ".")
     for error in (last.get("neuron") or {}).get("errors", []):
         lines.append(f"neuron-monitor reports: {error}")
+    if len(view.spans) > 1:
+        lines.append(f"The run went in {len(view.spans)} attempts (resumed): the plots' training time joins them, "
+                     "one after the other, the time it stood stopped left out.")
     return "  \n".join(lines)
 
 
@@ -97,19 +112,34 @@ def _thin(samples: list[dict]) -> list[dict]:
     return sorted(kept, key=lambda s: s["time"])
 
 
-def _process_frame(samples: list[dict], column: str, start: float = 0.0) -> pd.DataFrame:
+def _process_frame(samples: list[dict], column: str, view: RunView | None = None) -> pd.DataFrame:
     """One row per sample: seconds, value, node (the plots' colour: a Slurm run's node, else this machine)."""
     value = {"cpu_percent": lambda s: s["cpu_percent"], "rss_mb": lambda s: s["rss_bytes"] / MB,
              "cuda_mb": lambda s: s["cuda_mem_bytes"] / MB}[column]
-    rows = [(s["time"] - start, value(s), s.get("node", "this machine")) for s in samples]
-    frame = pd.DataFrame(rows, columns=["seconds", column, "node"])
-    return frame.astype({"seconds": float, column: float})
+    rows = [(s, value(s), s.get("node", "this machine")) for s in samples]
+    return _frame(view, rows, column, "node")
 
 
-def _core_frame(samples: list[dict], column: str, start: float = 0.0) -> pd.DataFrame:
+def _core_frame(samples: list[dict], column: str, view: RunView | None = None) -> pd.DataFrame:
     """One row per sample and core of the run: seconds, value, core (the plots' colour)."""
     key, scale = {"utilization": ("utilization", 1.0), "memory_mb": ("memory_bytes", 1 / MB)}[column]
-    rows = [(s["time"] - start, data[key] * scale, (f"{s['node']} " if "node" in s else "") + f"core {core}")
+    rows = [(s, data[key] * scale, (f"{s['node']} " if "node" in s else "") + f"core {core}")
             for s in samples for core, data in s["neuron"].get("cores", {}).items() if key in data]
-    frame = pd.DataFrame(rows, columns=["seconds", column, "core"])
+    return _frame(view, rows, column, "core")
+
+
+def _frame(view: RunView | None, rows: list[tuple[dict, float, str]], column: str, series: str) -> pd.DataFrame:
+    """Rows (sample, value, series) placed at the sample's training time: where a series goes on
+    in the run's next attempt, a row without a value between the two breaks its line there."""
+    begins = [span.begin for span in view.spans] if view else []
+    last: dict[str, tuple[int, float]] = {}  # each series' attempt and place so far
+    placed = []
+    for sample, value, name in rows:
+        seconds = view.training_time_at(sample["time"]) if view else 0.0
+        attempt = bisect_right(begins, sample["time"])
+        if name in last and last[name][0] != attempt:
+            placed.append(((last[name][1] + seconds) / 2, float("nan"), name))
+        last[name] = attempt, seconds
+        placed.append((seconds, value, name))
+    frame = pd.DataFrame(placed, columns=["seconds", column, series])
     return frame.astype({"seconds": float, column: float})

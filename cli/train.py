@@ -156,14 +156,26 @@ def compiling_text(view: RunView) -> str:
     return ", ".join(now + ([f"{len(view.compiles)} compiled in {total:.1f} s"] if view.compiles else []))
 
 
+def clock(seconds: float | None) -> str:
+    """h:mm:ss or m:ss, as the Runs tab shows times; "-" when unknown."""
+    if seconds is None:
+        return "-"
+    hours, rest = divmod(int(max(0, seconds)), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 def cmd_runs(args) -> int:
+    """The runs, newest first: started is the first start, training the time going (idle time
+    between a stop and a resume left out), wall from the first start to the end."""
     runs = RunManager(runs_folder(args)).list()
-    print(f"{'run':48} {'state':9} {'step':>11}  model / dataset")
+    print(f"{'run':48} {'state':9} {'step':>11}  {'started':19} {'training':>8} {'wall':>8}  model / dataset")
     for view in runs:
         steps = f"{view.step}/{view.max_steps or '?'}"
-        spec, where = view.spec, view.where()
-        what = f"{spec.get('model_name_or_path')} / {spec.get('dataset_name')}" if spec else "?"
-        print(f"{view.id:48} {view.live_state:9} {steps:>11}  {what}" + (f"  [{where}]" if where else ""))
+        where = view.where()
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(view.first_start)) if view.first_start else "-"
+        what = f"{view.model} / {view.dataset}" if view.spec else "?"
+        print(f"{view.id:48} {view.live_state:9} {steps:>11}  {started:19} {clock(view.training_seconds()):>8} "
+              f"{clock(view.wall_seconds()):>8}  {what}" + (f"  [{where}]" if where else ""))
         if view.live_state in ("failed", "stopped") and view.error_text:
             print(f"    {view.error_text}")
         for problem in view.damage():

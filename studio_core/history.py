@@ -38,11 +38,13 @@ def filter_runs(views: list[RunView], state: str | None = None, trainer: str | N
 
 
 def sort_runs(views: list[RunView], by: str = "newest first") -> list[RunView]:
-    """By creation time, or by final loss, lowest first (runs without a loss last)."""
+    """By first start (RunView.first_start: a resume does not move a run; the run id, which
+    begins with it, between runs started in the same moment), or by final loss, lowest first
+    (runs without a loss last)."""
     if by == "newest first":
-        return sorted(views, key=lambda v: v.created, reverse=True)
+        return sorted(views, key=lambda v: (v.created, v.id), reverse=True)
     if by == "oldest first":
-        return sorted(views, key=lambda v: v.created)
+        return sorted(views, key=lambda v: (v.created, v.id))
     if by == "final loss":
         return sorted(views, key=lambda v: (v.last_loss() is None, v.last_loss() or 0.0, -v.created))
     raise ValueError(f"sort by {by!r}: choose one of {', '.join(SORTS)}")
@@ -160,7 +162,7 @@ def runs_with_a_model(manager: RunManager, chats: bool = False) -> list[str]:
     with `chats`, only those whose model answers prompts (what chat can use: a reward model
     scores texts instead)."""
     found = []
-    for view in manager.list():
+    for view in sort_runs(manager.list()):
         info = view.output_info()
         if info and (not chats or info.get("task", CHAT_TASK) == CHAT_TASK):  # older runs all chat
             found.append(view.id)

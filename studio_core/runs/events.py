@@ -206,6 +206,21 @@ def read(path: str | Path) -> list[dict]:
 
 # --- the fold -----------------------------------------------------------------------------
 @dataclass
+class Attempt:
+    """One attempt of a run (the first, or one after a resume): from its first event to its
+    final status, else to its latest event (a run whose processes died without a word)."""
+
+    begin: float
+    end: float
+    ended: bool = False  # a final status closed it
+
+    def seconds(self, until: float | None = None) -> float:
+        """Its length; `until` (now) for the attempt still going."""
+        end = self.end if until is None else max(self.end, until)
+        return max(0.0, end - self.begin)
+
+
+@dataclass
 class RunState:
     """What a run's events add up to. `apply` takes one event at a time."""
 
@@ -231,9 +246,14 @@ class RunState:
     hardware: list[dict] = field(default_factory=list)  # hardware samples
     download: dict | None = None  # the latest download event
     attempts: int = 1  # 1 + the resumes
+    spans: list[Attempt] = field(default_factory=list)  # each attempt's times, the first run's included
 
     def apply(self, event: dict) -> None:
         kind, when = event["type"], event["time"]
+        if kind == "resume" or not self.spans:
+            self.spans.append(Attempt(when, when))
+        elif not self.spans[-1].ended:
+            self.spans[-1].end = max(self.spans[-1].end, when)
         if kind == "status":
             self.state = event.get("state", self.state)
             self.exit_code = event.get("exit_code", self.exit_code)
@@ -244,6 +264,7 @@ class RunState:
                 self.started = when
             if self.state in FINAL_STATES:
                 self.ended = when
+                self.spans[-1].ended = True
         elif kind == "progress":
             self.step = event.get("step", self.step)
             self.max_steps = event.get("max_steps", self.max_steps)
@@ -293,6 +314,16 @@ class RunState:
     def final_metrics(self) -> dict:
         """The trainer's totals at the end (train_runtime, train_loss, ...) and the last epoch."""
         return {k: v for m in self.metrics for k, v in m.items() if k.startswith("train_") or k == "epoch"}
+
+    def training_time_at(self, when: float) -> float:
+        """Seconds of training time (the attempts' lengths, the idle gaps between them left out)
+        at the moment `when`; a moment in a gap counts as the end of the attempt before it."""
+        total = 0.0
+        for span in self.spans:
+            if when < span.begin:
+                break
+            total += min(when, span.end) - span.begin
+        return total
 
     def compile_seconds(self) -> float:
         """Time spent compiling so far, the compilations still running included."""

@@ -241,7 +241,7 @@ class RunManager:
                     found.append(self.view(path.name))
                 except KeyError:  # deleted while we looked
                     continue
-        return sorted(found, key=lambda v: v.created, reverse=True)
+        return sorted(found, key=lambda v: (v.created, v.id), reverse=True)
 
     def wait(self, run_id: str, until: Callable[[RunView], bool] | None = None, timeout: float = 600) -> RunView:
         """Follow the run until `until(view)` holds (default: it has ended) and return its view;

@@ -30,7 +30,6 @@ class RunView(RunState):
     dir: Path = field(default_factory=Path)
     spec: dict = field(default_factory=dict)  # spec.yaml as plain data ({} when it cannot be read)
     spec_problem: str | None = None  # why spec.yaml cannot be read
-    created: float = 0.0
     _reader: EventReader | None = field(default=None, repr=False)
     _launch: dict | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # app threads share views
@@ -45,7 +44,6 @@ class RunView(RunState):
                 self._reader = EventReader(self.dir / folder.EVENTS)
                 spec_file = self.dir / folder.SPEC
                 self.spec, self.spec_problem = _read_spec(spec_file)
-                self.created = spec_file.stat().st_mtime if spec_file.exists() else 0
             for event in self._reader.read_new():
                 self.apply(event)
         return self
@@ -144,9 +142,36 @@ class RunView(RunState):
         found = self.saved_checkpoints()
         return found[-1] if found else None
 
+    # --- its times: the same before and after a resume, and after the app restarts ---------
+    @property
+    def first_start(self) -> float | None:
+        """When the run was first started: its first event (written as its folder was made), else
+        the time in its run id; None when neither is there. A resume does not change it."""
+        return self.spans[0].begin if self.spans else run_id_time(self.id)
+
+    @property
+    def created(self) -> float:
+        """first_start, 0 when unknown: what listings sort by and backends measure a start's grace from."""
+        return self.first_start or 0.0
+
+    def training_seconds(self) -> float | None:
+        """The time the run has been going: each attempt from its start to its end (the one going
+        now up to now), the idle time between a stop and a resume left out. None without events."""
+        if not self.spans:
+            return None
+        now = time.time() if self.live_state in ACTIVE_STATES else None
+        return sum(span.seconds() for span in self.spans[:-1]) + self.spans[-1].seconds(now)
+
+    def wall_seconds(self) -> float | None:
+        """From the first start to the end of the last attempt (now while it goes), idle time included."""
+        if not self.spans:
+            return None
+        end = time.time() if self.live_state in ACTIVE_STATES else self.spans[-1].end
+        return max(0.0, end - self.spans[0].begin)
+
     def duration(self) -> float | None:
-        end = self.ended or (time.time() if self.live_state in ACTIVE_STATES else None)
-        return None if end is None else end - self.created
+        """What the run page's status line shows: the training time (training_seconds)."""
+        return self.training_seconds()
 
     def output_info(self) -> dict | None:
         """What the run saved (studio_core.runs.folder.output_info), or None before it has."""
@@ -175,6 +200,31 @@ class RunView(RunState):
     @property
     def dataset(self) -> str:
         return str(self.spec.get("dataset_name", ""))
+
+    @property
+    def short_model(self) -> str:
+        return short_source(self.model)
+
+    @property
+    def short_dataset(self) -> str:
+        return short_source(self.dataset)
+
+
+def short_source(name: str) -> str:
+    """A model or dataset as a listing shows it: a local path by its last part, a Hub id
+    (owner/name) and a built-in (builtin:qa) as they are."""
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        return Path(name.rstrip("/")).name or name
+    return name
+
+
+def run_id_time(run_id: str) -> float | None:
+    """The local time a run id begins with (folder.new_run_id: `20260101-120000-<name>-<hex>`),
+    or None for a name that does not."""
+    try:
+        return time.mktime(time.strptime(run_id[:15], "%Y%m%d-%H%M%S"))
+    except (ValueError, OverflowError):
+        return None
 
 
 def _read_spec(path: Path) -> tuple[dict, str | None]:
