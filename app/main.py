@@ -8,13 +8,43 @@ so closing the page, opening a second browser or restarting the app loses nothin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gradio as gr
 
 from app import cache_panel, chat_tab, doctor_tab, export_tab, runs_tab, train_tab
 from studio_core.hardware import Hardware, detect_hardware
 from studio_core.runs.manager import RunManager
 
-CSS = ".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace; font-size: 0.8em}"
+CSS = (".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace; font-size: 0.8em} "
+       ".field-help {font-size: 0.85em; color: var(--block-info-text-color)}")
+# A log box follows its end as the run writes, and stays where the user scrolled up to read
+# (Gradio's own autoscroll left it at the top when its value was replaced by the timer). Each
+# box remembers whether it was at its end before new text came.
+LOG_FOLLOW_JS = """
+<script>
+(() => {
+  const atEnd = new WeakMap(), seen = new WeakMap(), kept = new WeakMap();
+  const near = (box) => box.scrollHeight - box.scrollTop - box.clientHeight < 24;
+  setInterval(() => {
+    for (const box of document.querySelectorAll('.run-log textarea')) {
+      if (!seen.has(box)) {
+        atEnd.set(box, true);
+        box.addEventListener('scroll', () => {  // the user's scrolling, not a new value's reflow
+          if (seen.get(box) === box.value) { atEnd.set(box, near(box)); kept.set(box, box.scrollTop); }
+        });
+      }
+      if (seen.get(box) !== box.value) {
+        seen.set(box, box.value);
+        if (!atEnd.get(box)) box.scrollTop = kept.get(box) || 0;
+      }
+      // at its end: there again after new text, or once its tab is shown
+      if (atEnd.get(box) && box.clientHeight > 0 && !near(box)) box.scrollTop = box.scrollHeight;
+    }
+  }, 250);
+})();
+</script>
+"""
 # Gradio's queue looks for work every 1 ms and for progress to send every 10 ms when idle (its
 # Queue.sleep_when_free, progress_update_sleep_when_free on Linux): about 0.05 of a core for an
 # app nobody uses. Every 20 ms and 100 ms cost a click 20 ms at most and the app next to nothing.
@@ -22,11 +52,15 @@ QUEUE_IDLE_S = 0.02
 PROGRESS_IDLE_S = 0.1
 
 
-def latest_active_run(manager: RunManager) -> str | None:
-    """The run a fresh page should follow: the newest one still going, if any."""
-    for view in manager.list():
+def run_to_follow(manager: RunManager) -> str | None:
+    """The run a fresh page's Train tab follows: the newest one still going, else the newest
+    run if it was stopped (or failed) and can resume, so Resume is at hand after a reload."""
+    views = manager.list()
+    for view in views:
         if view.active:
             return view.id
+    if views and views[0].live_state in ("stopped", "failed") and views[0].saved_checkpoints():
+        return views[0].id
     return None
 
 
@@ -36,6 +70,14 @@ def queued(demo: gr.Blocks) -> gr.Blocks:
     demo._queue.sleep_when_free = QUEUE_IDLE_S  # private to Gradio 6; tests/test_structure checks it is there
     demo._queue.progress_update_sleep_when_free = PROGRESS_IDLE_S
     return demo
+
+
+def launch_settings(runs_dir: Path) -> dict:
+    """The settings of Gradio's launch() that are the app's: its style and script, and the one
+    folder of ours whose files the page offers (exported launch scripts). Gradio hands out
+    only files in its temp folder, the working directory or `allowed_paths`; the default runs
+    folder (~/trn-studio/runs) is in none of them."""
+    return {"css": CSS, "head": LOG_FOLLOW_JS, "allowed_paths": [str(Path(runs_dir) / "exports")]}
 
 
 def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
@@ -48,7 +90,8 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
             with gr.Tab("Train", id="train", elem_id="tab-train"):
                 form, follow = train_tab.build(manager, hardware, selected)
             with gr.Tab("Runs", id="runs", elem_id="tab-runs"):
-                runs_tab.build(manager, demo, form, tabs, train_tab_id="train")
+                runs_tab.build(manager, demo, hardware, form, tabs, train_tab_id="train",
+                               train_follow=(selected, follow))
                 cache_panel.build(manager, hardware.backend, demo)
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat_tab.build(manager, hardware, demo)
@@ -56,6 +99,6 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
                 export_tab.build(manager, hardware, demo)
             with gr.Tab("Doctor", id="doctor", elem_id="tab-doctor"):
                 doctor_tab.build(manager, hardware)
-        demo.load(lambda: latest_active_run(manager), None, selected).then(
+        demo.load(lambda: run_to_follow(manager), None, selected).then(
             lambda: gr.Timer(active=True), None, follow)  # the run found, if any, is followed
     return demo

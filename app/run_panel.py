@@ -1,5 +1,6 @@
-"""The live view of one run: state, progress and ETA, compilations, loss and learning-rate
-plots, log tail.
+"""The live view of one run: state, progress and ETA, compilations, loss, learning-rate and
+the trainer's own plots, hardware, log tail; and the Stop, Stop and save and Resume buttons,
+enabled as they apply to the run shown.
 
 Both tabs show runs the same way, so the widgets and the function that fills them live
 here. Everything shown is read from the run's folder through the run manager, so a
@@ -8,6 +9,7 @@ reload, a second browser or a restarted app show the same thing.
 
 from __future__ import annotations
 
+import fnmatch
 import html
 import time
 
@@ -15,35 +17,109 @@ import gradio as gr
 import pandas as pd
 
 from app.hardware_panel import HardwarePanel
+from studio_core import trainers
+from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView, late_compile_text
 from studio_core.sizes import MB
+from studio_core.spec import SpecError
 
 STATE_COLOURS = {"starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
                  "failed": "#dc322f", "stopped": "#6c71c4"}
+TRAINER_PLOTS = max(len(t.plots) for t in trainers.TRAINERS.values())  # the most plots a trainer has
+
+
+class RunControls:
+    """Stop, Stop and save and Resume for the run a page shows (`prefix` keeps the element ids
+    of two tabs apart), each enabled only when it applies to that run."""
+
+    def __init__(self, prefix: str = ""):
+        with gr.Row():
+            self.stop = gr.Button("Stop", variant="stop", interactive=False, elem_id=f"{prefix}stop")
+            self.save = gr.Button("Stop and save", interactive=False, elem_id=f"{prefix}stop-save")
+            self.resume = gr.Button("Resume", interactive=False, elem_id=f"{prefix}resume")
+
+    @property
+    def components(self) -> list[gr.Component]:
+        return [self.stop, self.save, self.resume]
+
+    def states(self, view: RunView | None) -> dict:
+        """{button: enabled or not} for this run (or for none)."""
+        going = view is not None and view.active
+        resumable = (view is not None and view.live_state in ("stopped", "failed") and not view.spec_problem
+                     and bool(view.saved_checkpoints()))
+        return {self.stop: gr.update(interactive=going), self.save: gr.update(interactive=going),
+                self.resume: gr.update(interactive=resumable)}
+
+    def wire(self, manager: RunManager, hardware: Hardware, run_id: gr.Component, message: gr.Component):
+        """The buttons act on the run `run_id` names and say what they did in `message`; returns
+        Resume's event (a page that follows the run chains on it)."""
+        self.stop.click(lambda r: stop_run(manager, r), run_id, message)
+        self.save.click(lambda r: stop_and_save(manager, r), run_id, message)
+        return self.resume.click(lambda r: resume_run(manager, hardware, r), run_id, message)
+
+
+def stop_run(manager: RunManager, run_id: str | None) -> str:
+    if not run_id:
+        return "No run to stop."
+    view = manager.stop(run_id)
+    return f"Run `{run_id}` is {view.live_state}; none of its processes is left."
+
+
+def stop_and_save(manager: RunManager, run_id: str | None) -> str:
+    if not run_id:
+        return "No run to stop."
+    try:
+        manager.stop_and_save(run_id)
+    except SpecError as error:
+        return "**Not stopped:** " + "; ".join(error.problems)
+    return f"Run `{run_id}` saves a checkpoint at its next step, then stops; Resume goes on from there."
+
+
+def resume_run(manager: RunManager, hardware: Hardware, run_id: str | None) -> str:
+    if not run_id:
+        return "No run to resume: open one in the Runs tab."
+    try:
+        view = manager.resume(run_id, hardware)
+    except (SpecError, KeyError) as error:
+        problems = error.problems if isinstance(error, SpecError) else [str(error).strip("'\"")]
+        return "**Not resumed:** " + "; ".join(problems)
+    return f"Run `{run_id}` resumed from step {view.step}."
 
 
 class RunPanel:
-    """The panel's widgets, made in the current Blocks context; `render` gives their values."""
+    """The panel's widgets, made in the current Blocks context; `render` gives their values.
+    The summary (state, progress, compilations, error) is made at once; the details (plots,
+    hardware, log, applied settings) too, unless `details=False`: then `build_details()` makes
+    them where the page wants them (the Train tab puts them under its form, full width)."""
 
-    def __init__(self):
+    def __init__(self, controls: RunControls | None = None, details: bool = True):
+        self.controls = controls
         self.status = gr.Markdown("No run selected.", elem_classes="run-status")
         self.progress = gr.HTML("")
         self.compiles = gr.HTML("", elem_classes="run-compiles")
         self.error = gr.Code(label="Error", visible=False, language=None, lines=8, elem_classes="run-error")
+        if details:
+            self.build_details()
+
+    def build_details(self) -> None:
         with gr.Row():
             self.loss = gr.LinePlot(x="step", y="loss", title="Loss", height=260)
             self.lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
+        with gr.Row():  # the trainer's own metrics (trainers.Trainer.plots): rewards, KL, accuracy, ...
+            self.trainer_plots = [gr.LinePlot(x="step", y="value", color="metric", height=260, visible=False,
+                                              elem_classes="trainer-plot") for _ in range(TRAINER_PLOTS)]
         self.hardware = HardwarePanel()  # under the loss
         self.log = gr.Textbox(label="Log (tail of train.log)", lines=12, max_lines=12, autoscroll=True,
                               interactive=False, elem_classes="run-log")
         with gr.Accordion("Settings the studio applied, and why", open=False):
-            self.applied = gr.Markdown("")
+            self.applied = gr.HTML("", elem_classes="run-applied")
 
     @property
     def components(self) -> list[gr.Component]:
-        return [self.status, self.progress, self.compiles, self.error, self.loss, self.lr, self.log, self.applied,
-                *self.hardware.components]
+        return [self.status, self.progress, self.compiles, self.error, self.loss, self.lr, *self.trainer_plots,
+                self.log, self.applied, *self.hardware.components,
+                *(self.controls.components if self.controls else [])]
 
     def follow(self, timer: gr.Timer, manager: RunManager, run_id: gr.Component, pause: bool = False) -> None:
         """Redraw the panel on the ticks of `timer` for the run `run_id` names, but only when what
@@ -77,15 +153,31 @@ class RunPanel:
                 view = manager.view(run_id)
             except KeyError:
                 message = f"Run `{run_id}` not found in {manager.runs_dir}."
+        controls = self.controls.states(view) if self.controls else {}
         if view is None:
             return {self.status: message, self.progress: "", self.compiles: "", self.error: gr.update(visible=False),
                     self.loss: _frame("loss"), self.lr: _frame("learning_rate"), self.log: "", self.applied: "",
-                    **self.hardware.empty()}
+                    **{plot: gr.update(visible=False) for plot in self.trainer_plots}, **self.hardware.empty(),
+                    **controls}
         error = _error_text(view)
         return {self.status: status_markdown(view), self.progress: progress_html(view),
                 self.compiles: compiles_html(view), self.error: gr.update(value=error, visible=bool(error)),
                 self.loss: _frame("loss", view), self.lr: _frame("learning_rate", view), self.log: view.log_tail(),
-                self.applied: applied_markdown(view), **self.hardware.render(view)}
+                self.applied: applied_html(view), **self._trainer_plots(view), **self.hardware.render(view),
+                **controls}
+
+    def _trainer_plots(self, view: RunView) -> dict:
+        """The trainer's plots that have data, titled; the others hidden."""
+        try:
+            plots = trainers.get(view.trainer).plots
+        except KeyError:  # a damaged spec: no trainer known
+            plots = ()
+        shown = {}
+        for widget, index in zip(self.trainer_plots, range(TRAINER_PLOTS)):
+            frame = trainer_frame(view, plots[index][1]) if index < len(plots) else None
+            shown[widget] = (gr.update(value=frame, title=plots[index][0], visible=True)
+                             if frame is not None and len(frame) else gr.update(visible=False))
+        return shown
 
 
 def _shown_as(manager: RunManager, run_id: str | None) -> tuple | None:
@@ -115,7 +207,7 @@ def status_markdown(view: RunView) -> str:
         parts.append(f"exit code {view.exit_code}")
     duration = view.duration()
     if duration is not None:
-        parts.append(f"elapsed {format_seconds(duration)}")
+        parts.append(f"training {format_seconds(duration)}")
     last_loss = view.last_loss()
     if last_loss is not None:
         parts.append(f"loss {last_loss:.4f}")
@@ -203,14 +295,21 @@ def _timeline(view: RunView) -> str:
             f"{segments}</div><div style='font-size:0.8em'>timeline: compiling (orange), training (blue)</div>")
 
 
-def applied_markdown(view: RunView) -> str:
+def applied_html(view: RunView) -> str:
+    """The settings the planner applied, each with its value and why, in a table whose columns
+    keep their widths (long values and reasons wrap), then the plan's warnings."""
     launch = view.launch()
     if not launch:
         return ""
-    rows = [f"| `{key}` | `{value!r}` | {reason} |" for key, value, reason in launch.get("applied", [])]
-    warnings = [f"- {w}" for w in launch.get("warnings", [])]
-    table = "| setting | value | why |\n|---|---|---|\n" + "\n".join(rows) if rows else "None."
-    return table + ("\n\n**Warnings**\n" + "\n".join(warnings) if warnings else "")
+    cell = "style='padding:2px 6px;vertical-align:top;overflow-wrap:anywhere'"
+    rows = "".join(f"<tr><td {cell}><code>{html.escape(str(key))}</code></td><td {cell}><code>"
+                   f"{html.escape(repr(value))}</code></td><td {cell}>{html.escape(str(reason))}</td></tr>"
+                   for key, value, reason in launch.get("applied", []))
+    table = ("<table class='applied' style='table-layout:fixed;width:100%;font-size:0.9em'><colgroup>"
+             "<col style='width:25%'><col style='width:20%'><col style='width:55%'></colgroup>"
+             "<tr><th>setting</th><th>value</th><th>why</th></tr>" + rows + "</table>") if rows else "<p>None.</p>"
+    warnings = "".join(f"<li>{html.escape(w)}</li>" for w in launch.get("warnings", []))
+    return table + (f"<p><b>Warnings</b></p><ul>{warnings}</ul>" if warnings else "")
 
 
 def _error_text(view: RunView) -> str:
@@ -218,6 +317,15 @@ def _error_text(view: RunView) -> str:
         return ""
     last = view.errors[-1] if view.errors else {}
     return "\n".join(filter(None, [view.error_text, last.get("traceback", "")]))
+
+
+def trainer_frame(view: RunView, patterns: tuple[str, ...]) -> pd.DataFrame:
+    """Rows (step, value, metric) of the logged metrics whose names match `patterns`
+    (fnmatch: `rewards/*/mean` is each reward function's mean)."""
+    rows = [(m["step"], float(value), name) for m in view.metrics if "step" in m
+            for name, value in m.items() if isinstance(value, (int, float)) and not isinstance(value, bool)
+            and any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    return pd.DataFrame(rows, columns=["step", "value", "metric"])
 
 
 def _frame(metric: str, view: RunView | None = None) -> pd.DataFrame:

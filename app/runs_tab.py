@@ -11,25 +11,34 @@ import pandas as pd
 from app import compare, run_panel
 from app.train_form import TrainForm, form_values
 from studio_core import history, trainers
+from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import STATES, RunView
 from studio_core.sizes import format_size
 
-COLUMNS = ["run", "state", "trainer", "model", "dataset", "started", "duration", "steps", "final loss", "size"]
+# State and steps share a column, so that training and wall time fit beside the rest: with these
+# widths and wrapped cells (gr.Dataframe(wrap=True, column_widths=COLUMN_WIDTHS)) the table fits
+# a 1400 px wide window without scrolling sideways.
+COLUMNS = ["run", "state · steps", "trainer", "model", "dataset", "started", "training", "wall", "final loss", "size"]
+COLUMN_WIDTHS = ["19%", "11%", "7%", "12%", "12%", "10%", "8%", "7.5%", "6%", "7.5%"]
 ALL = "all"
 
 
 def runs_table(views: list[RunView], state: str = ALL, trainer: str = ALL, model: str = ALL,
                sort: str = "newest first") -> pd.DataFrame:
+    """One row per run: started is its first start, training its time going (the idle time
+    between a stop and a resume left out), wall from its first start to its end; model and
+    dataset by their short names (a local path's last part)."""
+    def seconds(value: float | None) -> str:
+        return "" if value is None else run_panel.format_seconds(value)
+
     rows = []
     for view in history.sort_runs(history.filter_runs(views, state, trainer, model), sort):
         loss = view.last_loss()
-        duration = view.duration()
-        rows.append([view.id, view.live_state, view.trainer, view.model, view.dataset,
-                     run_panel.format_time(view.created),
-                     run_panel.format_seconds(duration) if duration is not None else "",
-                     f"{view.step}/{view.max_steps or '?'}", "" if loss is None else round(loss, 4),
-                     format_size(view.size())])
+        rows.append([view.id, f"{view.live_state} {view.step}/{view.max_steps or '?'}", view.trainer,
+                     view.short_model, view.short_dataset, run_panel.format_time(view.first_start),
+                     seconds(view.training_seconds()), seconds(view.wall_seconds()),
+                     "" if loss is None else round(loss, 4), format_size(view.size())])
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -48,9 +57,11 @@ def run_info(manager: RunManager, run_id: str | None) -> str:
     return "  \n".join(lines)
 
 
-def build(manager: RunManager, page: gr.Blocks, form: TrainForm | None = None, tabs: gr.Tabs | None = None,
-          train_tab_id: str = "train") -> tuple[gr.Dataframe, gr.Dropdown, gr.Timer]:
-    """`form` and `tabs`: the Train tab's form and the app's tabs, for "Clone into Train tab".
+def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainForm | None = None,
+          tabs: gr.Tabs | None = None, train_tab_id: str = "train",
+          train_follow: tuple[gr.State, gr.Timer] | None = None) -> tuple[gr.Dataframe, gr.Dropdown, gr.Timer]:
+    """`form` and `tabs`: the Train tab's form and the app's tabs, for "Clone into Train tab";
+    `train_follow`: the run the Train tab follows and its timer, which a run resumed here joins.
     The runs are sent when `page` loads, never as the widgets' first values: those are in the
     page Gradio serves before a login."""
     with gr.Row():
@@ -59,7 +70,8 @@ def build(manager: RunManager, page: gr.Blocks, form: TrainForm | None = None, t
         trainer = gr.Dropdown([ALL, *trainers.TRAINERS], value=ALL, label="Trainer", elem_id="filter-trainer")
         model = gr.Dropdown([ALL], value=ALL, label="Model", elem_id="filter-model")
         sort = gr.Dropdown(list(history.SORTS), value="newest first", label="Sort", elem_id="sort-runs")
-    table = gr.Dataframe(runs_table([]), headers=COLUMNS, interactive=False, elem_id="runs-table")
+    table = gr.Dataframe(runs_table([]), headers=COLUMNS, interactive=False, wrap=True, column_widths=COLUMN_WIDTHS,
+                         elem_id="runs-table")
     picked = compare.build(manager)
     with gr.Row():
         opened = gr.Dropdown([], label="Open run", allow_custom_value=False, elem_id="open-run", scale=3)
@@ -67,10 +79,11 @@ def build(manager: RunManager, page: gr.Blocks, form: TrainForm | None = None, t
         delete = gr.Button("Delete run", variant="stop", scale=1, elem_id="delete-run")
         confirm = gr.Button("", variant="stop", scale=2, visible=False, elem_id="confirm-delete")
         cancel = gr.Button("Cancel", scale=0, visible=False, elem_id="cancel-delete")
+    controls = run_panel.RunControls(prefix="runs-")  # for the opened run
     message = gr.Markdown("", elem_id="runs-message")
     info = gr.Markdown("", elem_id="run-info")
     pending = gr.State(None)  # the run the confirm button deletes
-    panel = run_panel.RunPanel()
+    panel = run_panel.RunPanel(controls)
     with gr.Accordion("Spec (spec.yaml: the recipe with the applied defaults)", open=False):
         spec_code = gr.Code(language="yaml", lines=16)
     filters = [state, trainer, model, sort]
@@ -143,6 +156,10 @@ def build(manager: RunManager, page: gr.Blocks, form: TrainForm | None = None, t
     confirm.click(on_confirm, pending, confirm_io, **in_order).then(on_refresh, *refresh_io)
     if form is not None:
         _wire_clone(manager, form, tabs, train_tab_id, clone, opened, message)
+    resumed = controls.wire(manager, hardware, opened, message)
+    if train_follow is not None:  # the Train tab follows the resumed run too
+        selected, train_timer = train_follow
+        resumed.then(lambda run_id: (run_id, gr.Timer(active=True)), opened, [selected, train_timer])
     timer = gr.Timer(2.0)
     listed, shown = gr.State(None), gr.State(None)  # the last listing and run view this page was sent
 

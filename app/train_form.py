@@ -83,8 +83,10 @@ def field_choices(trainer: str, field: FormField) -> list[str]:
 def field_widget(trainer: str, field: FormField) -> gr.Component:
     """The widget of one of a trainer's own settings (studio_core.trainers.FormField)."""
     common = {"label": field.name, "info": field.info, "elem_id": f"{trainer}-{field.name}"}
-    if field.kind == "rewards":
-        return gr.Code(field.start, language="yaml", lines=4, elem_id=common["elem_id"], label=field.info)
+    if field.kind == "rewards":  # a code box's label is one short line (its buttons cover the rest): help above
+        gr.Markdown(field.info, elem_classes="field-help")
+        return gr.Code(field.start, language="yaml", lines=4, elem_id=common["elem_id"],
+                       label="Reward functions (YAML list)")
     if field.kind == "choice":
         return gr.Dropdown(field_choices(trainer, field), value=field.start, **common)
     return gr.Number(field.start, precision=0 if field.kind == "int" else None, **common)
@@ -119,8 +121,10 @@ class TrainForm:
             self.preview = gr.Dataframe(label="First rows", interactive=False, visible=False, wrap=True,
                                         elem_id="data-preview")
             with gr.Row():
-                w["column_map"] = gr.Code("", language="yaml", lines=2, elem_id="column_map",
-                                          label="Column map (YAML, old: new), e.g. `question: prompt`")
+                with gr.Column():
+                    gr.Markdown("Column map: YAML `old: new`, e.g. `question: prompt`", elem_classes="field-help")
+                    w["column_map"] = gr.Code("", language="yaml", lines=2, elem_id="column_map",
+                                              label="Column map (YAML)")
                 w["keep_columns"] = gr.Textbox(label="Keep only these columns (comma-separated; empty: all)",
                                                elem_id="keep_columns")
             self.fix_button = gr.Button("Apply the suggested fix", visible=False, elem_id="apply-fix")

@@ -30,6 +30,9 @@ from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import SpecError
 
 
+LAYOUT_PROBLEMS = "**This layout cannot run here; change it:**"
+
+
 def problems_markdown(error: SpecError) -> str:
     lines = "\n".join(f"- {p}" for p in error.problems)
     return f"**Nothing was launched. Change these and try again:**\n{lines}"
@@ -53,11 +56,12 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
         mapped = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
     except ValueError as error:  # the column map or keep-columns do not fit this dataset
         lines = [f"**Column map or kept columns do not fit this dataset:** {error}"]
-        return "\n".join(lines + [describe_fix(fix)] * bool(fix)), None, fix
+        return _paragraphs(lines + [describe_fix(fix)] * bool(fix)), None, fix
     kind = data_check.detect(mapped, text_field)
     problems = data_check.fit_problems(kind, spec.trainer)
-    lines = [f"**Detected:** {kind.description} ({kind.type}, {kind.format}); columns: "
-             f"{', '.join(kind.columns)}"]
+    named = ", ".join(part for part in (kind.type, kind.format) if part and part != "unknown")
+    lines = [f"**Detected:** {kind.description}" + (f" ({named})" if named else "")
+             + f"; columns: {', '.join(kind.columns) or 'none'}"]
     if problems:
         lines += ["**Does not fit this trainer:**", *[f"- {p}" for p in problems]]
         lines += [describe_fix(fix)] * bool(fix)
@@ -71,7 +75,16 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
             lines += ["**Warnings (these records train, but likely not as meant):**",
                       *[f"- {w}" for w in scan.warnings]]
     preview = pd.DataFrame([{k: str(v)[:200] for k, v in row.items()} for row in mapped])
-    return "\n".join(lines), preview, fix
+    return _paragraphs(lines), preview, fix
+
+
+def _paragraphs(lines: list[str]) -> str:
+    """Markdown of report lines: a sentence or heading is a paragraph of its own (one newline
+    would run it into the line before), a list's items stay together."""
+    text = ""
+    for line in lines:
+        text += ("\n" if line.startswith("- ") and text else "\n\n" if text else "") + line
+    return text
 
 
 def describe_fix(fix: dict) -> str:
@@ -125,17 +138,15 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
             with gr.Row():
                 preview_btn = gr.Button("Preview command", elem_id="preview")
                 start_btn = gr.Button("Start", variant="primary", elem_id="start")
-                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-            with gr.Row():
-                stop_save_btn = gr.Button("Stop and save", elem_id="stop-save")
-                resume_btn = gr.Button("Resume", elem_id="resume")
+            controls = run_panel.RunControls()
             export_btn = gr.Button("Export launch script", elem_id="export")
             message = gr.Markdown("", elem_id="train-message")
             exports = gr.File(label="Launch scripts", file_count="multiple", visible=False, elem_id="exports")
             plan_box = gr.Code(label="Plan: command, environment, applied defaults", language="shell",
                                visible=False, lines=14, elem_id="plan")
             forecast_panel.build(form, manager, hardware)
-            panel = run_panel.RunPanel()
+            panel = run_panel.RunPanel(controls, details=False)
+    panel.build_details()  # plots, hardware, log and applied settings: under the form, the page's full width
     inputs = form.components()
     w = form.widgets
 
@@ -150,7 +161,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         sample = dataset if not str(dataset).startswith("builtin:") else entry.sample
         return {**{group: gr.update(visible=key == trainer) for key, group in form.trainer_groups.items()},
                 w["trainer"]: gr.update(info=trainer_info(trainer)), w["dataset"]: gr.update(value=sample),
-                w["max_length"]: gr.update(interactive=entry.uses_max_length)}
+                w["max_length"]: gr.update(interactive=entry.uses_max_length),
+                w["run_name"]: gr.update(placeholder=f"e.g. tiny-{trainer}")}
 
     def on_starting_values(trainer, model, learning_rate, start):
         # A value other than the one the form set is the user's own (typed, or a cloned run's): kept.
@@ -207,69 +219,65 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` (Slurm, {nodes} nodes: change --nodes "
                 "in it for more)."), gr.update(value=[str(p) for p in paths], visible=True)
 
-    def on_layout(values):
-        v = form.named(values)
+    def layout_problems(v) -> tuple[str, list[str]]:
+        """The core map of the form's layout, and what makes the layout unable to run."""
         try:
             target, spec = target_hardware(v, hardware), spec_from_form(v)
         except (SpecError, ValueError, TypeError) as error:
-            return f"<div class='core-map'>{error}</div>"
-        count = target.cores
+            return "", [str(error)]
         nodes = spec.layout.nodes if spec.layout.run_on == "slurm" else 0
         held = manager.core_holders(target) if target is hardware and not nodes else {}
         try:
             cores = parse_cores(spec.layout.cores) if spec.layout.cores else pick_cores(
-                spec.layout.nproc, set(range(count)) - set(held), target)
+                spec.layout.nproc, set(range(target.cores)) - set(held), target)
         except ValueError as error:
-            return f"<div class='core-map'>studio.cores: {error}</div>"
+            return "", [f"studio.cores: {error}"]
         problems = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size, cores, target)
         problems += [f"core {c} is held by {held[c]}: choose free cores, or stop it first"
                      for c in cores or [] if c in held]
-        note = "".join(f"<div style='color:#dc322f;font-size:0.85em'>{p}</div>" for p in problems)
-        return core_map_html(target, cores or [], spec.layout.tp_size, held, nodes) + note
+        return core_map_html(target, cores or [], spec.layout.tp_size, held, nodes), problems
+
+    def on_layout(values):
+        """The core map; the layout's problems go to the message area, as Start's refusals do
+        (and leave it once fixed)."""
+        said = values.get(message) or ""
+        core_map, problems = layout_problems(form.named(values))
+        if problems:
+            text = LAYOUT_PROBLEMS + "\n" + "\n".join(f"- {p}" for p in problems)
+        else:
+            text = "" if said.startswith(LAYOUT_PROBLEMS) else gr.update()
+        return core_map or "<div class='core-map'>See the message above.</div>", text
 
     def on_start(values):
+        """Says at once what Start does before the run exists (the checks can take seconds:
+        reward functions are built and called in a process of their own), then starts it."""
+        v = form.named(values)
         try:
-            v = form.named(values)
+            spec = spec_from_form(v)
+        except SpecError as error:
+            yield problems_markdown(error), gr.update(), gr.update()
+            return
+        checks = "the dataset and the reward functions (on its first rows)" if trainers.get(
+            spec.trainer).rewards else "the dataset"
+        yield f"Starting: checking the settings, {checks}, and planning the cores ...", gr.update(), gr.update()
+        try:
             if v["target"] != THIS_MACHINE and v["run_on"] != "slurm":
                 raise SpecError([f"Plan for: {v['target']} is not this machine ({hardware.describe()}); "
                                  "Preview or Export the launch script for it, or plan for this machine"])
-            view = manager.start(spec_from_form(v), target_hardware(v, hardware))
+            view = manager.start(spec, target_hardware(v, hardware))
         except SpecError as error:
-            return problems_markdown(error), gr.update(), gr.update()
+            yield problems_markdown(error), gr.update(), gr.update()
+            return
         where = view.where()
-        return (f"Started run `{view.id}`" + (f" ({where})" if where else "") + ". It keeps going if you close "
-                "this page.", gr.update(visible=False), view.id)
-
-    def on_stop(run_id):
-        if not run_id:
-            return "No run to stop."
-        view = manager.stop(run_id)
-        return f"Run `{run_id}` is {view.live_state}; none of its processes is left."
-
-    def on_stop_and_save(run_id):
-        if not run_id:
-            return "No run to stop."
-        try:
-            manager.stop_and_save(run_id)
-        except SpecError as error:
-            return "**Not stopped:** " + "; ".join(error.problems)
-        return f"Run `{run_id}` saves a checkpoint at its next step, then stops; Resume goes on from there."
-
-    def on_resume(run_id):
-        if not run_id:
-            return "No run to resume: start one, or open one in the Runs tab."
-        try:
-            view = manager.resume(run_id, hardware)
-        except SpecError as error:
-            return "**Not resumed:** " + "; ".join(error.problems)
-        return f"Run `{run_id}` resumed from step {view.step}."
+        yield (f"Started run `{view.id}`" + (f" ({where})" if where else "") + ". It keeps going if you close "
+               "this page.", gr.update(visible=False), view.id)
 
     form.upload.upload(on_upload, form.upload, w["dataset"])
     # models downloaded since the page was built show up when the list is opened
     w["model"].focus(lambda: gr.update(choices=[BUILTIN_MODEL, *sources.cached_models()]), None, w["model"],
                      show_progress="hidden")
     w["trainer"].input(on_trainer, [w["trainer"], w["dataset"]],
-                        [*form.trainer_groups.values(), w["trainer"], w["dataset"], w["max_length"]])
+                        [*form.trainer_groups.values(), w["trainer"], w["dataset"], w["max_length"], w["run_name"]])
     for picked in (w["trainer"].input, w["model"].input):  # the user's picks only, not a clone's
         picked(on_starting_values, [w["trainer"], w["model"], w["learning_rate"], lr_start],
                [w["learning_rate"], lr_start], show_progress="hidden")
@@ -284,14 +292,13 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
     export_btn.click(on_export, inputs, [message, exports])
     w["run_on"].change(lambda run_on: (gr.update(visible=run_on == "slurm"), gr.update(interactive=run_on != "slurm")),
                        w["run_on"], [form.slurm_box, w["cores"]], show_progress="hidden")
+    layout_io = (on_layout, inputs | {message}, [form.core_map, message])
     for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc", "run_on", "nodes"):
-        w[name].change(on_layout, inputs, form.core_map, show_progress="hidden", concurrency_id="core-map")
+        w[name].change(*layout_io, show_progress="hidden", concurrency_id="core-map")
     # one queue for every redraw, so an older one (the accordion opening) never lands after a newer one
-    form.layout_box.expand(on_layout, inputs, form.core_map, show_progress="hidden", concurrency_id="core-map")
+    form.layout_box.expand(*layout_io, show_progress="hidden", concurrency_id="core-map")
     start_event = start_btn.click(on_start, inputs, [message, plan_box, selected])
-    stop_btn.click(on_stop, selected, message)
-    stop_save_btn.click(on_stop_and_save, selected, message)
-    resume_event = resume_btn.click(on_resume, selected, message)
+    resume_event = controls.wire(manager, hardware, selected, message)
     timer = gr.Timer(1.0)
     panel.follow(timer, manager, selected, pause=True)
     for started in (start_event, resume_event):  # the panel follows a run again

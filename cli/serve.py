@@ -17,13 +17,12 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
         return 2
     runs_dir = runs_folder(args, write=True)  # before the app starts: it makes runs there
-    from app.main import CSS, build_app, queued
+    from app.main import build_app, launch_settings, queued
 
     demo = build_app(runs_dir)
     print(f"Studio on http://{args.host}:{args.port}", flush=True)
     queued(demo).launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True,
-                        quiet=True, css=CSS,
-                        footer_links=["gradio", "settings"])
+                        quiet=True, footer_links=["gradio", "settings"], **launch_settings(runs_dir))
     return 0
 
 

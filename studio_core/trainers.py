@@ -78,6 +78,9 @@ class Trainer:
     task: str = "text-generation"  # what the saved model does: text-generation (chat) or text-classification
     defaults: tuple[Default, ...] = ()  # applied on every backend
     neuron_defaults: tuple[Default, ...] = ()
+    # The run page's plots of the trainer's own metrics, beside loss and learning rate: (title,
+    # names as TRL logs them, fnmatch patterns). A plot with nothing logged is not shown.
+    plots: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def forecast(self) -> bool:
@@ -105,6 +108,10 @@ GENERATION_NEURON_DEFAULTS = (
 
 
 GENERATES = "its shapes come from what the model generates"
+PREFERENCE_REWARDS = ("Rewards (chosen, rejected, margin)", ("rewards/chosen", "rewards/rejected", "rewards/margins"))
+# TRL logs `kl` only with a KL term (beta > 0; GRPO's default beta is 0)
+ONLINE_PLOTS = (("Rewards (total and per function)", ("reward", "rewards/*/mean")), ("KL to the reference", ("kl",)),
+                ("Completion length (tokens)", ("completions/mean_length",)))
 
 
 def _generation_fields(generations: int) -> tuple[FormField, ...]:
@@ -129,7 +136,8 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
         # TorchNeuron announcement) compile SFT only, and GRPO/RLOO rely on generate()'s own
         # static-cache compile path. A recipe may still turn it on; the plan warns then.
         neuron_defaults=(Default("torch_compile", True, "compiled steps run faster than eager (Qwen3-0.6B, one "
-                                 "core: 1.15 s vs 1.71 s per step); the backend becomes \"neuron\" by itself"),)),
+                                 "core: 1.15 s vs 1.71 s per step); the backend becomes \"neuron\" by itself"),),
+        plots=(("Token accuracy", ("mean_token_accuracy",)),)),
     Trainer(
         key="dpo", name="DPO", label="DPO (preference pairs)",
         help="learns to prefer the chosen answer to the rejected one",
@@ -138,7 +146,8 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
         roles=(Role("chosen"), Role("rejected"), Role("prompt", required=False)),
         fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
                 FormField("loss_type", "choice", "sigmoid", "DPO loss", as_list=True)),
-        reference_model=True),
+        reference_model=True,
+        plots=(PREFERENCE_REWARDS, ("Reward accuracy (chosen above rejected)", ("rewards/accuracies",)))),
     Trainer(
         key="kto", name="KTO", label="KTO (answers marked good or bad)",
         help="learns from single answers labelled desirable or not; no pairs needed",
@@ -151,7 +160,7 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
                           choices=("kto", "apo_zero_unpaired")),  # from KTOConfig's docstring
                 FormField("desirable_weight", "float", 1.0, "weight of the desirable answers' loss"),
                 FormField("undesirable_weight", "float", 1.0, "weight of the undesirable answers' loss")),
-        reference_model=True,
+        reference_model=True, plots=(PREFERENCE_REWARDS, ("KL to the reference", ("kl",))),
         not_forecast="its KL term sends a second batch, of other shapes, through the model at each step, and the "
                      "forecast walks one per step"),
     Trainer(
@@ -160,14 +169,14 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
         config_class="GRPOConfig", trainer_class="GRPOTrainer", sample="builtin:prompts",
         data_types=("prompt_only", "prompt_completion"), data_help=PROMPT_HELP, roles=(Role("prompt"),),
         fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False, not_forecast=GENERATES,
-        neuron_defaults=GENERATION_NEURON_DEFAULTS),
+        neuron_defaults=GENERATION_NEURON_DEFAULTS, plots=ONLINE_PLOTS),
     Trainer(
         key="rloo", name="RLOO", label="RLOO (online RL, leave-one-out baseline)",
         help="generates answers and learns from their rewards against the others' mean",
         config_class="RLOOConfig", trainer_class="RLOOTrainer", sample="builtin:prompts",
         data_types=("prompt_only", "prompt_completion"), data_help=PROMPT_HELP, roles=(Role("prompt"),),
         fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False, not_forecast=GENERATES,
-        neuron_defaults=GENERATION_NEURON_DEFAULTS),
+        neuron_defaults=GENERATION_NEURON_DEFAULTS, plots=ONLINE_PLOTS),
     Trainer(
         key="reward", name="reward modeling", label="Reward model (scores answers)",
         help="learns a score that ranks the chosen answer above the rejected one; the model it saves scores "
@@ -176,6 +185,7 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
         data_types=("preference", "preference_implicit"), data_help=PREFERENCE_HELP,
         roles=(Role("chosen"), Role("rejected"), Role("prompt", required=False)),
         task="text-classification",
+        plots=(("Accuracy (chosen scored above rejected)", ("accuracy",)), ("Score margin", ("margin",))),
         defaults=(Default("lora_task_type", "SEQ_CLS", "a reward model is a sequence classifier: PEFT then trains "
                           "and saves its score head with the adapter", when=lambda args: args.get("use_peft")),)),
 )}

@@ -54,17 +54,32 @@ def stop_runs(runs_dir: Path) -> None:
             manager.stop(view.id)
 
 
-class App:
-    """`python launch.py` on a free port over a given runs folder."""
+def default_location(base: Path) -> tuple[Path, dict]:
+    """A runs folder where a user's is by default (~/trn-studio/runs), for an app started without
+    --runs-dir: (the folder, the app's environment). Its home is under `base`, and its temp
+    folder elsewhere under it, so that, as on a user's machine, the runs folder is neither in
+    the temp folder nor in the working directory (from where Gradio hands out files by itself)."""
+    env = {key: value for key, value in os.environ.items() if key != "STUDIO_RUNS_DIR"}
+    env |= {"HOME": str(base / "home"), "TMPDIR": str(base / "tmp")}
+    (base / "tmp").mkdir(parents=True, exist_ok=True)
+    runs = base / "home" / "trn-studio" / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    return runs, env
 
-    def __init__(self, runs_dir: Path, env: dict | None = None):
+
+class App:
+    """`python launch.py` on a free port over a given runs folder (`default_location`: the folder
+    is the default one of the app's environment, and no --runs-dir is given)."""
+
+    def __init__(self, runs_dir: Path, env: dict | None = None, default_location: bool = False):
         self.runs_dir = runs_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = runs_dir.parent / f"app-{self.port}.log"
         self.log = open(self.log_path, "wb")
+        where = [] if default_location else ["--runs-dir", str(runs_dir)]
         self.proc = subprocess.Popen(
-            [sys.executable, "launch.py", "--port", str(self.port), "--runs-dir", str(runs_dir)],
+            [sys.executable, "launch.py", "--port", str(self.port), *where],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.known: set[str] = set()
         deadline = time.time() + 90
@@ -110,11 +125,17 @@ def app_env():
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory, app_env):
-    """One app for the tests of a file, over a runs folder of its own; no run outlives the file."""
-    runs = tmp_path_factory.mktemp("app") / "runs"
-    runs.mkdir()
-    server = App(runs, env=app_env)
+def app(request, tmp_path_factory, app_env):
+    """One app for the tests of a file, over a runs folder of its own; no run outlives the file.
+    A file that sets APP_DEFAULT_LOCATION = True gets one over the default runs folder of a home
+    of its own (default_location), started without --runs-dir."""
+    if getattr(request.module, "APP_DEFAULT_LOCATION", False):
+        runs, env = default_location(tmp_path_factory.mktemp("app"))
+        server = App(runs, env=env | (app_env or {}), default_location=True)
+    else:
+        runs = tmp_path_factory.mktemp("app") / "runs"
+        runs.mkdir()
+        server = App(runs, env=app_env)
     yield server
     server.kill()
     stop_runs(server.runs_dir)
@@ -166,6 +187,18 @@ def run_state(page, state: str):
     """The Train tab's run status once it says `state` (e.g. "FINISHED"): the status line of the
     run this page follows, not a state named anywhere else on the page."""
     return page.locator(".run-status").first.get_by_text(state).first
+
+
+def drawn_lines(plot):
+    """The lines a LinePlot (a locator) draws: its SVG line marks with a colour (Gradio draws a
+    series outside the colour scale it fixed earlier as a line without one: invisible)."""
+    return plot.locator(".mark-line path[stroke]:not([stroke='none'])")
+
+
+def log_at_end(page) -> bool:
+    """Whether the Train tab's log box shows the end of the log (its last lines)."""
+    return page.locator(".run-log textarea").first.evaluate(
+        "t => t.value.length > 0 && t.scrollHeight - t.scrollTop - t.clientHeight < 24")
 
 
 def check_dataset_in_page(page, path: Path):

@@ -169,18 +169,44 @@ def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser
     assert manager.view(view.id).live_state == "stopped"
 
 
-def test_stop_and_save_then_resume_from_the_page(page):
+def test_stop_and_save_then_resume_from_the_page(page, app):
     set_number(page, "max_steps", 100_000)
     set_number(page, "logging_steps", 50)
     page.locator("#start").click()
     run_state(page, "RUNNING").wait_for(timeout=120_000)
+    expect(page.locator("#resume")).to_be_disabled()  # a going run: stop it, not resume it
+    # the log follows its end as it grows, and stays where the user scrolled up to
+    log = page.locator(".run-log textarea").first
+    page.wait_for_function("() => { const t = document.querySelector('.run-log textarea');"
+                           " return t.scrollHeight > t.clientHeight + 40 && t.scrollHeight - t.scrollTop - "
+                           "t.clientHeight < 24; }", timeout=SLOW)
+    log.evaluate("t => { t.scrollTop = 10; }")
+    before = log.input_value()
+    page.wait_for_function("old => document.querySelector('.run-log textarea').value !== old", arg=before,
+                           timeout=SLOW)
+    page.wait_for_timeout(600)  # the page's follower looks every 250 ms
+    assert log.evaluate("t => t.scrollTop") == 10
+
     page.locator("#stop-save").click()
     run_state(page, "STOPPED").wait_for(timeout=120_000)
+    expect(page.locator("#stop")).to_be_disabled()
     resume_point = page.locator(".resume-point")
     expect(resume_point).to_contain_text("Can resume from step")
     step = int(re.search(r"step (\d+)", resume_point.inner_text()).group(1))
-    page.locator("#resume").click()
-    page.locator("#train-message").get_by_text(f"resumed from step {step}").wait_for(timeout=60_000)
+    [view] = app.new_runs()
+
+    page.reload()  # a reloaded page follows the stopped run, whose Resume is at hand
+    run_state(page, "STOPPED").wait_for(timeout=SLOW)
+    assert view.id in page.locator(".run-status").first.inner_text()
+    expect(page.locator("#resume")).to_be_enabled()
+    # and the Runs tab resumes any run it opens
+    page.get_by_role("tab", name="Runs").click()
+    pick(page, "open-run", view.id)
+    expect(page.locator("#runs-resume")).to_be_enabled(timeout=SLOW)
+    page.locator("#runs-resume").click()
+    expect(page.locator("#runs-message")).to_contain_text(f"resumed from step {step}", timeout=60_000)
+    expect(page.locator("#runs-stop")).to_be_enabled(timeout=SLOW)
+    page.get_by_role("tab", name="Train").click()  # which the Train tab follows
     run_state(page, "RUNNING").wait_for(timeout=120_000)
     progress = page.locator(".run-progress").first
     expect(progress).not_to_have_attribute("data-step", str(step), timeout=60_000)

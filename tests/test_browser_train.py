@@ -14,7 +14,11 @@ import os
 import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
-from studio_browser import expect, run_state, set_number
+from studio_browser import drawn_lines, expect, log_at_end, run_state, set_number
+
+# This file's app keeps its runs where a user's are by default (~/trn-studio/runs), outside the
+# temp folder: the exported scripts must still be offered for download.
+APP_DEFAULT_LOCATION = True
 
 
 def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
@@ -29,11 +33,29 @@ def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
     assert "use_cpu = True" in plan.inner_text()
     assert app.new_runs() == []  # a preview launches nothing
 
+    for button in ("#stop", "#stop-save", "#resume"):  # no run followed: nothing to stop or resume
+        expect(page.locator(button)).to_be_disabled()
     page.locator("#start").click()
+    expect(page.locator("#stop")).to_be_enabled(timeout=60_000)  # while it goes
     run_state(page, "FINISHED").wait_for(timeout=120_000)
     status = page.locator(".run-status").first.inner_text()
     assert "browser-sft" in status and "loss" in status
     assert page.locator(".run-progress[data-step='40'][data-total='40']").first.is_visible()
+    for button in ("#stop", "#stop-save", "#resume"):  # a finished run: nothing to stop or resume
+        expect(page.locator(button)).to_be_disabled()
+    page.wait_for_function("() => { const t = document.querySelector('.run-log textarea'); return t.value.includes("
+                           "'train_runtime') && t.scrollHeight - t.scrollTop - t.clientHeight < 24; }")
+    assert log_at_end(page)  # the log box shows its last lines, not its top
+    # the plots are drawn, the hardware ones (coloured by node) too, with their titles whole
+    train_tab = page.locator("#tab-train")
+    for title in ("Loss", "Token accuracy", "CPU of the run's processes (%, 100 = one core)"):
+        plot = train_tab.locator(".block").filter(has=page.get_by_text(title, exact=True)).last
+        expect(drawn_lines(plot).first).to_be_attached(timeout=30_000)
+    page.get_by_text("Settings the studio applied, and why").click()
+    why = page.locator("table.applied th").nth(2)
+    expect(why).to_be_visible()
+    assert why.bounding_box()["width"] > 300  # the reasons have room (they were 3 characters wide)
+    assert page.evaluate("document.body.scrollHeight") < 4000
     page.screenshot(path=str(tmp_path / "train-finished.png"), full_page=True)
 
     [view] = app.new_runs()
@@ -94,6 +116,9 @@ def test_a_two_process_layout_from_the_page(page, app):
     set_number(page, "max_steps", 10)
     page.locator("#export").click()
     expect(page.locator("#train-message")).to_contain_text("launch.sh")
+    # offered for download from the default runs folder (Gradio refused it with a red toast)
+    for name in ("sft-builtin-tiny-qwen3-launch.sh", "sft-builtin-tiny-qwen3-slurm.sh"):
+        expect(page.locator("#exports").get_by_role("cell", name=name, exact=True)).to_be_visible(timeout=30_000)
     exported = sorted(p.name for p in (app.runs_dir / "exports").iterdir())  # no other test here exports
     assert exported == ["sft-builtin-tiny-qwen3-launch.sh", "sft-builtin-tiny-qwen3-slurm.sh"]
     assert "--nproc-per-node=2" in (app.runs_dir / "exports" / exported[0]).read_text()
@@ -115,7 +140,14 @@ def test_the_core_map_marks_the_cores_others_hold_and_names_them(new_page, app):
         cores = page.locator("#cores input, #cores textarea").first
         cores.fill("0")
         cores.press("Tab")
-        expect(core_map).to_contain_text(f"core 0 is held by run {holder}", timeout=30_000)
+        message = page.locator("#train-message")  # said where refusals are, whole (the map's box cut it)
+        expect(message).to_contain_text("This layout cannot run here", timeout=30_000)
+        expect(message).to_contain_text(f"core 0 is held by run {holder}")
+        cores.fill("1")
+        cores.press("Tab")
+        expect(message).not_to_contain_text("This layout cannot run here", timeout=30_000)  # fixed: gone
+        cores.fill("0")
+        cores.press("Tab")
         page.locator("#preview").click()  # and the preview refuses it the same way
         expect(page.locator("#train-message")).to_contain_text(f"core 0 is held by run {holder}")
 

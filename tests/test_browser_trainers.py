@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
-from studio_browser import expect, run_state, set_number
+from app.run_panel import trainer_frame
+from studio_browser import drawn_lines, expect, run_state, set_number
 from studio_core import trainers
 from test_trainers import STEPS, check_trained
 
@@ -30,9 +31,17 @@ def test_each_trainer_from_the_page(page, app, trainer, steps, tmp_path):
     set_number(page, "max_steps", steps)
     set_number(page, "logging_steps", 2)
     page.locator("#start").click()
+    if entry.rewards:  # said at once, before the reward functions are checked in a process of their own
+        expect(page.locator("#train-message")).to_contain_text("reward functions", timeout=5_000)
     run_state(page, "FINISHED").wait_for(timeout=180_000)
     [view] = app.new_runs()
     assert view.trainer == trainer and view.live_state == "finished" and view.step == steps
+    # the trainer's own metrics are plotted (GRPO's rewards per function, DPO's margins, ...)
+    series = {title: trainer_frame(view, names)["metric"].nunique() for title, names in entry.plots}
+    assert any(series.values()), f"{trainer} logged none of {entry.plots}"
+    for title, count in series.items():  # a line per metric logged (per reward function, ...)
+        plot = page.locator("#tab-train .trainer-plot").filter(has=page.get_by_text(title, exact=True))
+        expect(drawn_lines(plot)).to_have_count(count, timeout=30_000)
     check_trained(view, trainer, lora=False, tmp_path=tmp_path)
     if not entry.chats:  # a reward model: offered for export, not for chat
         page.get_by_role("tab", name="Chat").click()

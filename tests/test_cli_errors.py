@@ -165,7 +165,7 @@ def no_app(monkeypatch):
         raise AssertionError("the web app was started")
 
     stub = types.ModuleType("app.main")
-    stub.CSS, stub.build_app, stub.queued = "", started, started
+    stub.build_app, stub.queued, stub.launch_settings = started, started, started
     monkeypatch.setitem(sys.modules, "app.main", stub)
 
 

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from studio_core.runs.events import FINAL_STATES, read as read_events
 from studio_core import leases
@@ -122,53 +120,7 @@ def test_a_malformed_line_among_the_first_rows_is_refused_before_launch(manager,
     assert run_folders(manager.runs_dir) == []
 
 
-# --- a whole run ------------------------------------------------------------------------
-def test_one_process_sft_run_finishes_with_a_model(tmp_path, monkeypatch):
-    """A whole run, started from the CLI, which follows it to its model."""
-    monkeypatch.setenv("HF_TOKEN", "hf_do_not_leak_1234")  # must not be written to the run folder
-    runs_dir = tmp_path / "runs"
-    done = launch_py("train", str(TINY), "--runs-dir", str(runs_dir), "--backend", "cpu", "--set", "max_steps=20",
-                     "--set", "logging_steps=5")
-    assert done.returncode == 0, done.stderr
-    (run_dir,) = run_folders(runs_dir)
-    assert f"Model saved in {run_dir / 'output'}" in done.stdout
-    assert "finished (exit code 0)" in done.stdout
-    assert "loss" in done.stdout  # the metrics are shown as they come
-    assert "do_not_leak" not in done.stdout + done.stderr
-    manager = RunManager(runs_dir)
-    view = manager.view(run_dir.name)
-
-    assert view.state == "finished", view.error_text
-    assert view.exit_code == 0 and view.error_text is None
-    assert view.world_size == 1
-    assert view.step == view.max_steps == 20
-    losses = [m for m in view.metrics if "loss" in m]
-    assert [m["step"] for m in losses] == [1, 5, 10, 15, 20]
-    assert all(m["loss"] > 0 and m["learning_rate"] > 0 for m in losses)
-    assert view.duration() > 0 and view.started is not None and view.ended >= view.started
-
-    model = AutoModelForCausalLM.from_pretrained(view.dir / "output")
-    assert model.config.model_type == "qwen3"
-    trained_with = torch.load(view.dir / "output" / "training_args.bin", weights_only=False)
-    assert type(trained_with).__name__ == "SFTConfig"  # what the trainer really ran with:
-    assert (trained_with.use_cpu, trained_with.bf16, trained_with.ddp_backend) == (True, False, "gloo")
-    assert (trained_with.max_steps, trained_with.run_name) == (20, "tiny-sft")
-    assert trained_with.output_dir == str(view.dir / "output")
-
-    saved = RunSpec.load(view.dir / "spec.yaml")
-    assert saved.args["use_cpu"] is True and saved.args["bf16"] is False  # the resolved spec
-    assert saved.args["max_steps"] == 20 and saved.run_name == "tiny-sft"
-    assert view.spec == saved.to_dict()  # a plain yaml.safe_load of spec.yaml reads the same
-    launch = json.loads((view.dir / "launch.json").read_text())
-    assert "--nproc-per-node=1" in launch["argv"] and "studio_core.worker" in launch["argv"]
-    assert launch["env"]["STUDIO_RUN_ID"] == view.id
-    assert launch["hardware"]["backend"] == "cpu"
-    assert "do_not_leak" not in (view.dir / "launch.json").read_text()
-    assert "do_not_leak" not in (view.dir / "spec.yaml").read_text()
-    assert (view.dir / "train.log").stat().st_size > 0
-    assert [v.id for v in manager.list()] == [view.id]
-
-
+# --- a whole run (the one-process CLI run: tests/test_readme.py, README's first train command) ---
 def test_two_processes_run_data_parallel(two_process_runs):
     from studio_core.runs.manager import RunManager
 
