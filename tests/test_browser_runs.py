@@ -2,8 +2,8 @@
 overlaid, the settings that differ), clones one into the Train form and deletes one after one
 confirmation; its compile cache panel shows the cache, refuses to clear it while a real run goes
 and clears it once the run has stopped (what a real compile leaves in the cache is checked in
-test_compile_cache.py); a run survives the page closing and the app restarting and is stopped
-from a second browser; stop and save, then resume, from the page.
+test_compile_cache.py); a run survives the page closing and the app restarting, and a page of
+the new app follows it, stops and saves it, and after a reload resumes it from the Runs tab.
 
 The compared runs are the session's history_runs (conftest), copied into the app's runs folder.
 Chromium through Playwright, the app as its own process, one app for this file, with a compile
@@ -12,8 +12,10 @@ cache of its own (tests/studio_browser.py); skipped, saying so, where Chromium i
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 
 import pytest
 
@@ -138,10 +140,12 @@ def test_compare_clone_and_delete_runs(new_page, app, history_runs, tmp_path):
     expect(page.locator("#runs-message")).to_contain_text("freed")  # still there once the table refreshed
 
 
-def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser(new_page, runs_dir):
-    first_app = App(runs_dir)  # apps of its own: the test kills one
+def test_a_run_survives_page_and_app_then_is_stopped_saved_and_resumed_from_the_page(new_page, runs_dir):
+    first_app = App(runs_dir)  # apps of its own: the test kills them
     try:
         page = new_page(first_app.url)
+        for button in ("#stop", "#stop-save", "#resume"):  # no run followed: nothing to stop or resume
+            expect(page.locator(button)).to_be_disabled()
         set_number(page, "max_steps", 100_000)
         set_number(page, "logging_steps", 50)
         page.locator("#start").click()
@@ -158,24 +162,53 @@ def test_run_survives_page_close_and_app_restart_and_stops_from_a_second_browser
 
     second_app = App(runs_dir)
     try:
-        other = new_page(second_app.url)  # a fresh page follows the run still going
-        run_state(other, "RUNNING").wait_for(timeout=30_000)
-        assert view.id in other.locator(".run-status").first.inner_text()
-        other.locator("#stop").click()
-        run_state(other, "STOPPED").wait_for(timeout=60_000)
-        expect(other.locator("#train-message")).to_contain_text("none of its processes is left")
+        page = new_page(second_app.url)  # a fresh page of a new app follows the run still going
+        run_state(page, "RUNNING").wait_for(timeout=30_000)
+        assert view.id in page.locator(".run-status").first.inner_text()
+        expect(page.locator("#resume")).to_be_disabled()  # a going run: stop it, not resume it
+        check_the_log_follows_its_end(page)
+        page.locator("#stop-save").click()
+        run_state(page, "STOPPED").wait_for(timeout=120_000)
+        expect(page.locator("#stop")).to_be_disabled()
+        resume_point = page.locator(".resume-point")
+        expect(resume_point).to_contain_text("Can resume from step")
+        step = int(re.search(r"step (\d+)", resume_point.inner_text()).group(1))
+
+        page.reload()  # a reloaded page follows the stopped run, whose Resume is at hand
+        run_state(page, "STOPPED").wait_for(timeout=SLOW)
+        assert view.id in page.locator(".run-status").first.inner_text()
+        expect(page.locator("#resume")).to_be_enabled()
+        # and the Runs tab resumes any run it opens
+        page.get_by_role("tab", name="Runs").click()
+        pick(page, "open-run", view.id)
+        expect(page.locator("#runs-resume")).to_be_enabled(timeout=SLOW)
+        page.locator("#runs-resume").click()
+        expect(page.locator("#runs-message")).to_contain_text(f"resumed from step {step}", timeout=60_000)
+        expect(page.locator("#runs-stop")).to_be_enabled(timeout=SLOW)
+        page.get_by_role("tab", name="Train").click()  # which the Train tab follows
+        run_state(page, "RUNNING").wait_for(timeout=120_000)
+        progress = page.locator(".run-progress").first
+        expect(progress).not_to_have_attribute("data-step", str(step), timeout=60_000)
+        assert int(progress.get_attribute("data-step")) > step  # the step count goes on
+        page.locator("#stop").click()
+        run_state(page, "STOPPED").wait_for(timeout=60_000)
+        expect(page.locator("#train-message")).to_contain_text("none of its processes is left")
+        # the Runs tab: started is the first start, the training time leaves out the stopped time
+        page.get_by_role("tab", name="Runs").click()
+        row = page.locator("#runs-table tr").filter(has_text=view.id).first
+        expect(row).to_contain_text("stopped", timeout=SLOW)
+        cells = [c.strip() for c in row.locator("td").all_text_contents()]
+        first_event = json.loads((view.dir / "events.jsonl").read_text().splitlines()[0])
+        assert cells[5] == time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(first_event["time"])), cells
+        seconds = [int(m) * 60 + int(s) for m, s in (cell.split(":")[-2:] for cell in cells[6:8])]
+        assert 0 < seconds[0] < seconds[1], cells  # training < wall: the reload and the Runs tab took a while
     finally:
         second_app.kill()
     assert manager.view(view.id).live_state == "stopped"
 
 
-def test_stop_and_save_then_resume_from_the_page(page, app):
-    set_number(page, "max_steps", 100_000)
-    set_number(page, "logging_steps", 50)
-    page.locator("#start").click()
-    run_state(page, "RUNNING").wait_for(timeout=120_000)
-    expect(page.locator("#resume")).to_be_disabled()  # a going run: stop it, not resume it
-    # the log follows its end as it grows, and stays where the user scrolled up to
+def check_the_log_follows_its_end(page) -> None:
+    """The log box follows its end as it grows, and stays where the user scrolled up to."""
     log = page.locator(".run-log textarea").first
     page.wait_for_function("() => { const t = document.querySelector('.run-log textarea');"
                            " return t.scrollHeight > t.clientHeight + 40 && t.scrollHeight - t.scrollTop - "
@@ -186,33 +219,6 @@ def test_stop_and_save_then_resume_from_the_page(page, app):
                            timeout=SLOW)
     page.wait_for_timeout(600)  # the page's follower looks every 250 ms
     assert log.evaluate("t => t.scrollTop") == 10
-
-    page.locator("#stop-save").click()
-    run_state(page, "STOPPED").wait_for(timeout=120_000)
-    expect(page.locator("#stop")).to_be_disabled()
-    resume_point = page.locator(".resume-point")
-    expect(resume_point).to_contain_text("Can resume from step")
-    step = int(re.search(r"step (\d+)", resume_point.inner_text()).group(1))
-    [view] = app.new_runs()
-
-    page.reload()  # a reloaded page follows the stopped run, whose Resume is at hand
-    run_state(page, "STOPPED").wait_for(timeout=SLOW)
-    assert view.id in page.locator(".run-status").first.inner_text()
-    expect(page.locator("#resume")).to_be_enabled()
-    # and the Runs tab resumes any run it opens
-    page.get_by_role("tab", name="Runs").click()
-    pick(page, "open-run", view.id)
-    expect(page.locator("#runs-resume")).to_be_enabled(timeout=SLOW)
-    page.locator("#runs-resume").click()
-    expect(page.locator("#runs-message")).to_contain_text(f"resumed from step {step}", timeout=60_000)
-    expect(page.locator("#runs-stop")).to_be_enabled(timeout=SLOW)
-    page.get_by_role("tab", name="Train").click()  # which the Train tab follows
-    run_state(page, "RUNNING").wait_for(timeout=120_000)
-    progress = page.locator(".run-progress").first
-    expect(progress).not_to_have_attribute("data-step", str(step), timeout=60_000)
-    assert int(progress.get_attribute("data-step")) > step  # the step count goes on
-    page.locator("#stop").click()
-    run_state(page, "STOPPED").wait_for(timeout=60_000)
 
 
 def test_delete_without_an_opened_run_says_what_to_do(page):

@@ -13,6 +13,7 @@ from datasets import Dataset, load_dataset
 from trl.data_utils import is_conversational
 
 from studio_core import trainers
+from studio_core.builtin import BUILTIN_DATASETS
 from studio_core.data_check import (
     DatasetKind,
     apply_column_map,
@@ -701,3 +702,18 @@ def test_a_utf16_file_is_named_as_such(tmp_path):
     with pytest.raises(ValueError, match=r"data.csv is UTF-16 text; save it as UTF-8, e\.g\. `iconv -f utf-16 -t "
                                          r"utf-8 data.csv > data-utf8.csv`"):
         read_rows(path)
+
+
+def test_the_pages_dataset_report_reads_as_sentences(tmp_path):
+    """The Train tab's report: no empty "(unknown, )" for columns it cannot place, and each
+    sentence a paragraph of its own ("Fits SFT." ran into the line before)."""
+    from app.train_tab import dataset_report
+    from studio_core.spec import RunSpec
+
+    fits, _, _ = dataset_report(RunSpec(dataset_name=BUILTIN_DATASETS["builtin:qa"]))
+    assert "\n\n**Fits SFT.**" in fits
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"foo": "a", "bar": "b"}) + "\n")
+    report, _, _ = dataset_report(RunSpec(dataset_name=str(odd)))
+    assert "**Detected:**" in report and "unknown, )" not in report and "()" not in report
+    assert "\n\n**Does not fit this trainer:**" in report
