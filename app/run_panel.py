@@ -20,7 +20,7 @@ from app.hardware_panel import HardwarePanel
 from studio_core import trainers
 from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import RunView, late_compile_text
+from studio_core.runs.view import RunView, format_seconds, late_compile_text
 from studio_core.sizes import MB
 from studio_core.spec import SpecError
 
@@ -173,7 +173,7 @@ class RunPanel:
         except KeyError:  # a damaged spec: no trainer known
             plots = ()
         shown = {}
-        for widget, index in zip(self.trainer_plots, range(TRAINER_PLOTS)):
+        for index, widget in enumerate(self.trainer_plots):
             frame = trainer_frame(view, plots[index][1]) if index < len(plots) else None
             shown[widget] = (gr.update(value=frame, title=plots[index][0], visible=True)
                              if frame is not None and len(frame) else gr.update(visible=False))
@@ -333,15 +333,5 @@ def _frame(metric: str, view: RunView | None = None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["step", metric], dtype=float)
 
 
-def format_seconds(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
-
-
 def short_seconds(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 60 else format_seconds(seconds)
-
-
-def format_time(timestamp: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else ""

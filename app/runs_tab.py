@@ -13,7 +13,7 @@ from app.train_form import TrainForm, form_values
 from studio_core import history, trainers
 from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import STATES, RunView
+from studio_core.runs.view import STATES, RunView, format_seconds, format_time
 from studio_core.sizes import format_size
 
 # State and steps share a column, so that training and wall time fit beside the rest: with these
@@ -30,13 +30,13 @@ def runs_table(views: list[RunView], state: str = ALL, trainer: str = ALL, model
     between a stop and a resume left out), wall from its first start to its end; model and
     dataset by their short names (a local path's last part)."""
     def seconds(value: float | None) -> str:
-        return "" if value is None else run_panel.format_seconds(value)
+        return "" if value is None else format_seconds(value)
 
     rows = []
     for view in history.sort_runs(history.filter_runs(views, state, trainer, model), sort):
         loss = view.last_loss()
         rows.append([view.id, f"{view.live_state} {view.step}/{view.max_steps or '?'}", view.trainer,
-                     view.short_model, view.short_dataset, run_panel.format_time(view.first_start),
+                     view.short_model, view.short_dataset, format_time(view.first_start),
                      seconds(view.training_seconds()), seconds(view.wall_seconds()),
                      "" if loss is None else round(loss, 4), format_size(view.size())])
     return pd.DataFrame(rows, columns=COLUMNS)

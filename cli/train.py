@@ -11,7 +11,7 @@ from cli.options import CommandLineError, check_new_file, hardware_for, load_spe
 from studio_core import sources
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import FINAL_STATES, RunView, late_compile_text
+from studio_core.runs.view import FINAL_STATES, RunView, format_seconds, format_time, late_compile_text
 from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import SpecError
 
@@ -157,11 +157,7 @@ def compiling_text(view: RunView) -> str:
 
 
 def clock(seconds: float | None) -> str:
-    """h:mm:ss or m:ss, as the Runs tab shows times; "-" when unknown."""
-    if seconds is None:
-        return "-"
-    hours, rest = divmod(int(max(0, seconds)), 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+    return "-" if seconds is None else format_seconds(seconds)
 
 
 def cmd_runs(args) -> int:
@@ -172,7 +168,7 @@ def cmd_runs(args) -> int:
     for view in runs:
         steps = f"{view.step}/{view.max_steps or '?'}"
         where = view.where()
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(view.first_start)) if view.first_start else "-"
+        started = format_time(view.first_start) or "-"
         what = f"{view.model} / {view.dataset}" if view.spec else "?"
         print(f"{view.id:48} {view.live_state:9} {steps:>11}  {started:19} {clock(view.training_seconds()):>8} "
               f"{clock(view.wall_seconds()):>8}  {what}" + (f"  [{where}]" if where else ""))

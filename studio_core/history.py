@@ -162,7 +162,7 @@ def runs_with_a_model(manager: RunManager, chats: bool = False) -> list[str]:
     with `chats`, only those whose model answers prompts (what chat can use: a reward model
     scores texts instead)."""
     found = []
-    for view in sort_runs(manager.list()):
+    for view in manager.list():  # newest first
         info = view.output_info()
         if info and (not chats or info.get("task", CHAT_TASK) == CHAT_TASK):  # older runs all chat
             found.append(view.id)

@@ -146,8 +146,9 @@ RESUMED = [("status", 0, {"state": "starting"}), ("hardware", 2, sample(50)), ("
 def test_a_resumed_runs_times_leave_out_the_idle_gap_everywhere(tmp_path, capsys):
     import gradio as gr
 
-    from app import hardware_panel, run_panel
+    from app import hardware_panel
     from app.runs_tab import runs_table
+    from studio_core.runs.view import format_time
 
     run_id = "20260101-120000-tiny-sft-abc123"
     write_run(tmp_path / "runs", run_id, RESUMED, extra_lines='{"type": "status"}\nnot json\n')
@@ -159,11 +160,11 @@ def test_a_resumed_runs_times_leave_out_the_idle_gap_everywhere(tmp_path, capsys
         [0, 0, 10, 60, 60, 60, 70, 90]  # a moment in the gap counts as its start's end
 
     (row,) = runs_table([view]).to_dict("records")
-    assert row["started"] == run_panel.format_time(T0) and (row["training"], row["wall"]) == ("1:30", "17:10")
+    assert row["started"] == format_time(T0) and (row["training"], row["wall"]) == ("1:30", "17:10")
     assert (row["state · steps"], row["model"], row["dataset"]) == ("finished 1/?", "my-model", "trl-lib/Capybara")
     assert cli_main(["runs", "--runs-dir", str(tmp_path / "runs")]) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(run_id)]
-    assert f"{run_panel.format_time(T0)}     1:30    17:10  /models/base/my-model" in line
+    assert f"{format_time(T0)}     1:30    17:10  /models/base/my-model" in line
 
     with gr.Blocks():
         panel = hardware_panel.HardwarePanel()

@@ -218,6 +218,18 @@ def short_source(name: str) -> str:
     return name
 
 
+def format_seconds(seconds: float) -> str:
+    """A duration as listings show it: h:mm:ss, or m:ss under an hour."""
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def format_time(timestamp: float | None) -> str:
+    """A moment as listings show it (local time), "" when unknown."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else ""
+
+
 def run_id_time(run_id: str) -> float | None:
     """The local time a run id begins with (folder.new_run_id: `20260101-120000-<name>-<hex>`),
     or None for a name that does not."""
