@@ -28,7 +28,7 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from studio_core import children, leases
@@ -161,37 +161,40 @@ class ChatProcess:
               max_cache_len: int = MAX_CACHE_LEN) -> ChatProcess:
         """Resolve the target, take a free core (or the ones asked for), load the model."""
         target = resolve(name, runs_dir)
-        with leases.choosing(runs_dir):  # until the chat process holds the core chosen here
-            proc, events, stderr_tail, chosen = cls._spawn(target, runs_dir, hardware, cores, max_cache_len)
-            leases.wait_held(runs_dir, hardware.backend, chosen, proc)
+        setup = {"target": asdict(target), "max_cache_len": max_cache_len, "kind": "chat"}
+        proc, events, stderr_tail, _ = cls.spawn("studio_core.chat_worker", setup, runs_dir, hardware, cores)
         try:
             first = events.get(timeout=LOAD_TIMEOUT_S)
         except queue.Empty:
-            _kill(proc)
+            kill(proc)
             raise ChatError(f"the chat process did not load {target.label} within {LOAD_TIMEOUT_S} s") from None
         if first.get("type") != "ready":
-            _kill(proc)
+            kill(proc)
             proc.wait()
             message = first.get("message") or "\n".join(stderr_tail[-8:]) or "it exited"
             raise ChatError(f"chat on {target.label}: {message}")
         return cls(proc, target, first, events)
 
     @staticmethod
-    def _spawn(target: ChatTarget, runs_dir, hardware: Hardware, cores: str | None, max_cache_len: int):
-        chosen = choose_chat_cores(runs_dir, hardware, cores)
-        env = device_env(hardware, compile_cache_root(), chosen)
-        proc = children.start("studio_core.chat_worker", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
-        events: queue.Queue = queue.Queue()
-        stderr_tail: list[str] = []
-        threading.Thread(target=_read_events, args=(proc.stdout, events), daemon=True).start()
-        threading.Thread(target=_keep_tail, args=(proc.stderr, stderr_tail), daemon=True).start()
-        setup = {"label": target.label, "model": target.model, "tokenizer": target.tokenizer,
-                 "adapter": target.adapter, "base": target.base, "trust_remote_code": target.trust_remote_code,
-                 "runs_dir": str(Path(runs_dir).expanduser()), "backend": hardware.backend, "cores": chosen,
-                 "max_cache_len": max_cache_len}
-        proc.stdin.write(json.dumps(setup) + "\n")
-        proc.stdin.flush()
+    def spawn(module: str, setup: dict, runs_dir, hardware: Hardware, cores: str | None):
+        """Start a process that loads a model on a core of its own (the chat's, an evaluation's):
+        the core is chosen and the process holds its lease before this returns. Its first stdin
+        line is `setup` with the runs folder, backend and cores added; its stdout lines are JSON
+        events. Returns (process, event queue, its stderr's last lines, the cores)."""
+        with leases.choosing(runs_dir):  # until the process holds the core chosen here
+            chosen = choose_one_core(runs_dir, hardware, cores, "evaluation" if setup["kind"] == "eval" else "chat")
+            env = device_env(hardware, compile_cache_root(), chosen)
+            proc = children.start(module, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+            events: queue.Queue = queue.Queue()
+            stderr_tail: list[str] = []
+            threading.Thread(target=_read_events, args=(proc.stdout, events), daemon=True).start()
+            threading.Thread(target=_keep_tail, args=(proc.stderr, stderr_tail), daemon=True).start()
+            setup = {**setup, "runs_dir": str(Path(runs_dir).expanduser()), "backend": hardware.backend,
+                     "cores": chosen}
+            proc.stdin.write(json.dumps(setup) + "\n")
+            proc.stdin.flush()
+            leases.wait_held(runs_dir, hardware.backend, chosen, proc)
         return proc, events, stderr_tail, chosen
 
     @property
@@ -245,7 +248,7 @@ class ChatProcess:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill(self.proc)
+                kill(self.proc)
         self.proc.wait()
 
     def _send(self, request: dict) -> None:
@@ -256,12 +259,12 @@ class ChatProcess:
             raise ChatError("the chat process has ended; load the model again") from None
 
 
-def choose_chat_cores(runs_dir: str | Path, hardware: Hardware, cores: str | None) -> list[int]:
-    """The chat's core: the one asked for if free, else the first free one."""
+def choose_one_core(runs_dir: str | Path, hardware: Hardware, cores: str | None, kind: str) -> list[int]:
+    """A chat's or an evaluation's core (`kind`): the one asked for if free, else the first free one."""
     try:
         return leases.choose(runs_dir, hardware, 1, cores or None)
     except leases.NoFreeCores as none:
-        raise ChatError(f"no free {hardware.backend} core for the chat: all {none.count} are held "
+        raise ChatError(f"no free {hardware.backend} core for the {kind}: all {none.count} are held "
                         f"({none.holding}); stop one of them first") from none
     except ValueError as error:
         raise ChatError(f"cores: {error}") from error
@@ -282,7 +285,8 @@ def _keep_tail(stream, tail: list[str]) -> None:
         del tail[:-50]
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen) -> None:
+    """Kill the process's whole group (it started a session of its own) and wait a little for it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -19,7 +19,7 @@ from studio_core import leases
 from studio_core.builtin import BUILTIN_MODEL, BUILTIN_DATASETS, ensure_tiny_model
 from studio_core.chat import (EMPTY_ANSWER, ChatError, ChatProcess, opens_thinking, shown, split_reasoning,
                               template_kwargs)
-from studio_core.chat_worker import buckets_for
+from studio_core.generation import buckets_for
 from studio_core.hardware import cpu_hardware
 from studio_core.spec import RunSpec
 from test_runs import LONG, wait_until_training
