@@ -9,6 +9,7 @@ import sys
 from cli.cache import cmd_cache
 from cli.chat import cmd_chat
 from cli.doctor import cmd_doctor
+from cli.eval import add_parser as add_eval_parser
 from cli.export import cmd_export
 from cli.options import CommandLineError, whole_number
 from cli.serve import cmd_serve
@@ -29,6 +30,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
     python launch.py train --resume RUN_ID    go on from the run's last checkpoint [--from-checkpoint STEP]
     python launch.py train RECIPE --slurm     submit to a Slurm cluster [--nodes N --partition P --time T]
     python launch.py chat RUN_OR_MODEL        chat with a run's model (--prompt TEXT: ask once)
+    python launch.py eval RUN_ID              the tuned model against its base [--data FILE|HUB_ID] [--json]
     python launch.py export RUN_ID --out DIR  a model folder with a card [--merge] [--push REPO_ID]
     python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
     python launch.py doctor                   check this machine for the studio: run it first on a new machine
@@ -36,7 +38,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
 Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
 """
 
-COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "export", "doctor")
+COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "eval", "export", "doctor")
 
 
 def main(argv: list[str]) -> int:
@@ -138,6 +140,7 @@ def parser() -> argparse.ArgumentParser:
                       help=f"the answer's length limit (the chat's cache holds {MAX_CACHE_LEN} tokens in all)")
     chat.add_argument("--cores", help="the core to chat on (default: the first free one)")
     chat.add_argument("--backend", choices=("cpu",), help="chat on the CPU even if a device is present")
+    add_eval_parser(command)
     export = command("export", cmd_export, "export a finished run as a model folder with a card; push it")
     export.add_argument("run_id")
     export.add_argument("--out", required=True, help="a new (or empty) folder for the export")

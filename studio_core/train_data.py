@@ -24,19 +24,23 @@ def load_checked_dataset(spec: RunSpec, events: Path | None):
 
 
 def load_train_dataset(spec: RunSpec, events: Path | None = None):
+    """The spec's training split (load_split)."""
+    return load_split(spec.dataset_name, spec.dataset_config, spec.dataset_train_split, events)
+
+
+def load_split(name: str, config: str | None, split: str, events: Path | None = None):
     """A file or folder as it is; a Hub dataset's split downloaded first (progress as `download`
     events when `events` is given: rank 0's), then read from the local files. Offline, `datasets`
     reads its own cache."""
     from datasets import load_dataset
     from huggingface_hub import constants
 
-    path = sources.dataset_file(spec.dataset_name)
+    path = sources.dataset_file(name)
     if path is not None:
         return load_dataset(sources.FILE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
-    name, split = spec.dataset_name, spec.dataset_train_split
     if sources.HUB_ID.match(name) and not Path(name).expanduser().exists() and not constants.HF_HUB_OFFLINE:
-        found = download_dataset_split(name, spec.dataset_config, split, events)
+        found = download_dataset_split(name, config, split, events)
         if found is not None:
             builder, files = found
             return load_dataset(builder, data_files={split.split("[")[0]: files}, split=split)
-    return load_dataset(name, name=spec.dataset_config, split=split)
+    return load_dataset(name, name=config, split=split)

@@ -1,0 +1,88 @@
+"""eval: the tuned model against its base on an evaluation set, with a progress bar; the summary
+as a table, or with --json as one JSON object keyed by model, then metric (for scripts)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
+from studio_core.evaluation import METRICS, EvalError, EvalProcess, EvalRequest, format_summary
+
+
+def cmd_eval(args) -> int:
+    metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
+    column_map = {}
+    for item in args.column_map:
+        old, sep, new = item.partition("=")
+        if not sep or not old or not new:
+            raise CommandLineError(f"--column-map {item!r}: write it as old=new, e.g. answer=completion")
+        column_map[old] = new
+    request = EvalRequest(args.target, data=args.data, split=args.split, config=args.config, metrics=metrics,
+                          limit=args.limit, max_new_tokens=args.max_new_tokens, column_map=column_map)
+    runs_dir = runs_folder(args, write=True)  # the evaluation holds a core there and saves into the run
+    hardware = hardware_for(args)
+    check_one_core(args.cores, hardware)
+    try:
+        evaluation = EvalProcess.start(request, runs_dir, hardware, cores=args.cores)
+    except EvalError as error:
+        print(f"Cannot evaluate:\n{error}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    bar, done = None, None
+    try:
+        for event in evaluation.events():
+            if event["type"] == "loaded":
+                print(f"Evaluating {args.target} ({' and '.join(event['sides'])}) on {event['rows']} prompts.",
+                      file=sys.stderr)
+                bar = tqdm(total=event["rows"] * len(event["sides"]), unit="answer", dynamic_ncols=True,
+                           file=sys.stderr)
+            elif event["type"] == "progress" and bar is not None:
+                bar.set_postfix_str(event["side"], refresh=False)
+                bar.update(event["done"] - bar.n)
+            elif event["type"] == "done":
+                done = event
+    except KeyboardInterrupt:
+        evaluation.stop()
+        print("\nStopping after the answer in progress; what is done is saved.", file=sys.stderr)
+        done = next((e for e in evaluation.events() if e["type"] == "done"), None)
+    except EvalError as error:
+        print(f"Evaluation failed: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+    if done is None:
+        print("Stopped before any answer was scored; nothing was saved.", file=sys.stderr)
+        return 1
+    summary = done["summary"]
+    if args.json:
+        print(json.dumps(summary["results"]))
+    else:
+        if summary["note"]:
+            print(f"Evaluated on {summary['note']}.")
+        print(format_summary(summary))
+        print(f"{summary['rows']} prompts, greedy, at most {summary['max_new_tokens']} new tokens; "
+              f"{len(summary['shapes'])} distinct input shapes (buckets {summary['buckets']}), each a compilation "
+              "on Neuron.")
+    print(f"Saved in {done['dir']} (rows.jsonl: every answer and its scores).", file=sys.stderr)
+    return 0
+
+
+def add_parser(command) -> None:
+    sub = command("eval", cmd_eval, "evaluate a run's model against its base on an evaluation set")
+    sub.add_argument("target", help="a run id (its model or LoRA adapter, against its base), or a model")
+    sub.add_argument("--data", help="the evaluation set: a .jsonl/.json/.csv/.parquet file, a builtin: set or a Hub "
+                     "dataset (default: the run's own dataset)")
+    sub.add_argument("--split", help="the dataset's split (default: train; a file has only that one)")
+    sub.add_argument("--config", help="a Hub dataset's configuration")
+    sub.add_argument("--metrics", default=",".join(METRICS),
+                     help=f"comma-separated, from {', '.join(METRICS)} (default: all)")
+    sub.add_argument("--limit", type=int, help="evaluate the first N rows only")
+    sub.add_argument("--max-new-tokens", type=int, default=64, help="each answer's length limit (default 64)")
+    sub.add_argument("--column-map", action="append", default=[], metavar="OLD=NEW",
+                     help="rename a column of the evaluation set, e.g. answer=completion")
+    sub.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    sub.add_argument("--cores", help="the core to evaluate on (default: the first free one)")
+    sub.add_argument("--backend", choices=("cpu",), help="evaluate on the CPU even if a device is present")

@@ -1,0 +1,121 @@
+"""The evaluation process: the tuned model (and its base) answer an evaluation set's prompts.
+
+    python -m studio_core.eval_worker      (started by studio_core.evaluation.EvalProcess)
+
+The first stdin line is its setup (JSON: the target, as studio_core.chat.ChatTarget, the
+request, the data source, the results folder, runs folder, backend, cores). It takes its core
+through the same leases as chat (kind "eval"), reads the evaluation set and checks it before
+loading the model, then answers every prompt with each model through the chat's generation
+path (studio_core.generation: static cache, prompt buckets, greedy) and scores the answers
+(studio_core.evaluation). A stdin line {"op": "stop"}, or the end of stdin (the parent is
+gone), stops it after the answer in progress; what is done is saved either way. Each stdout
+line is a JSON event: loaded {rows, sides}, progress {done, total, side}, done {summary, dir},
+error {message}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from studio_core import evaluation, leases
+from studio_core.chat import MAX_CACHE_LEN, shown, split_reasoning
+from studio_core.data_check import apply_column_map
+from studio_core.generation import Generator, on_leased_cores
+from studio_core.train_data import load_split
+
+
+def emit(kind: str, **fields) -> None:
+    print(json.dumps({"type": kind, **fields}), flush=True)
+
+
+def eval_items(source: dict, request: dict) -> list[dict]:
+    """The evaluation set's items (evaluation.item), checked; ValueError saying what is wrong."""
+    try:
+        dataset = load_split(source["name"], source.get("config"), source["split"])
+    except Exception as error:  # datasets' own errors: no such split, config or dataset
+        raise ValueError(f"cannot read {source['name']} (split {source['split']}): {type(error).__name__}: "
+                         f"{error}") from error
+    if request["limit"]:
+        dataset = dataset.select(range(min(request["limit"], len(dataset))))
+    rows = apply_column_map(dataset.to_list(), source.get("column_map"), None)
+    items, problems = evaluation.items_and_problems(rows, request["metrics"])
+    if problems:
+        raise ValueError("\n".join(problems))
+    return items
+
+
+def evaluate(model: Generator, items: list[dict], request: dict, stop: threading.Event) -> tuple[list[dict], list]:
+    """Each model's answer and scores per item, in item order; (rows, sides)."""
+    metrics, max_new = request["metrics"], request["max_new_tokens"]
+    sides = ["tuned", "base"] if model.has_base else ["tuned"]
+    rows = [{"prompt": i["prompt"], "reference": i["reference"]} for i in items]
+    done, total = 0, len(items) * len(sides)
+    for side in sides:
+        for row in rows:
+            if stop.is_set():
+                return [r for r in rows if sides[0] in r], sides
+            answer = model.generate(row["prompt"], which=side, max_new_tokens=max_new)
+            entry = {"answer": shown(split_reasoning(answer["text"], model.thinking)[1]),
+                     "answer_tokens": answer["new_tokens"], "bucket": answer["bucket"]}
+            if "eval_loss" in metrics and row["reference"] is not None:
+                entry["reference_loss"], entry["reference_tokens"] = model.score(row["prompt"], row["reference"], side)
+            entry["scores"] = evaluation.scores(entry, metrics, row["reference"])
+            row[side] = entry
+            done += 1
+            emit("progress", done=done, total=total, side=side)
+    return rows, sides
+
+
+def main() -> int:
+    setup = json.loads(sys.stdin.readline())
+    target, request, source, out = setup["target"], setup["request"], setup["source"], Path(setup["out"])
+    stop = threading.Event()
+
+    def listen():  # a stop request, or the parent gone
+        for line in sys.stdin:
+            if json.loads(line).get("op") == "stop":
+                break
+        stop.set()
+
+    threading.Thread(target=listen, name="listen", daemon=True).start()
+    try:
+        with on_leased_cores(setup):
+            try:
+                items = eval_items(source, request)
+            except ValueError as error:
+                emit("error", message=str(error))
+                return 2
+            try:
+                model = Generator(target, setup["backend"], MAX_CACHE_LEN)
+            except Exception as error:
+                emit("error", message=f"cannot load {target['label']}: {type(error).__name__}: {error}")
+                return 1
+            emit("loaded", rows=len(items), sides=["tuned", "base"] if model.has_base else ["tuned"])
+            started = time.time()
+            rows, sides = evaluate(model, items, request, stop)
+    except leases.CoresBusy as error:
+        emit("error", message=str(error))
+        return 2
+    summary = {"target": target["label"], "data": source["name"], "split": source["split"],
+               "note": source.get("note", ""), "rows": len(rows), "of_rows": len(items),
+               "stopped": len(rows) < len(items) or any(s not in r for r in rows for s in sides),
+               "metrics": list(request["metrics"]), "max_new_tokens": request["max_new_tokens"], "greedy": True,
+               "exact_match_compares": evaluation.NORMALISE,
+               "buckets": sorted({r[s]["bucket"] for r in rows for s in sides if s in r}),
+               "shapes": sorted(list(s) for s in model.shapes), "seconds": round(time.time() - started, 2),
+               "time": started, "results": evaluation.summarise(rows, sides)}
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / evaluation.ROWS, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (out / evaluation.SUMMARY).write_text(json.dumps(summary, indent=2))
+    emit("done", summary=summary, dir=str(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

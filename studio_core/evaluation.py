@@ -1,0 +1,326 @@
+"""Evaluation: did the fine-tune help? The tuned model and its base answer the same prompts,
+and each answer is scored against the reference.
+
+    evaluation = EvalProcess.start(EvalRequest("20261130-...-tiny-sft-1a2b3c"), runs_dir, hardware)
+    for event in evaluation.events():
+        ...  # {"type": "progress", "done", "total"}, then {"type": "done", "summary", "dir"}
+
+The work happens in `studio_core.eval_worker`, a child process of its own that takes a core
+through the same leases as chat (kind "eval"), answers through the same generation path
+(static cache, prompt buckets, greedy by default: studio_core.generation) and ends when done
+or stopped. Results go to the run folder's `eval/<time>/`: `rows.jsonl` (prompt, reference,
+each model's answer and scores) and `summary.json` (the settings used and each model's mean
+scores). An evaluation of a model that is not a run goes to `<runs dir>/evals/<time>-<name>/`.
+
+The metrics (METRICS): exact match (after NORMALISE), ROUGE-L F1 (Google's `rouge-score`
+package, with its stemmer), the loss and perplexity of the reference answer under each model
+(teacher-forced, as training counts it) and the answer length in tokens.
+
+No torch import here: this module runs in the web app's process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import string
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from studio_core import sources
+from studio_core.chat import ChatError, ChatProcess, kill, resolve
+from studio_core.data_files import read_rows
+from studio_core.hardware import Hardware
+from studio_core.runs import folder
+from studio_core.spec import RunSpec
+
+# metric -> (what it says, whether it needs a reference answer)
+METRICS = {
+    "exact_match": ("the answer equals the reference (case, spacing and end punctuation aside)", True),
+    "rouge_l": ("ROUGE-L F1 of the answer against the reference (longest common word sequence)", True),
+    "eval_loss": ("the reference answer's loss under the model (teacher-forced; its perplexity beside it)", True),
+    "answer_tokens": ("the answer's length in tokens", False),
+}
+DEFAULT_METRICS = tuple(METRICS)
+MAX_NEW_TOKENS = 64
+EVAL_DIR = "eval"  # in a run folder
+MODEL_EVALS = "evals"  # in the runs folder, for a model that is not a run
+ROWS, SUMMARY = "rows.jsonl", "summary.json"
+NORMALISE = "lower case, runs of spaces as one, punctuation and spaces at either end dropped"
+
+
+class EvalError(ValueError):
+    """The evaluation cannot start or go on; the message says what to change."""
+
+
+@dataclass
+class EvalRequest:
+    target: str  # a run id, or a model (builtin, Hub id, local folder)
+    data: str | None = None  # a file or Hub dataset; None: the run's own dataset
+    split: str | None = None  # None: the dataset's train split (a file has only that)
+    config: str | None = None
+    metrics: tuple[str, ...] = DEFAULT_METRICS
+    limit: int | None = None  # the first N rows
+    max_new_tokens: int = MAX_NEW_TOKENS
+    column_map: dict = field(default_factory=dict)
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower()).strip(string.punctuation + string.whitespace)
+
+
+def as_text(value) -> str | None:
+    """A reference or answer as text: a string, or the last assistant message's content."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for message in reversed(value):
+            if isinstance(message, dict) and message.get("role") == "assistant":
+                return str(message.get("content") or "")
+    return str(value)
+
+
+def as_messages(prompt) -> list[dict]:
+    """A prompt as a conversation: a string becomes one user turn (the model's chat template
+    then renders it, as chat does)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
+def item(row: dict) -> dict | None:
+    """What one record gives an evaluation: the prompt (a conversation), the reference answer and,
+    for preference data, the chosen and rejected answers. None: the record has no prompt (plain
+    text, or a conversation with no user turn before an answer)."""
+    if isinstance(row.get("messages"), list):
+        messages = row["messages"]
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+        if last is None or last == 0:
+            return None
+        return {"prompt": as_messages(messages[:last]), "reference": as_text(messages[last]["content"])}
+    if "prompt" not in row or row["prompt"] is None:
+        return None
+    chosen = as_text(row.get("chosen"))
+    reference = next((as_text(row[k]) for k in ("completion", "reference", "answer") if row.get(k) is not None),
+                     chosen)
+    return {"prompt": as_messages(row["prompt"]), "reference": reference, "chosen": chosen,
+            "rejected": as_text(row.get("rejected"))}
+
+
+def items_and_problems(rows: list[dict], metrics) -> tuple[list[dict], list[str]]:
+    """The records' evaluation items, and what stops an evaluation of them with these metrics."""
+    items = [item(row) for row in rows]
+    if not rows:
+        return [], ["the evaluation set has no rows; give a dataset, split or --limit that holds some"]
+    columns = ", ".join(sorted(rows[0]))
+    if all(i is None for i in items):
+        return [], [f"the evaluation set has no prompts to answer (columns: {columns}): give `messages` "
+                    "(a conversation ending in the answer) or `prompt` with `completion` or `reference`"]
+    needing = [m for m in metrics if METRICS[m][1]]
+    if needing and all(i is None or i["reference"] is None for i in items):
+        return [], [f"{', '.join(needing)} compare with a reference answer, and the evaluation set has none "
+                    f"(columns: {columns}): give a `completion`, `reference`, `answer` or `chosen` column "
+                    f"(--column-map old=new renames one), or choose only {', '.join(_without_reference())}"]
+    return [i for i in items if i is not None], []
+
+
+def _without_reference() -> list[str]:
+    return [m for m, (_, needs) in METRICS.items() if not needs]
+
+
+def check_metrics(metrics) -> list[str]:
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        return [f"metric {', '.join(unknown)}: unknown; choose from {', '.join(METRICS)}"]
+    return [] if metrics else [f"choose at least one metric: {', '.join(METRICS)}"]
+
+
+def rouge_l(answer: str, reference: str) -> float:
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True).score(reference, answer)["rougeL"].fmeasure
+
+
+def scores(entry: dict, metrics, reference: str | None) -> dict:
+    """One model's scores for one row: `entry` holds its answer, answer_tokens and (if scored)
+    the reference's summed loss and its token count."""
+    out = {}
+    if "exact_match" in metrics and reference is not None:
+        out["exact_match"] = float(normalise(entry["answer"]) == normalise(reference))
+    if "rouge_l" in metrics and reference is not None:
+        out["rouge_l"] = rouge_l(entry["answer"], reference)
+    if "eval_loss" in metrics and entry.get("reference_tokens"):
+        out["eval_loss"] = entry["reference_loss"] / entry["reference_tokens"]
+    if "answer_tokens" in metrics:
+        out["answer_tokens"] = float(entry["answer_tokens"])
+    return out
+
+
+def summarise(rows: list[dict], sides: list[str]) -> dict:
+    """{model: {metric: mean over the rows that have it}}; eval_loss is token-weighted (the loss
+    over every reference token) and perplexity is exp of it."""
+    summary = {}
+    for side in sides:
+        entries = [row[side] for row in rows if side in row]
+        means = {}
+        for metric in METRICS:
+            values = [e["scores"][metric] for e in entries if metric in e["scores"]]
+            if metric == "eval_loss" and values:
+                tokens = sum(e["reference_tokens"] for e in entries if metric in e["scores"])
+                means[metric] = sum(e["reference_loss"] for e in entries if metric in e["scores"]) / tokens
+                means["perplexity"] = math.exp(min(means[metric], 50))
+            elif values:
+                means[metric] = sum(values) / len(values)
+        summary[side] = {k: round(v, 4) for k, v in means.items()}
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    """The summary as a small table: a row per metric, a column per model."""
+    sides = list(summary["results"])
+    metrics = [m for m in (*METRICS, "perplexity") if any(m in summary["results"][s] for s in sides)]
+    lines = [f"{'metric':<14}" + "".join(f"{s:>12}" for s in sides)]
+    for metric in metrics:
+        cells = [summary["results"][s].get(metric) for s in sides]
+        lines.append(f"{metric:<14}" + "".join(f"{'-' if c is None else format(c, '.4f'):>12}" for c in cells))
+    return "\n".join(lines)
+
+
+def results_dir(target: str, runs_dir: Path) -> Path:
+    """Where an evaluation of `target` goes: the run's eval/, else the runs folder's evals/."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if folder.is_run_id(target) and folder.is_run(runs_dir / target):
+        base = runs_dir / target / EVAL_DIR
+    else:
+        base = runs_dir / MODEL_EVALS
+        stamp += "-" + re.sub(r"[^A-Za-z0-9._-]+", "-", target).strip("-")[-40:]
+    out, n = base / stamp, 1
+    while out.exists():
+        n += 1
+        out = base / f"{stamp}-{n}"
+    return out
+
+
+def evaluations(run_dir: Path) -> list[dict]:
+    """The run's finished evaluations' summaries, newest first (one that cannot be read is left out)."""
+    found = []
+    for path in sorted((run_dir / EVAL_DIR).glob(f"*/{SUMMARY}"), reverse=True):
+        try:
+            found.append({**json.loads(path.read_text()), "dir": str(path.parent)})
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def read_rows_file(eval_dir: Path) -> list[dict]:
+    with open(Path(eval_dir) / ROWS) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def data_source(request: EvalRequest, runs_dir: Path) -> dict:
+    """The dataset to evaluate on: the one asked for, else the run's own (its spec's dataset, split
+    and column map), with a note when that is the data it trained on."""
+    run_dir = runs_dir / request.target
+    if request.data:
+        return {"name": request.data, "split": request.split or "train", "config": request.config,
+                "column_map": request.column_map, "note": ""}
+    if not (folder.is_run_id(request.target) and folder.is_run(run_dir)):
+        raise EvalError(f"{request.target} is not a run: name an evaluation set (--data FILE or Hub id)")
+    spec = RunSpec.load(run_dir / folder.SPEC)
+    return {"name": spec.dataset_name, "split": request.split or spec.dataset_train_split,
+            "config": spec.dataset_config, "column_map": request.column_map or spec.column_map,
+            "note": "the run's training data (it held none out): this shows what it learned, not how it "
+                    "does on new prompts; give --data for a held-out set"}
+
+
+def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]]:
+    """(the data source, the problems) before anything starts: metrics, the target, the limit, and
+    for a local file its records (a Hub dataset is checked by the evaluation process on its rows)."""
+    problems = check_metrics(request.metrics)
+    if request.limit is not None and request.limit < 1:
+        problems.append(f"limit {request.limit}: evaluate at least 1 row (or no limit)")
+    if not 1 <= request.max_new_tokens <= 512:
+        problems.append(f"max_new_tokens {request.max_new_tokens}: use 1 to 512")
+    try:
+        resolve(request.target, runs_dir)
+        source = data_source(request, runs_dir)
+    except (ChatError, EvalError) as error:
+        return {}, problems + [str(error)]
+    path = sources.dataset_file(source["name"])
+    if path is None:
+        problems += sources.check_dataset(source["name"])
+    elif source["split"] != "train":
+        problems.append(f"split {source['split']!r}: a file has one split, train; leave the split out")
+    elif not problems:
+        try:
+            from studio_core.data_check import apply_column_map
+
+            rows = apply_column_map(read_rows(path, 50), source["column_map"], None)
+            problems += items_and_problems(rows, request.metrics)[1]
+        except ValueError as error:
+            problems.append(f"{source['name']}: {error}")
+    return source, problems
+
+
+class EvalProcess:
+    """A running evaluation process and the pipe to it."""
+
+    def __init__(self, proc, events, stderr_tail, out: Path, cores: list[int]):
+        self.proc, self._events, self._stderr_tail, self.out, self.cores = proc, events, stderr_tail, out, cores
+
+    @classmethod
+    def start(cls, request: EvalRequest, runs_dir: str | Path, hardware: Hardware, cores: str | None = None,
+              reading=None) -> EvalProcess:
+        """Check the request (EvalError saying what to change), take a core and start the process."""
+        runs_dir = Path(runs_dir).expanduser()
+        source, problems = check_request(request, runs_dir)
+        if problems:
+            raise EvalError("\n".join(f"- {p}" for p in problems))
+        target = resolve(request.target, runs_dir)
+        out = results_dir(request.target, runs_dir)
+        setup = {"target": asdict(target), "request": asdict(request), "source": source, "out": str(out),
+                 "runs_dir": str(runs_dir), "backend": hardware.backend, "kind": "eval"}
+        try:
+            proc, events, stderr_tail, chosen = ChatProcess.spawn("studio_core.eval_worker", setup, runs_dir,
+                                                                  hardware, cores)
+        except ChatError as error:
+            raise EvalError(str(error)) from error
+        return cls(proc, events, stderr_tail, out, chosen)
+
+    def events(self, timeout: float = 600):
+        """The process's events until it is done; EvalError if it fails."""
+        import queue
+
+        while True:
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                self.stop()
+                raise EvalError(f"the evaluation said nothing for {timeout:.0f} s and was stopped") from None
+            if event.get("type") == "eof":
+                self.proc.wait()
+                raise EvalError("the evaluation process ended without a result: "
+                                + ("\n".join(self._stderr_tail[-6:]) or f"exit code {self.proc.returncode}"))
+            if event.get("type") == "error":
+                self.proc.wait()
+                raise EvalError(event["message"])
+            yield event
+            if event.get("type") == "done":
+                self.proc.wait()
+                return
+
+    def stop(self) -> None:
+        """Stop after the row in progress; what is done so far is still saved."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                return
+
+    def kill(self) -> None:
+        kill(self.proc)
