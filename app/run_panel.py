@@ -104,7 +104,8 @@ class RunPanel:
 
     def build_details(self) -> None:
         with gr.Row():
-            self.loss = gr.LinePlot(x="step", y="loss", title="Loss", height=260)
+            self.loss = gr.LinePlot(x="step", y="loss", color="set", title="Loss", height=260,
+                                    elem_classes="loss-plot")
             self.lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
         with gr.Row():  # the trainer's own metrics (trainers.Trainer.plots): rewards, KL, accuracy, ...
             self.trainer_plots = [gr.LinePlot(x="step", y="value", color="metric", height=260, visible=False,
@@ -156,13 +157,13 @@ class RunPanel:
         controls = self.controls.states(view) if self.controls else {}
         if view is None:
             return {self.status: message, self.progress: "", self.compiles: "", self.error: gr.update(visible=False),
-                    self.loss: _frame("loss"), self.lr: _frame("learning_rate"), self.log: "", self.applied: "",
+                    self.loss: None, self.lr: _frame("learning_rate"), self.log: "", self.applied: "",
                     **{plot: gr.update(visible=False) for plot in self.trainer_plots}, **self.hardware.empty(),
                     **controls}
         error = _error_text(view)
         return {self.status: status_markdown(view), self.progress: progress_html(view),
                 self.compiles: compiles_html(view), self.error: gr.update(value=error, visible=bool(error)),
-                self.loss: _frame("loss", view), self.lr: _frame("learning_rate", view), self.log: view.log_tail(),
+                self.loss: loss_frame(view), self.lr: _frame("learning_rate", view), self.log: view.log_tail(),
                 self.applied: applied_html(view), **self._trainer_plots(view), **self.hardware.render(view),
                 **controls}
 
@@ -321,11 +322,21 @@ def _error_text(view: RunView) -> str:
 
 def trainer_frame(view: RunView, patterns: tuple[str, ...]) -> pd.DataFrame:
     """Rows (step, value, metric) of the logged metrics whose names match `patterns`
-    (fnmatch: `rewards/*/mean` is each reward function's mean)."""
+    (fnmatch: `rewards/*/mean` is each reward function's mean), the evaluation's (`eval_`
+    and the same name) beside the training's."""
     rows = [(m["step"], float(value), name) for m in view.metrics if "step" in m
             for name, value in m.items() if isinstance(value, (int, float)) and not isinstance(value, bool)
-            and any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+            and any(fnmatch.fnmatchcase(name.removeprefix("eval_"), p) for p in patterns)]
     return pd.DataFrame(rows, columns=["step", "value", "metric"])
+
+
+def loss_frame(view: RunView) -> pd.DataFrame | None:
+    """Rows (step, loss, set) of the training loss and the evaluation set's; None for none (a plot
+    coloured by a column must not be sent an empty frame: hardware_panel._plotted says why)."""
+    rows = [(m["step"], float(m[key]), label) for m in view.metrics if "step" in m
+            for key, label in (("loss", "training"), ("eval_loss", "evaluation"))
+            if isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool)]
+    return pd.DataFrame(rows, columns=["step", "loss", "set"]) if rows else None
 
 
 def _frame(metric: str, view: RunView | None = None) -> pd.DataFrame:

@@ -128,6 +128,13 @@ class TrainForm:
                 w["keep_columns"] = gr.Textbox(label="Keep only these columns (comma-separated; empty: all)",
                                                elem_id="keep_columns")
             self.fix_button = gr.Button("Apply the suggested fix", visible=False, elem_id="apply-fix")
+            with gr.Row():  # studio_core.eval_data: the evaluation set, plotted during training
+                w["eval_fraction"] = gr.Number(0, label="Hold out for evaluation (fraction)", minimum=0, maximum=0.9,
+                                               info="e.g. 0.1: a tenth of the rows, the same ones for the same seed; "
+                                               "0: none", elem_id="eval_fraction")
+                w["eval_dataset"] = gr.Textbox(label="Or evaluate on a separate dataset", placeholder="a file or Hub id",
+                                               info="its loss is plotted beside the training loss",
+                                               elem_id="eval_dataset")
         with gr.Row():
             w["max_steps"] = gr.Number(300, label="max_steps", precision=0, info="0: train by epochs",
                                        elem_id="max_steps")
@@ -300,7 +307,9 @@ def spec_from_form(v: dict) -> RunSpec:
                                  cores=None if on_slurm else (v["cores"] or "").strip() or None,
                                  nodes=int(v.get("nodes") or 1) if on_slurm else 1,
                                  slurm=slurm_options(v) if on_slurm else {}),
-                   column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards)
+                   column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards,
+                   eval_fraction=float(v["eval_fraction"]) if v.get("eval_fraction") else None,
+                   eval_dataset=(v.get("eval_dataset") or "").strip() or None)
 
 
 def slurm_partitions() -> tuple[list[str], str]:
@@ -368,6 +377,7 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
          "run_name": spec.run_name or "",
          "column_map": yaml.safe_dump(spec.column_map, sort_keys=False) if spec.column_map else "",
          "keep_columns": ", ".join(map(str, spec.keep_columns or [])),
+         "eval_fraction": spec.eval_fraction or 0, "eval_dataset": spec.eval_dataset or "",
          "nproc": spec.layout.nproc, "tp_size": spec.layout.tp_size, "fsdp_size": spec.layout.fsdp_size,
          "cores": spec.layout.cores or "", "run_on": spec.layout.run_on, "nodes": spec.layout.nodes,
          "partition": spec.layout.slurm.get("partition"), "time": spec.layout.slurm.get("time", ""),

@@ -26,6 +26,7 @@ compile time and the NEFF compile time, and the progress event says the step com
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -140,16 +141,18 @@ class ShapeWatch:
         self.seen: set[tuple[int, ...]] = set()
         self.tokens = 0  # real (unpadded) tokens so far
 
-    def install(self, model) -> None:
-        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+    def install(self, model, count_tokens: bool = True) -> None:
+        """`count_tokens`: this model's forwards count as trained tokens (the outermost wrapper's
+        only: a forward through it reaches the inner model's hook too)."""
+        model.register_forward_pre_hook(functools.partial(self._hook, count_tokens=count_tokens), with_kwargs=True)
 
-    def _hook(self, module, args, kwargs) -> None:
+    def _hook(self, module, args, kwargs, count_tokens: bool = True) -> None:
         import torch
 
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor):
             return
-        if torch.is_grad_enabled():  # the trained forward; not a reference model's or old policy's pass
+        if count_tokens and torch.is_grad_enabled():  # the trained forward; not a reference model's or old policy's pass
             mask = kwargs.get("attention_mask")
             self.tokens += int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else ids.numel()
         shape = tuple(ids.shape)

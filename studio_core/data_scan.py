@@ -30,11 +30,12 @@ _TRAINS_ANYWAY = "this trains, but likely not as meant"
 
 class Scan(list):
     """scan_file's answer: the refusals, a list of messages as before (empty: the file may be
-    trained on), and `warnings`: records that train, but likely not as meant, by line or row."""
+    trained on), `warnings`: records that train, but likely not as meant, by line or row, and
+    `rows`: the records read (all of them, up to the scan's limit)."""
 
-    def __init__(self, problems=(), warnings=()):
+    def __init__(self, problems=(), warnings=(), rows: int = 0):
         super().__init__(problems)
-        self.warnings = list(warnings)
+        self.warnings, self.rows = list(warnings), rows
 
 
 def scan_file(path: Path, column_map: dict | None = None, keep_columns: list | None = None,
@@ -71,7 +72,7 @@ def scan_file(path: Path, column_map: dict | None = None, keep_columns: list | N
                         "fix or remove each of them")
     if odd > most:
         warnings.append(f"dataset: {path}: {odd - most} more records with turns out of order in the first {read:,}")
-    return Scan(problems, warnings)
+    return Scan(problems, warnings, read)
 
 
 def _record_problem(record: dict, columns: dict[str, str], kind: DatasetKind) -> str:

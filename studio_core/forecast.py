@@ -52,6 +52,8 @@ class Forecast:
     data_parallel: int
     busiest_rank_shapes: int
     suggestions: list[dict] = dataclasses.field(default_factory=list)  # {"set", "graphs", "waste", "why"}
+    eval_shapes: list[list[int]] = dataclasses.field(default_factory=list)  # an evaluation's, as `shapes`
+    eval_batches: int = 0  # batches of one evaluation (each evaluation walks the same ones)
 
     @property
     def graphs(self) -> int:
@@ -82,6 +84,11 @@ class Forecast:
             lines.append(f"  {self.data_parallel} data-parallel processes; the busiest compiles "
                          f"{self.busiest_rank_shapes} shape(s)")
         lines.append(f"  padding waste: {self.waste:.1%} of the tokens computed")
+        if self.eval_batches:
+            lines.append(f"  evaluation: {len(self.eval_shapes)} distinct batch shape(s) in its {self.eval_batches} "
+                         "batches, each a compilation of its own (a forward-only graph), the same at every "
+                         "evaluation")
+            lines += [f"    {b} x {length}: {n} batch(es)" for b, length, n in self.eval_shapes[:6]]
         if self.lengths:
             lines.append(f"  sequence lengths: {min(self.lengths)}-{max(self.lengths)} tokens, median "
                          f"{sorted(self.lengths)[len(self.lengths) // 2]}; truncated at max_length "
@@ -122,12 +129,11 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
     from transformers import AutoTokenizer
 
     from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
-    from studio_core.data_check import prepare_dataset
-    from studio_core.train_data import load_train_dataset
+    from studio_core.train_data import load_datasets
 
     model_path = str(ensure_tiny_model()) if spec.model_name_or_path == BUILTIN_MODEL else spec.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(spec.args.get("trust_remote_code")))
-    dataset = prepare_dataset(load_train_dataset(spec), spec.column_map, spec.keep_columns)
+    dataset, eval_dataset = load_datasets(spec)
     entry = trainers.get(spec.trainer)
     model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)} | {
         f.name for f in dataclasses.fields(trl.ScriptArguments)}
@@ -142,7 +148,8 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
                                                       save_strategy="no", **{**args, **changes})
             extra = {"ref_model": _stand_in_model(tokenizer)} if entry.reference_model else {}
             return getattr(trl, entry.trainer_class)(model=_stand_in_model(tokenizer, entry.task), args=config,
-                                                     train_dataset=dataset, processing_class=tokenizer, **extra)
+                                                     train_dataset=dataset, eval_dataset=eval_dataset,
+                                                     processing_class=tokenizer, **extra)
 
         trainer = build()
         updates = _updates(trainer, dp)
@@ -156,6 +163,8 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
             truncated=sum(length > max_length for length in lengths) if max_length else 0,
             data_parallel=dp, busiest_rank_shapes=walk["busiest"])
         result.suggestions = _suggestions(result, trainer, updates, dp, build)
+        if eval_dataset is not None:
+            result.eval_shapes, result.eval_batches = _walk_eval(trainer)
     return result
 
 
@@ -219,6 +228,30 @@ def _walk(trainer, updates: int, dp: int) -> dict:
             handle.remove()
     return {"shapes": shapes, "micro_batches": micro, "steps": steps, "capped": steps < updates,
             "real": real, "padded": padded, "busiest": max(len(r) for r in ranks)}
+
+
+def _walk_eval(trainer) -> tuple[list[list[int]], int]:
+    """One evaluation's batches (every evaluation walks the same ones, in order): their shapes."""
+    seen: list = []
+
+    def hook(module, args, kwargs):
+        seen.append(tuple(kwargs["input_ids"].shape))
+        raise _Seen
+
+    shapes = Counter()
+    models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in models]
+    try:
+        for batch in trainer.get_eval_dataloader():
+            del seen[:]
+            try:
+                trainer.compute_loss(trainer.model, batch)
+            except _Seen:
+                shapes[seen[0]] += 1
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _shape_list(shapes), sum(shapes.values())
 
 
 class _Epoch:

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from studio_core import backends, sources, trainers
+from studio_core import backends, eval_data, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.children import REPO_ROOT
 from studio_core.cores import format_cores, parse_cores
@@ -103,6 +103,7 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
                             f"{hardware.backend}; using {default.value!r} ({default.reason})")
             args[default.key] = default.value
             applied.append((default.key, default.value, default.reason))
+    _eval_defaults(spec, args, hardware.backend, known, applied)
     if hardware.backend == "neuron":
         _neuron_model_init(args, trainer, applied)
         warnings += _neuron_warnings(args, trainer)
@@ -134,6 +135,32 @@ def _spec_cores(spec: RunSpec) -> list[int] | None:
         return parse_cores(spec.layout.cores) if spec.layout.cores else None
     except ValueError:
         return None
+
+
+def _eval_defaults(spec: RunSpec, args: dict, backend: str, known, applied: list) -> None:
+    """With an evaluation set, evaluate it during training; on Neuron, in the training's shapes.
+    Evaluation batches go through the training's collator (padding, pad_to_multiple_of) and,
+    in Transformers' Trainer, the same dataloader_drop_last; what is left to keep them from adding
+    shapes or host transfers is set here."""
+    source = eval_data.eval_source(spec)
+    if source is None:
+        return
+    wanted = [("eval_strategy", "steps", f"the run has an evaluation set ({source.describe()}): its loss is "
+               "computed and plotted beside the training loss"),
+              ("eval_steps", 0.1, "ten evaluations over the run (a fraction of its steps); each one walks "
+               "the whole evaluation set")]
+    if backend == "neuron":
+        batch = args.get("per_device_train_batch_size", 8)
+        wanted += [("per_device_eval_batch_size", batch, "evaluation batches of the training's size, so they "
+                    "pad to the training's lengths; each new batch shape is a compilation (a forward-only "
+                    "graph for evaluation)"),
+                   ("prediction_loss_only", True, "only the loss comes back from the device: gathering every "
+                    "batch's logits (batch x length x vocabulary) to the host would stall each evaluation "
+                    "step, and eval_accumulation_steps then has nothing to accumulate")]
+    for key, value, reason in wanted:
+        if key in known and key not in args and (key != "eval_steps" or args.get("eval_strategy") == "steps"):
+            args[key] = value
+            applied.append((key, value, reason))
 
 
 def _neuron_model_init(args: dict, trainer: trainers.Trainer, applied: list) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from studio_core import data_check, data_scan, peft_check, rewards, slurm, sources, trainers
+from studio_core import data_check, data_scan, eval_data, peft_check, rewards, slurm, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.data_files import read_rows
 from studio_core.layout import check_sizes
@@ -37,7 +37,7 @@ TOKEN_WAYS = ("log in once with `hf auth login`, or set HF_TOKEN in the environm
 # A value that looks like a Hugging Face access token, in whatever setting.
 TOKEN_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
 # The studio block's keys besides the layout's.
-STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards"}
+STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards", "eval_fraction", "eval_dataset"}
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -107,6 +107,8 @@ class RunSpec:
     column_map: dict = field(default_factory=dict)  # dataset column renames, {old: new}
     keep_columns: list | None = None  # keep only these columns (after renaming)
     rewards: list = field(default_factory=list)  # reward functions of GRPO, RLOO (see rewards.py)
+    eval_fraction: float | None = None  # hold out this part of the training split (see eval_data.py)
+    eval_dataset: str | None = None  # or evaluate on this dataset
 
     # --- recipe YAML -------------------------------------------------------------------
     @classmethod
@@ -128,7 +130,8 @@ class RunSpec:
             layout["cores"] = str(layout["cores"])  # `cores: 3` is the one-core set "3"
         spec = cls(trainer=studio.get("trainer", trainers.DEFAULT), layout=Layout(**layout),
                    column_map=studio.get("column_map") or {}, keep_columns=studio.get("keep_columns"),
-                   rewards=studio.get("rewards") or [])
+                   rewards=studio.get("rewards") or [], eval_fraction=studio.get("eval_fraction"),
+                   eval_dataset=studio.get("eval_dataset"))
         for name in ("model_name_or_path", "dataset_name", "dataset_config",
                      "dataset_train_split", "run_name"):
             if name in data:
@@ -143,6 +146,7 @@ class RunSpec:
                 del layout[key]
         studio = {"trainer": self.trainer, **layout}
         studio |= {k: getattr(self, k) for k in ("column_map", "keep_columns", "rewards") if getattr(self, k)}
+        studio |= {k: getattr(self, k) for k in ("eval_fraction", "eval_dataset") if getattr(self, k) is not None}
         out = {"studio": studio,
                "model_name_or_path": self.model_name_or_path,
                "dataset_name": self.dataset_name}
@@ -227,6 +231,9 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
         problems += sources.check_model(spec.model_name_or_path, bool(spec.args.get("trust_remote_code")))
     if "dataset_name" not in not_text:
         problems += _check_data(spec, run_user_code, warnings, here=not any(s.startswith("dataset ") for s in skipped))
+    else:
+        problems += eval_data.check(spec)
+    warnings += eval_data.warnings(spec)
     return problems
 
 
@@ -283,23 +290,26 @@ def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str], here: b
     `check_rows` on its first rows before it loads the model."""
     problems = sources.check_dataset(spec.dataset_name) if here else []  # not here: a Hub dataset, not looked for
     if problems:
-        return problems
+        return problems + eval_data.check(spec)
     takes_rewards = trainers.get(spec.trainer).rewards
     path = sources.dataset_file(spec.dataset_name)
     if path is None:
         problems = data_check.check_mapping(None, spec.column_map, spec.keep_columns)
         if takes_rewards and not problems:  # imported and looked up (with run_user_code), not called
             problems += _reward_check(spec, run_user_code)(spec.rewards, None)
+        problems += eval_data.check(spec)
     else:
         try:
             rows = read_rows(path, 5)
         except ValueError as error:
-            return [f"dataset_name: {error}"]
+            return [f"dataset_name: {error}", *eval_data.check(spec)]
         problems = check_rows(spec, rows, check_rewards=_reward_check(spec, run_user_code))
+        train_rows = None
         if not problems:
             scan = data_scan.scan_file(path, spec.column_map, spec.keep_columns,
                                         spec.args.get("dataset_text_field", "text"))
-            problems, warnings[:] = list(scan), [*warnings, *scan.warnings]
+            problems, warnings[:], train_rows = list(scan), [*warnings, *scan.warnings], scan.rows
+        problems += eval_data.check(spec, train_rows)
     if not takes_rewards and spec.rewards:
         using = ", ".join(t.key for t in trainers.TRAINERS.values() if t.rewards)
         problems.append(f"studio.rewards: {trainers.get(spec.trainer).name} takes no reward functions; remove them "
@@ -394,11 +404,13 @@ def _check_slurm(layout: Layout) -> list[str]:
 def with_absolute_paths(spec: RunSpec) -> RunSpec:
     """Local model, dataset and reward files as absolute paths: the worker runs in the run folder."""
     def absolute(name):
+        if not isinstance(name, str):
+            return name
         path = Path(name).expanduser()
-        return str(path.resolve()) if isinstance(name, str) and path.exists() else name
+        return str(path.resolve()) if path.exists() else name
 
     out = replace(spec, model_name_or_path=absolute(spec.model_name_or_path),
-                  dataset_name=absolute(spec.dataset_name))
+                  dataset_name=absolute(spec.dataset_name), eval_dataset=absolute(spec.eval_dataset))
     out.rewards = [{**r, "file": absolute(r["file"])} if isinstance(r, dict) and "file" in r else r
                    for r in spec.rewards]
     return out

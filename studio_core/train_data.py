@@ -1,26 +1,61 @@
-"""The training split as a run reads it: the worker loads it before the model, and the shape
-forecast walks its batches. Imports `datasets` (not for the web app's process).
+"""The training and evaluation sets as a run reads them: the worker loads them before the
+model, the shape forecast walks their batches, and the evaluation process reads the same
+held-out rows (studio_core.eval_data says where they come from). Imports `datasets` (not for
+the web app's process).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from studio_core import sources
+from studio_core import eval_data, sources
 from studio_core.data_check import prepare_dataset
 from studio_core.downloads import download_dataset_split
 from studio_core.spec import RunSpec, SpecError, check_rows
 
 
-def load_checked_dataset(spec: RunSpec, events: Path | None):
-    """The training split, renamed and trimmed as the spec says, after the checks a local file gets
-    before launch (spec.check_rows: column map, TRL type against the trainer, GRPO rewards called on
-    the first rows). A Hub dataset or a folder is read only here, so this is where it is refused."""
-    dataset = load_train_dataset(spec, events)
-    problems = check_rows(spec, dataset.select(range(min(5, len(dataset)))).to_list())
-    if problems:
-        raise SpecError(problems)
-    return prepare_dataset(dataset, spec.column_map, spec.keep_columns)
+def load_checked_datasets(spec: RunSpec, events: Path | None):
+    """(training set, evaluation set or None), renamed and trimmed as the spec says, after the
+    checks a local file gets before launch (spec.check_rows: column map, TRL type against the
+    trainer, GRPO rewards called on the first rows). A Hub dataset or a folder is read only
+    here, so this is where it is refused."""
+    return load_datasets(spec, events, checked=True)
+
+
+def load_datasets(spec: RunSpec, events: Path | None = None, checked: bool = False):
+    """(training set, evaluation set or None) as the run trains and evaluates on them, prepared
+    (column map, keep-columns): the training split less the held-out rows, if any. `checked`:
+    each one's first rows through spec.check_rows first (SpecError)."""
+    train, held = split_off_eval(spec, load_train_dataset(spec, events), events)
+    for dataset, what in ((train, ""), (held, "evaluation set: ")):
+        problems = check_rows(spec, dataset.select(range(min(5, len(dataset)))).to_list()) \
+            if checked and dataset is not None else []
+        if problems:
+            raise SpecError([what + p for p in problems])
+    prepared = [prepare_dataset(d, spec.column_map, spec.keep_columns) if d is not None else None
+                for d in (train, held)]
+    return prepared[0], prepared[1]
+
+
+def split_off_eval(spec: RunSpec, dataset, events: Path | None = None):
+    """(rows to train on, evaluation rows or None) for the spec's evaluation source."""
+    source = eval_data.eval_source(spec)
+    if source is None:
+        return dataset, None
+    if source.kind == eval_data.FRACTION:
+        return held_out(dataset, source.fraction, source.seed)
+    try:
+        return dataset, load_split(source.name, source.config, source.split, events)
+    except ValueError as error:  # datasets': no such split ("Unknown split ...")
+        raise SpecError([f"evaluation set {source.describe()}: {error}; name a split the dataset has with "
+                         "dataset_test_split, or hold out part of the training split with "
+                         "studio.eval_fraction"]) from error
+
+
+def held_out(dataset, fraction: float, seed: int):
+    """(the rest, the held-out rows): the same rows for the same data, fraction and seed."""
+    parts = dataset.train_test_split(test_size=fraction, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
 
 
 def load_train_dataset(spec: RunSpec, events: Path | None = None):

@@ -37,7 +37,7 @@ from studio_core.rewards import reward_functions
 from studio_core.runs import events
 from studio_core.runs.folder import EVENTS, OUTPUT, OUTPUT_INFO, SPEC
 from studio_core.spec import RunSpec, SpecError
-from studio_core.train_data import load_checked_dataset
+from studio_core.train_data import load_checked_datasets
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -69,7 +69,7 @@ def main(run_dir: Path) -> None:
 def train(spec: RunSpec, run_dir: Path, log: Path) -> None:
     trainer_spec = trainers.get(spec.trainer)
     # first: data that does not fit fails before the model loads
-    dataset = load_checked_dataset(spec, log if RANK == 0 else None)
+    dataset, eval_dataset = load_checked_datasets(spec, log if RANK == 0 else None)
     import torch
     import trl
     from transformers import TrainerCallback
@@ -121,6 +121,8 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> None:
         def on_train_begin(self, args, state, control, **kwargs):
             self.state = state
             self.shapes.install(trainer.model_wrapped)  # outermost wrapper: outside the compiled graph
+            if trainer.model is not trainer.model_wrapped and not args.torch_compile:  # evaluation: unwrapped
+                self.shapes.install(trainer.model, count_tokens=False)
             self.mark = (time.time(), self.compiles.compile_seconds(), self.shapes.tokens)
             events.append(log, events.status("running", world_size=args.world_size, max_steps=state.max_steps,
                                              num_train_epochs=state.num_train_epochs))
@@ -147,7 +149,7 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> None:
 
     stop_and_save = stop_and_save_callback(run_dir, RANK, int(os.environ.get("WORLD_SIZE", "1")))
     trainer = getattr(trl, trainer_spec.trainer_class)(
-        model=model_path, args=config, train_dataset=dataset,
+        model=model_path, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
         peft_config=trl.get_peft_config(model_args),
         callbacks=[*([EventCallback()] if RANK == 0 else []), stop_and_save], **trainer_kwargs,
     )
