@@ -11,7 +11,7 @@ from studio_core.evaluation import METRICS, EvalError, EvalProcess, EvalRequest,
 
 
 def cmd_eval(args) -> int:
-    metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
+    metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip()) if args.metrics else None
     column_map = {}
     for item in args.column_map:
         old, sep, new = item.partition("=")
@@ -77,8 +77,9 @@ def add_parser(command) -> None:
                      "dataset (default: the run's own dataset)")
     sub.add_argument("--split", help="the dataset's split (default: train; a file has only that one)")
     sub.add_argument("--config", help="a Hub dataset's configuration")
-    sub.add_argument("--metrics", default=",".join(METRICS),
-                     help=f"comma-separated, from {', '.join(METRICS)} (default: all)")
+    sub.add_argument("--metrics", help=f"comma-separated, from {', '.join(METRICS)} (default: every one that "
+                     "applies to the data and the run; mean_reward runs the run's reward functions, your files "
+                     "included)")
     sub.add_argument("--limit", type=int, help="evaluate the first N rows only")
     sub.add_argument("--max-new-tokens", type=int, default=64, help="each answer's length limit (default 64)")
     sub.add_argument("--column-map", action="append", default=[], metavar="OLD=NEW",

@@ -176,15 +176,16 @@ class ChatProcess:
         return cls(proc, target, first, events)
 
     @staticmethod
-    def spawn(module: str, setup: dict, runs_dir, hardware: Hardware, cores: str | None):
+    def spawn(module: str, setup: dict, runs_dir, hardware: Hardware, cores: str | None, without: tuple = ()):
         """Start a process that loads a model on a core of its own (the chat's, an evaluation's):
         the core is chosen and the process holds its lease before this returns. Its first stdin
         line is `setup` with the runs folder, backend and cores added; its stdout lines are JSON
-        events. Returns (process, event queue, its stderr's last lines, the cores)."""
+        events; `without`: environment variables it must not get. Returns (process, event queue, its
+        stderr's last lines, the cores)."""
         with leases.choosing(runs_dir):  # until the process holds the core chosen here
             chosen = choose_one_core(runs_dir, hardware, cores, "evaluation" if setup["kind"] == "eval" else "chat")
             env = device_env(hardware, compile_cache_root(), chosen)
-            proc = children.start(module, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            proc = children.start(module, env=env, without=without, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
             events: queue.Queue = queue.Queue()
             stderr_tail: list[str] = []

@@ -25,37 +25,40 @@ from studio_core import evaluation, leases
 from studio_core.chat import MAX_CACHE_LEN, shown, split_reasoning
 from studio_core.data_check import apply_column_map
 from studio_core.generation import Generator, on_leased_cores
-from studio_core.train_data import load_split
+from studio_core.train_data import held_out, load_split
 
 
 def emit(kind: str, **fields) -> None:
     print(json.dumps({"type": kind, **fields}), flush=True)
 
 
-def eval_items(source: dict, request: dict) -> list[dict]:
-    """The evaluation set's items (evaluation.item), checked; ValueError saying what is wrong."""
+def eval_items(source: dict, request: dict) -> tuple[list[dict], tuple]:
+    """The evaluation set's items (evaluation.item) and the metrics for them, checked; ValueError
+    saying what is wrong. A run's held-out rows are the ones its training left out (the same
+    split of the same data with the same seed: train_data.held_out)."""
     try:
         dataset = load_split(source["name"], source.get("config"), source["split"])
     except Exception as error:  # datasets' own errors: no such split, config or dataset
         raise ValueError(f"cannot read {source['name']} (split {source['split']}): {type(error).__name__}: "
                          f"{error}") from error
+    if source.get("holdout"):
+        dataset = held_out(dataset, source["holdout"]["fraction"], source["holdout"]["seed"])[1]
     if request["limit"]:
         dataset = dataset.select(range(min(request["limit"], len(dataset))))
     rows = apply_column_map(dataset.to_list(), source.get("column_map"), None)
-    items, problems = evaluation.items_and_problems(rows, request["metrics"])
+    items, metrics, problems = evaluation.items_and_problems(rows, request["metrics"], source.get("rewards"))
     if problems:
         raise ValueError("\n".join(problems))
-    return items
+    return items, metrics
 
 
-def evaluate(model: Generator, items: list[dict], request: dict, stop: threading.Event) -> tuple[list[dict], list]:
+def evaluate(model: Generator, items: list[dict], metrics, max_new: int, stop: threading.Event) -> tuple[list, list]:
     """Each model's answer and scores per item, in item order; (rows, sides)."""
-    metrics, max_new = request["metrics"], request["max_new_tokens"]
     sides = ["tuned", "base"] if model.has_base else ["tuned"]
     rows = [{"prompt": i["prompt"], "reference": i["reference"]} for i in items]
     done, total = 0, len(items) * len(sides)
     for side in sides:
-        for row in rows:
+        for row, one in zip(rows, items):
             if stop.is_set():
                 return [r for r in rows if sides[0] in r], sides
             answer = model.generate(row["prompt"], which=side, max_new_tokens=max_new)
@@ -63,11 +66,43 @@ def evaluate(model: Generator, items: list[dict], request: dict, stop: threading
                      "answer_tokens": answer["new_tokens"], "bucket": answer["bucket"]}
             if "eval_loss" in metrics and row["reference"] is not None:
                 entry["reference_loss"], entry["reference_tokens"] = model.score(row["prompt"], row["reference"], side)
+            if "preference_accuracy" in metrics and one.get("chosen") is not None and one.get("rejected") is not None:
+                entry["chosen_loss"] = model.score(row["prompt"], one["chosen"], side)[0]
+                entry["rejected_loss"] = model.score(row["prompt"], one["rejected"], side)[0]
             entry["scores"] = evaluation.scores(entry, metrics, row["reference"])
             row[side] = entry
             done += 1
             emit("progress", done=done, total=total, side=side)
     return rows, sides
+
+
+def score_rewards(rewards: list, items: list[dict], rows: list[dict], sides: list[str], tokenizer) -> None:
+    """The run's reward functions on each side's answers, called as its trainer calls them (a batch
+    of prompts, completions in the data's format, the other columns): each one's value as
+    `reward/NAME` and their weighted sum as mean_reward (None where no function applies)."""
+    from transformers import TrainerState
+
+    from studio_core.rewards import reward_functions
+
+    funcs, weights = reward_functions(rewards)
+    raw = [i["row"] for i in items[:len(rows)]]
+    columns = {key: [row.get(key) for row in raw] for key in raw[0] if key != "prompt"}
+    for side in (s for s in sides if all(s in r for r in rows)):
+        answers = [r[side]["answer"] for r in rows]
+        completions = [[{"role": "assistant", "content": a}] if isinstance(row.get("prompt"), list) else a
+                       for a, row in zip(answers, raw)]
+        total: list[float | None] = [None] * len(rows)
+        for func, weight in zip(funcs, weights):
+            values = func(prompts=[row.get("prompt") for row in raw], completions=completions,
+                          completion_ids=[tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers],
+                          **columns, trainer_state=TrainerState(), log_extra=lambda column, values: None,
+                          log_metric=lambda name, value: None)
+            for index, value in enumerate(values):
+                rows[index][side]["scores"][f"reward/{getattr(func, '__name__', type(func).__name__)}"] = value
+                if value is not None:
+                    total[index] = (total[index] or 0.0) + weight * float(value)
+        for row, value in zip(rows, total):
+            row[side]["scores"]["mean_reward"] = value
 
 
 def main() -> int:
@@ -85,7 +120,7 @@ def main() -> int:
     try:
         with on_leased_cores(setup):
             try:
-                items = eval_items(source, request)
+                items, metrics = eval_items(source, request)
             except ValueError as error:
                 emit("error", message=str(error))
                 return 2
@@ -96,14 +131,21 @@ def main() -> int:
                 return 1
             emit("loaded", rows=len(items), sides=["tuned", "base"] if model.has_base else ["tuned"])
             started = time.time()
-            rows, sides = evaluate(model, items, request, stop)
+            rows, sides = evaluate(model, items, metrics, request["max_new_tokens"], stop)
+            if "mean_reward" in metrics and rows:
+                try:
+                    score_rewards(source["rewards"], items, rows, sides, model.tokenizer)
+                except Exception as error:  # the user's reward code: said, with what else was scored
+                    emit("error", message=f"a reward function failed on the answers: {type(error).__name__}: "
+                         f"{error}")
+                    return 1
     except leases.CoresBusy as error:
         emit("error", message=str(error))
         return 2
     summary = {"target": target["label"], "data": source["name"], "split": source["split"],
                "note": source.get("note", ""), "rows": len(rows), "of_rows": len(items),
                "stopped": len(rows) < len(items) or any(s not in r for r in rows for s in sides),
-               "metrics": list(request["metrics"]), "max_new_tokens": request["max_new_tokens"], "greedy": True,
+               "metrics": list(metrics), "max_new_tokens": request["max_new_tokens"], "greedy": True,
                "exact_match_compares": evaluation.NORMALISE,
                "buckets": sorted({r[s]["bucket"] for r in rows for s in sides if s in r}),
                "shapes": sorted(list(s) for s in model.shapes), "seconds": round(time.time() - started, 2),

@@ -14,7 +14,14 @@ scores). An evaluation of a model that is not a run goes to `<runs dir>/evals/<t
 
 The metrics (METRICS): exact match (after NORMALISE), ROUGE-L F1 (Google's `rouge-score`
 package, with its stemmer), the loss and perplexity of the reference answer under each model
-(teacher-forced, as training counts it) and the answer length in tokens.
+(teacher-forced, as training counts it), the answer length in tokens, the run's own reward
+functions on the answers (GRPO, RLOO: weighted and summed as the trainer sums them, and each
+one's mean), and for preference data how often the model gives the chosen answer a higher
+likelihood than the rejected one. Without metrics asked for, every one that applies to the
+data and the run is taken.
+
+A run's default evaluation set is the one it held out (studio_core.eval_data), else its
+training data, which the summary then says.
 
 No torch import here: this module runs in the web app's process.
 """
@@ -29,21 +36,25 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from studio_core import sources
+from studio_core import eval_data, sources
 from studio_core.chat import ChatError, ChatProcess, kill, resolve
 from studio_core.data_files import read_rows
 from studio_core.hardware import Hardware
+from studio_core.rewards import HUB_TOKENS
 from studio_core.runs import folder
 from studio_core.spec import RunSpec
 
-# metric -> (what it says, whether it needs a reference answer)
+# metric -> (what it says, what it needs: a reference answer, the run's rewards, or preference pairs)
+REFERENCE, REWARDS, PAIRS = "reference", "rewards", "pairs"
 METRICS = {
-    "exact_match": ("the answer equals the reference (case, spacing and end punctuation aside)", True),
-    "rouge_l": ("ROUGE-L F1 of the answer against the reference (longest common word sequence)", True),
-    "eval_loss": ("the reference answer's loss under the model (teacher-forced; its perplexity beside it)", True),
-    "answer_tokens": ("the answer's length in tokens", False),
+    "exact_match": ("the answer equals the reference (case, spacing and end punctuation aside)", REFERENCE),
+    "rouge_l": ("ROUGE-L F1 of the answer against the reference (longest common word sequence)", REFERENCE),
+    "eval_loss": ("the reference answer's loss under the model (teacher-forced; its perplexity beside it)", REFERENCE),
+    "answer_tokens": ("the answer's length in tokens", None),
+    "mean_reward": ("the run's reward functions on the answer, weighted and summed as its trainer does (runs "
+                    "the run's reward code, your files included)", REWARDS),
+    "preference_accuracy": ("the chosen answer is more likely under the model than the rejected one", PAIRS),
 }
-DEFAULT_METRICS = tuple(METRICS)
 MAX_NEW_TOKENS = 64
 EVAL_DIR = "eval"  # in a run folder
 MODEL_EVALS = "evals"  # in the runs folder, for a model that is not a run
@@ -61,7 +72,7 @@ class EvalRequest:
     data: str | None = None  # a file or Hub dataset; None: the run's own dataset
     split: str | None = None  # None: the dataset's train split (a file has only that)
     config: str | None = None
-    metrics: tuple[str, ...] = DEFAULT_METRICS
+    metrics: tuple[str, ...] | None = None  # None: every metric that applies
     limit: int | None = None  # the first N rows
     max_new_tokens: int = MAX_NEW_TOKENS
     column_map: dict = field(default_factory=dict)
@@ -101,42 +112,45 @@ def item(row: dict) -> dict | None:
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
         if last is None or last == 0:
             return None
-        return {"prompt": as_messages(messages[:last]), "reference": as_text(messages[last]["content"])}
+        return {"prompt": as_messages(messages[:last]), "reference": as_text(messages[last]["content"]), "row": row}
     if "prompt" not in row or row["prompt"] is None:
         return None
     chosen = as_text(row.get("chosen"))
     reference = next((as_text(row[k]) for k in ("completion", "reference", "answer") if row.get(k) is not None),
                      chosen)
     return {"prompt": as_messages(row["prompt"]), "reference": reference, "chosen": chosen,
-            "rejected": as_text(row.get("rejected"))}
+            "rejected": as_text(row.get("rejected")), "row": row}
 
 
-def items_and_problems(rows: list[dict], metrics) -> tuple[list[dict], list[str]]:
-    """The records' evaluation items, and what stops an evaluation of them with these metrics."""
-    items = [item(row) for row in rows]
+def items_and_problems(rows: list[dict], metrics, rewards=()) -> tuple[list[dict], tuple, list[str]]:
+    """The records' evaluation items, the metrics to score them with (`metrics` None: every one
+    that applies to them and to a run with these `rewards`), and what stops an evaluation."""
     if not rows:
-        return [], ["the evaluation set has no rows; give a dataset, split or --limit that holds some"]
+        return [], (), ["the evaluation set has no rows; give a dataset, split or --limit that holds some"]
+    items = [i for i in (item(row) for row in rows) if i is not None]
     columns = ", ".join(sorted(rows[0]))
-    if all(i is None for i in items):
-        return [], [f"the evaluation set has no prompts to answer (columns: {columns}): give `messages` "
-                    "(a conversation ending in the answer) or `prompt` with `completion` or `reference`"]
-    needing = [m for m in metrics if METRICS[m][1]]
-    if needing and all(i is None or i["reference"] is None for i in items):
-        return [], [f"{', '.join(needing)} compare with a reference answer, and the evaluation set has none "
-                    f"(columns: {columns}): give a `completion`, `reference`, `answer` or `chosen` column "
-                    f"(--column-map old=new renames one), or choose only {', '.join(_without_reference())}"]
-    return [i for i in items if i is not None], []
-
-
-def _without_reference() -> list[str]:
-    return [m for m, (_, needs) in METRICS.items() if not needs]
-
-
-def check_metrics(metrics) -> list[str]:
-    unknown = [m for m in metrics if m not in METRICS]
-    if unknown:
-        return [f"metric {', '.join(unknown)}: unknown; choose from {', '.join(METRICS)}"]
-    return [] if metrics else [f"choose at least one metric: {', '.join(METRICS)}"]
+    if not items:
+        return [], (), [f"the evaluation set has no prompts to answer (columns: {columns}): give `messages` "
+                        "(a conversation ending in the answer) or `prompt` with `completion` or `reference`"]
+    has = {None: True, REFERENCE: any(i["reference"] is not None for i in items), REWARDS: bool(rewards),
+           PAIRS: any(i.get("chosen") is not None and i.get("rejected") is not None for i in items)}
+    if metrics is None:
+        return items, tuple(m for m, (_, needs) in METRICS.items() if has[needs]), []
+    problems = check_metrics(metrics)
+    missing = [m for m in metrics if m in METRICS and not has[METRICS[m][1]]]
+    need = {METRICS[m][1] for m in missing}
+    if REFERENCE in need:
+        problems.append(f"{', '.join(m for m in missing if METRICS[m][1] == REFERENCE)} compare with a reference "
+                        f"answer, and the evaluation set has none (columns: {columns}): give a `completion`, "
+                        "`reference`, `answer` or `chosen` column (--column-map old=new renames one), or leave "
+                        "those metrics out")
+    if REWARDS in need:
+        problems.append("mean_reward scores answers with a run's reward functions, and this one has none (only "
+                        "GRPO and RLOO runs do); leave it out")
+    if PAIRS in need:
+        problems.append(f"preference_accuracy compares a `chosen` and a `rejected` answer, and the evaluation set "
+                        f"has no such pairs (columns: {columns}); leave it out")
+    return items, tuple(metrics), problems
 
 
 def rouge_l(answer: str, reference: str) -> float:
@@ -157,24 +171,27 @@ def scores(entry: dict, metrics, reference: str | None) -> dict:
         out["eval_loss"] = entry["reference_loss"] / entry["reference_tokens"]
     if "answer_tokens" in metrics:
         out["answer_tokens"] = float(entry["answer_tokens"])
+    if "preference_accuracy" in metrics and "chosen_loss" in entry:
+        out["preference_accuracy"] = float(entry["chosen_loss"] < entry["rejected_loss"])
     return out
 
 
 def summarise(rows: list[dict], sides: list[str]) -> dict:
     """{model: {metric: mean over the rows that have it}}; eval_loss is token-weighted (the loss
-    over every reference token) and perplexity is exp of it."""
+    over every reference token) and perplexity is exp of it. Each reward function's own mean
+    (`reward/NAME`) comes after the metrics."""
     summary = {}
     for side in sides:
         entries = [row[side] for row in rows if side in row]
+        names = list(dict.fromkeys(k for e in entries for k in e["scores"]))
         means = {}
-        for metric in METRICS:
-            values = [e["scores"][metric] for e in entries if metric in e["scores"]]
-            if metric == "eval_loss" and values:
-                tokens = sum(e["reference_tokens"] for e in entries if metric in e["scores"])
-                means[metric] = sum(e["reference_loss"] for e in entries if metric in e["scores"]) / tokens
+        for metric in sorted(names, key=lambda m: (m not in METRICS, list(METRICS).index(m) if m in METRICS else 0)):
+            scored = [e for e in entries if e["scores"].get(metric) is not None]
+            if metric == "eval_loss" and scored:
+                means[metric] = sum(e["reference_loss"] for e in scored) / sum(e["reference_tokens"] for e in scored)
                 means["perplexity"] = math.exp(min(means[metric], 50))
-            elif values:
-                means[metric] = sum(values) / len(values)
+            elif scored:
+                means[metric] = sum(e["scores"][metric] for e in scored) / len(scored)
         summary[side] = {k: round(v, 4) for k, v in means.items()}
     return summary
 
@@ -182,11 +199,12 @@ def summarise(rows: list[dict], sides: list[str]) -> dict:
 def format_summary(summary: dict) -> str:
     """The summary as a small table: a row per metric, a column per model."""
     sides = list(summary["results"])
-    metrics = [m for m in (*METRICS, "perplexity") if any(m in summary["results"][s] for s in sides)]
-    lines = [f"{'metric':<14}" + "".join(f"{s:>12}" for s in sides)]
+    metrics = list(dict.fromkeys(m for s in sides for m in summary["results"][s]))
+    width = max(14, *(len(m) + 2 for m in metrics))
+    lines = [f"{'metric':<{width}}" + "".join(f"{s:>12}" for s in sides)]
     for metric in metrics:
         cells = [summary["results"][s].get(metric) for s in sides]
-        lines.append(f"{metric:<14}" + "".join(f"{'-' if c is None else format(c, '.4f'):>12}" for c in cells))
+        lines.append(f"{metric:<{width}}" + "".join(f"{'-' if c is None else format(c, '.4f'):>12}" for c in cells))
     return "\n".join(lines)
 
 
@@ -222,25 +240,35 @@ def read_rows_file(eval_dir: Path) -> list[dict]:
 
 
 def data_source(request: EvalRequest, runs_dir: Path) -> dict:
-    """The dataset to evaluate on: the one asked for, else the run's own (its spec's dataset, split
-    and column map), with a note when that is the data it trained on."""
+    """The dataset to evaluate on: the one asked for, else the run's own evaluation set (the rows
+    it held out, its eval dataset or test split), else its training data (with a note saying
+    so); with the run's column map and reward functions."""
     run_dir = runs_dir / request.target
+    spec = None
+    if folder.is_run_id(request.target) and folder.is_run(run_dir):
+        spec = RunSpec.load(run_dir / folder.SPEC)
+    rewards = spec.rewards if spec is not None else []
     if request.data:
         return {"name": request.data, "split": request.split or "train", "config": request.config,
-                "column_map": request.column_map, "note": ""}
-    if not (folder.is_run_id(request.target) and folder.is_run(run_dir)):
+                "column_map": request.column_map, "holdout": None, "note": "", "rewards": rewards}
+    if spec is None:
         raise EvalError(f"{request.target} is not a run: name an evaluation set (--data FILE or Hub id)")
-    spec = RunSpec.load(run_dir / folder.SPEC)
-    return {"name": spec.dataset_name, "split": request.split or spec.dataset_train_split,
-            "config": spec.dataset_config, "column_map": request.column_map or spec.column_map,
-            "note": "the run's training data (it held none out): this shows what it learned, not how it "
-                    "does on new prompts; give --data for a held-out set"}
+    held = eval_data.eval_source(spec)
+    common = {"column_map": request.column_map or spec.column_map, "rewards": rewards}
+    if held is None or request.split:
+        return {**common, "name": spec.dataset_name, "split": request.split or spec.dataset_train_split,
+                "config": spec.dataset_config, "holdout": None,
+                "note": "" if request.split else "the run's training data (it held none out): this shows what it "
+                "learned, not how it does on new prompts; give --data for a held-out set"}
+    holdout = {"fraction": held.fraction, "seed": held.seed} if held.kind == eval_data.FRACTION else None
+    return {**common, "name": held.name, "split": held.split, "config": held.config, "holdout": holdout,
+            "note": f"the run's evaluation set ({held.describe()}), which it did not train on"}
 
 
 def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]]:
     """(the data source, the problems) before anything starts: metrics, the target, the limit, and
     for a local file its records (a Hub dataset is checked by the evaluation process on its rows)."""
-    problems = check_metrics(request.metrics)
+    problems = check_metrics(request.metrics) if request.metrics is not None else []
     if request.limit is not None and request.limit < 1:
         problems.append(f"limit {request.limit}: evaluate at least 1 row (or no limit)")
     if not 1 <= request.max_new_tokens <= 512:
@@ -260,7 +288,7 @@ def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]
             from studio_core.data_check import apply_column_map
 
             rows = apply_column_map(read_rows(path, 50), source["column_map"], None)
-            problems += items_and_problems(rows, request.metrics)[1]
+            problems += items_and_problems(rows, request.metrics, source["rewards"])[2]
         except ValueError as error:
             problems.append(f"{source['name']}: {error}")
     return source, problems
@@ -285,8 +313,10 @@ class EvalProcess:
         setup = {"target": asdict(target), "request": asdict(request), "source": source, "out": str(out),
                  "runs_dir": str(runs_dir), "backend": hardware.backend, "kind": "eval"}
         try:
+            # a user's reward file may run in it (mean_reward): then without the Hub token, as at Start
+            user_code = any(isinstance(r, dict) and "file" in r for r in source["rewards"])
             proc, events, stderr_tail, chosen = ChatProcess.spawn("studio_core.eval_worker", setup, runs_dir,
-                                                                  hardware, cores)
+                                                                  hardware, cores, without=HUB_TOKENS * user_code)
         except ChatError as error:
             raise EvalError(str(error)) from error
         return cls(proc, events, stderr_tail, out, chosen)
