@@ -110,7 +110,10 @@ def run_summary(run_dir: Path) -> dict:
     spec = RunSpec.load(run_dir / folder.SPEC)
     launch = folder.read_launch(run_dir)
     state = events.fold(events.read(run_dir / folder.EVENTS))
-    return {"spec": spec, "hardware": launch.get("hardware", {}), "cores": launch.get("cores"),
+    from studio_core.evaluation import evaluations
+
+    latest = next(iter(evaluations(run_dir)), None)
+    return {"spec": spec, "hardware": launch.get("hardware", {}), "cores": launch.get("cores"), "evaluation": latest,
             "losses": state.losses(), "final": state.final_metrics(), "last_loss": state.last_loss(),
             "compiles": len(state.compiles), "compile_seconds": round(state.compile_seconds(), 1),
             "shapes": len(state.shapes), "attempts": state.attempts}
@@ -130,7 +133,22 @@ def card_data(summary: dict, kind: str, base_license: str | None):
         tags += ["trainium", "neuron"]
     return ModelCardData(base_model=hub_base, datasets=[hub_data] if hub_data else None,
                          library_name="peft" if kind == "adapter" else "transformers", license=base_license,
-                         pipeline_tag=trainer.task, tags=tags, model_name=spec.display_name)
+                         pipeline_tag=trainer.task, tags=tags, model_name=spec.display_name,
+                         eval_results=eval_results(summary.get("evaluation"), trainer.task) or None)
+
+
+def eval_results(evaluation: dict | None, task: str) -> list:
+    """The run's latest evaluation as the Hub's model-index results: the tuned model's scores
+    (the base's are in the card's text beside them)."""
+    from huggingface_hub import EvalResult
+
+    if not evaluation or "tuned" not in evaluation.get("results", {}):
+        return []
+    data = evaluation["data"]
+    return [EvalResult(task_type=task, dataset_type=data if HUB_ID.match(data) else "json", dataset_name=data,
+                       dataset_split=evaluation.get("split"), metric_type=metric, metric_value=value,
+                       metric_name=metric.replace("_", " "))
+            for metric, value in evaluation["results"]["tuned"].items() if isinstance(value, (int, float))]
 
 
 def _main(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) -> None:
@@ -269,7 +287,23 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
             "last_loss": "" if summary["last_loss"] is None else f"{summary['last_loss']:.4f}",
             "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
             "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "",
+            "evaluation": _evaluation_text(summary.get("evaluation")),
             "loader": _loader(kind, base, scores=not trainer.chats)}
+
+
+def _evaluation_text(evaluation: dict | None) -> str:
+    """The latest evaluation as the card's table, each model a column, with how it was made."""
+    if not evaluation:
+        return "Not evaluated: `launch.py eval RUN_ID` (or the studio's Evaluate tab) compares it with its base."
+    sides = list(evaluation["results"])
+    metrics = list(dict.fromkeys(m for side in sides for m in evaluation["results"][side]))
+    lines = [f"On {evaluation['rows']} prompts of {evaluation['data']} (split {evaluation['split']}), greedy, at most "
+             f"{evaluation['max_new_tokens']} new tokens{'; ' + evaluation['note'] if evaluation.get('note') else ''}:",
+             "", "| metric | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
+    for metric in metrics:
+        cells = [evaluation["results"][side].get(metric) for side in sides]
+        lines.append(f"| {metric} | " + " | ".join("-" if c is None else f"{c:.4g}" for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def _base_note(base: str, kind: str) -> str:
