@@ -153,6 +153,13 @@ def items_and_problems(rows: list[dict], metrics, rewards=()) -> tuple[list[dict
     return items, tuple(metrics), problems
 
 
+def check_metrics(metrics) -> list[str]:
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        return [f"metric {', '.join(unknown)}: unknown; choose from {', '.join(METRICS)}"]
+    return [] if metrics else [f"choose at least one metric: {', '.join(METRICS)}"]
+
+
 def rouge_l(answer: str, reference: str) -> float:
     from rouge_score import rouge_scorer
 
@@ -279,8 +286,9 @@ def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]
     except (ChatError, EvalError) as error:
         return {}, problems + [str(error)]
     path = sources.dataset_file(source["name"])
-    if path is None:
-        problems += sources.check_dataset(source["name"])
+    missing = [p.replace("dataset_name: ", "evaluation set: ", 1) for p in sources.check_dataset(source["name"])]
+    if path is None or missing:
+        problems += missing
     elif source["split"] != "train":
         problems.append(f"split {source['split']!r}: a file has one split, train; leave the split out")
     elif not problems:

@@ -134,6 +134,29 @@ CASES = [
     ("export {run} --out {t}/out --push model --runs-dir {d}", 2, "write it as your-name/model or an-org/model"),
     ("export {run} --out {t}/out --public --runs-dir {d}", 2, "--public: these go with --push REPO_ID"),
     ("export {run} --out {t}/out --update --runs-dir {d}", 2, "--update: these go with --push REPO_ID"),
+    # eval: refused before the evaluation process starts
+    ("eval {run} --metrics bleu --runs-dir {d}", 2, "metric bleu: unknown; choose from exact_match"),
+    ("eval {run} --data {t}/prompts.jsonl --metrics exact_match,rouge_l --runs-dir {d}", 2,
+     "exact_match, rouge_l compare with a reference answer, and the evaluation set has none"),
+    ("eval {run} --split test --runs-dir {d}", 2, "a file has one split, train; leave the split out"),
+    ("eval {run} --data builtin:qa --split validation --runs-dir {d}", 2, "a file has one split, train"),
+    ("eval {run} --limit 0 --runs-dir {d}", 2, "limit 0: evaluate at least 1 row"),
+    ("eval {run} --max-new-tokens 0 --runs-dir {d}", 2, "max_new_tokens 0: use 1 to 512"),
+    ("eval builtin:tiny-qwen3 --runs-dir {d}", 2, "is not a run: name an evaluation set (--data FILE or Hub id)"),
+    ("eval {run} --data {t}/nope.jsonl --runs-dir {d}", 2, "nope.jsonl not found"),
+    ("eval {run} --metrics mean_reward --runs-dir {d}", 2, "only GRPO and RLOO runs do"),
+    ("eval {run} --data builtin:qa --metrics preference_accuracy --runs-dir {d}", 2, "has no such pairs"),
+    ("eval {run} --data {t}/empty.jsonl --runs-dir {d}", 2, "empty.jsonl is empty"),
+    ("eval {run} --column-map answer --runs-dir {d}", 2, "write it as old=new"),
+    ("eval NOPE --runs-dir {d}", 2, "neither a run in"),
+    # an evaluation set during training
+    ("train {r} --set studio.eval_fraction=1.5 --runs-dir {d}", 2, "must be a number between 0 and 1"),
+    ("train {r} --set studio.eval_fraction=0 --runs-dir {d}", 2, "must be a number between 0 and 1"),
+    ("train {r} --set studio.eval_fraction=0.95 --runs-dir {d}", 2, "of 12 rows holds out all 12 and leaves none"),
+    ("train {r} --set eval_strategy=steps --runs-dir {d}", 2, "a file has one split, train: hold out part of it"),
+    ("train {r} --set studio.eval_dataset={t}/nope.jsonl --runs-dir {d}", 2, "studio.eval_dataset: "),
+    ("train {r} --set studio.eval_fraction=0.1 --set studio.eval_dataset=builtin:qa --runs-dir {d}", 2,
+     "choose one evaluation set"),
     # doctor
     ("doctor --runs-dir {t}/afile", 2, "is not a folder: give --runs-dir"),
     ("doctor --bogus", 2, "unrecognized arguments: --bogus"),
@@ -149,6 +172,8 @@ def places(tmp_path_factory):
     (t / "empty").write_text("")
     (t / "latin1.yaml").write_bytes("model_name_or_path: \u00e9t\u00e9\n".encode("latin-1"))  # not UTF-8
     (t / "list.yaml").write_text("- max_steps: 5\n- learning_rate: 1.0e-4\n")
+    (t / "prompts.jsonl").write_text('{"prompt": "What colour is the studio mascot?"}\n')  # no answer to compare
+    (t / "empty.jsonl").write_text("")
     run_dir = t / "runs" / RUN
     (run_dir / folder.OUTPUT).mkdir(parents=True)
     RunSpec.load(RECIPES / "tiny-sft.yaml").save(run_dir / folder.SPEC)
@@ -191,6 +216,7 @@ def test_a_bad_command_line_says_what_to_change(line, code, says, places, no_app
     before = sorted(os.listdir(places["d"]))
     refused(*cli(shlex.split(line.format(**places)), capsys), code, says)
     assert sorted(os.listdir(places["d"])) == before, "something was made in the runs folder"
+    assert not (Path(places["d"]) / RUN / "eval").exists(), "an evaluation was saved"
 
 
 @pytest.mark.fast
