@@ -104,7 +104,10 @@ class RunPanel:
 
     def build_details(self) -> None:
         with gr.Row():
+            # both sets in the colour map from the start: a series that comes later (the first
+            # evaluation) would otherwise be outside the colour scale Gradio fixed, and invisible
             self.loss = gr.LinePlot(x="step", y="loss", color="set", title="Loss", height=260,
+                                    color_map={"training": "#268bd2", "evaluation": "#dc322f"},
                                     elem_classes="loss-plot")
             self.lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
         with gr.Row():  # the trainer's own metrics (trainers.Trainer.plots): rewards, KL, accuracy, ...

@@ -26,11 +26,13 @@ def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
     assert page.locator("#dataset input").first.input_value() == "builtin:qa"
     page.locator("#run_name textarea, #run_name input").first.fill("browser-sft")
     set_number(page, "max_steps", 40)
+    page.locator("#dataset-box").get_by_text("Dataset: upload, Hub options").first.click()
+    set_number(page, "eval_fraction", 0.25)  # 3 of the 12 facts held out, their loss plotted
 
     page.locator("#preview").click()
     plan = page.locator("#plan")
     plan.get_by_text("torch.distributed.run").first.wait_for()
-    assert "use_cpu = True" in plan.inner_text()
+    assert "use_cpu = True" in plan.inner_text() and "eval_strategy = 'steps'" in plan.inner_text()
     assert app.new_runs() == []  # a preview launches nothing
 
     for button in ("#stop", "#stop-save", "#resume"):  # no run followed: nothing to stop or resume
@@ -51,6 +53,9 @@ def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
     for title in ("Loss", "Token accuracy", "CPU of the run's processes (%, 100 = one core)"):
         plot = train_tab.locator(".block").filter(has=page.get_by_text(title, exact=True)).last
         expect(drawn_lines(plot).first).to_be_attached(timeout=30_000)
+    loss = train_tab.locator(".loss-plot").first
+    expect(drawn_lines(loss)).to_have_count(2)  # the training loss and the held-out set's
+    expect(loss).to_contain_text("evaluation")  # its legend
     page.get_by_text("Settings the studio applied, and why").click()
     why = page.locator("table.applied th").nth(2)
     expect(why).to_be_visible()
@@ -59,7 +64,8 @@ def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
     page.screenshot(path=str(tmp_path / "train-finished.png"), full_page=True)
 
     [view] = app.new_runs()
-    assert view.live_state == "finished" and view.metrics and "loss" in view.metrics[-2]
+    assert view.live_state == "finished" and any("loss" in m for m in view.metrics[-3:])
+    assert view.spec["studio"]["eval_fraction"] == 0.25 and len([m for m in view.metrics if "eval_loss" in m]) >= 5
     shown_loss = float(status.split("loss")[-1].strip())
     assert shown_loss == pytest.approx(next(m["loss"] for m in reversed(view.metrics) if "loss" in m), abs=1e-4)
 
