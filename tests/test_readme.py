@@ -125,6 +125,7 @@ class Session:
     step: str | None = None  # STEP: the latest `stop --save`'s checkpoint
     folders: list[Path] = field(default_factory=list)  # DIR: each a new folder
     outputs: list[str] = field(default_factory=list)
+    evaluated: dict | None = None  # the latest `eval --json` results
 
     @property
     def manager(self) -> RunManager:
@@ -270,12 +271,33 @@ def after_chat(s: Session, args: list[str], done: subprocess.CompletedProcess) -
     assert "distinct input shapes so far" in done.stderr
 
 
+def after_eval(s: Session, args: list[str], done: subprocess.CompletedProcess) -> None:
+    """The run learned the built-in Q&A set, its random base did not: on the Q&A questions (its own
+    data, said), the tuned model's exact match is at least 0.75 and the base's at most 0.25."""
+    if "--json" in args:
+        [line] = done.stdout.strip().splitlines()  # one JSON object on stdout, for scripts
+        results = json.loads(line)
+    else:
+        assert "the run's training data" in done.stdout and "exact_match" in done.stdout
+        return
+    assert results["tuned"]["exact_match"] >= 0.75 and results["base"]["exact_match"] <= 0.25, results
+    assert results["tuned"]["eval_loss"] < results["base"]["eval_loss"]
+    s.evaluated = results
+    assert "rows.jsonl" in done.stderr
+
+
 def after_export(s: Session, args: list[str], done: subprocess.CompletedProcess) -> None:
+    from huggingface_hub import ModelCard
+
     out = Path(option(args, "--out"))
     kind = "merged" if "--merge" in args else "full"
     assert done.stdout.startswith(f"Exported {kind} model to {out}: "), done.stdout
     assert json.loads((out / "studio_output.json").read_text())["kind"] == kind
     assert (out / "README.md").is_file() and (out / "config.json").is_file()
+    if s.evaluated:  # the card carries the latest evaluation as the Hub's model-index results
+        card = ModelCard.load(out / "README.md")
+        assert {r.metric_type: r.metric_value for r in card.data.eval_results} == s.evaluated["tuned"]
+        assert "| exact_match |" in card.text
     repo = option(args, "--push")
     if repo:
         private = "--public" not in args
@@ -288,7 +310,7 @@ def after_export(s: Session, args: list[str], done: subprocess.CompletedProcess)
 
 BEFORE = {"cache": before_cache}
 AFTER = {"train": after_train, "stop": after_stop, "runs": after_runs, "plan": after_plan, "cache": after_cache,
-         "chat": after_chat, "export": after_export}
+         "chat": after_chat, "eval": after_eval, "export": after_export}
 
 
 # --- the tests ------------------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""Evaluation for real: preference accuracy, a stopped evaluation of a LoRA run that keeps what it
+scored and frees its core, a GRPO run scored under its own reward functions, and a held-out
+fraction that training and evaluation agree on. `launch.py eval` on the built-in Q&A (the tuned model right, its random base not)
+and the exported card's model-index are README commands (tests/test_readme.py); bad input is in
+tests/test_cli_errors.py (fast).
+
+    .venv/bin/python -m pytest -q tests/test_eval.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES
+from studio_core import leases
+from studio_core.builtin import BUILTIN_DATASETS
+from studio_core.evaluation import EvalProcess, EvalRequest, read_rows_file
+from studio_core.hardware import cpu_hardware
+from studio_core.rewards import reward_functions
+from studio_core.spec import RunSpec
+
+
+def questions(dataset: str = "builtin:qa") -> dict[str, str]:
+    """The built-in sample's questions and their answers."""
+    rows = [json.loads(line) for line in BUILTIN_DATASETS[dataset].read_text().splitlines() if line.strip()]
+    return {row["messages"][0]["content"]: row["messages"][1]["content"] for row in rows}
+
+
+def test_the_tuned_model_prefers_the_chosen_answers_and_a_stopped_evaluation_frees_its_core(trained_runs, tmp_path):
+    manager, ids = trained_runs
+    runs_dir = tmp_path / "runs"
+    for key in ("full", "lora"):
+        shutil.copytree(manager.runs_dir / ids[key], runs_dir / ids[key])
+    hardware = cpu_hardware()
+    request = EvalRequest(ids["full"], data="builtin:preference", metrics=("preference_accuracy", "exact_match"))
+    evaluation = EvalProcess.start(request, runs_dir, hardware)
+    assert leases.holders(runs_dir, "cpu", hardware.cores)[evaluation.cores[0]]["kind"] == "eval"
+    events = list(evaluation.events())
+    assert [e["type"] for e in events][0] == "loaded" and events[-1]["type"] == "done"
+    results = events[-1]["summary"]["results"]
+    # SFT trained on the answers the preference set calls chosen: the adapter prefers them, the base cannot
+    assert results["tuned"]["preference_accuracy"] >= 0.75 > results["base"]["preference_accuracy"]
+    assert set(results["tuned"]) == {"preference_accuracy", "exact_match"}
+
+    # a LoRA run (its adapter switched off for the base), stopped after its first answer: what was
+    # scored is saved, the process ends, the core is free
+    evaluation = EvalProcess.start(EvalRequest(ids["lora"], max_new_tokens=64), runs_dir, hardware)
+    seen = []
+    for event in evaluation.events():
+        seen.append(event)
+        if event["type"] == "progress" and event["done"] == 1:
+            evaluation.stop()
+    done = seen[-1]
+    assert done["type"] == "done" and done["summary"]["stopped"]
+    assert done["summary"]["rows"] < done["summary"]["of_rows"]
+    assert len(read_rows_file(done["dir"])) == done["summary"]["rows"]
+    assert evaluation.proc.poll() is not None
+    assert leases.holders(runs_dir, "cpu", hardware.cores) == {}
+
+
+def test_a_grpo_run_is_scored_under_its_own_rewards(tmp_path):
+    from studio_core.runs.manager import RunManager
+
+    manager = RunManager(tmp_path / "runs")
+    spec = RunSpec.load(RECIPES / "tiny-grpo.yaml").with_overrides(["max_steps=2", "logging_steps=1"])
+    run = manager.start(spec, cpu_hardware())
+    assert manager.wait(run.id).live_state == "finished"
+    evaluation = EvalProcess.start(EvalRequest(run.id, limit=4, max_new_tokens=16), manager.runs_dir, cpu_hardware())
+    done = list(evaluation.events())[-1]
+    summary = done["summary"]
+    assert {"mean_reward", "reward/length", "reward/exact_match"} <= set(summary["results"]["tuned"])
+    assert "mean_reward" in summary["results"]["base"]
+    # the same functions, called here on the saved answers, give the saved scores
+    rows = read_rows_file(done["dir"])
+    funcs, weights = reward_functions(spec.rewards)
+    prompts = [json.loads(line) for line in BUILTIN_DATASETS["builtin:prompts"].read_text().splitlines()][:4]
+    for side in ("tuned", "base"):
+        completions = [[{"role": "assistant", "content": row[side]["answer"]}] for row in rows]
+        values = [func(prompts=[p["prompt"] for p in prompts], completions=completions,
+                       reference=[p["reference"] for p in prompts]) for func in funcs]
+        for index, row in enumerate(rows):
+            expected = sum(w * v[index] for w, v in zip(weights, values))
+            assert row[side]["scores"]["mean_reward"] == pytest.approx(expected)
+
+
+def test_a_held_out_fraction_is_evaluated_in_training_and_after_on_the_same_rows(tmp_path):
+    from studio_core.forecast import forecast_in_subprocess
+    from studio_core.runs.manager import RunManager
+
+    manager = RunManager(tmp_path / "runs")
+    spec = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["max_steps=20", "studio.eval_fraction=0.25"])
+    launch = manager.plan(spec, cpu_hardware())
+    assert ("eval_strategy", "steps") in [(key, value) for key, value, _ in launch.applied]
+    predicted = forecast_in_subprocess(launch.spec, "cpu")
+    run = manager.start(spec, cpu_hardware())
+    view = manager.wait(run.id)
+    assert view.live_state == "finished"
+    evaluated = [m for m in view.metrics if "eval_loss" in m]
+    assert len(evaluated) == 10  # eval_steps 0.1: ten evaluations over the run
+    observed = {tuple(event["shape"]) for event in view.shapes}
+    assert predicted.eval_batches == 1 and {tuple(s[:2]) for s in predicted.eval_shapes} <= observed
+
+    firsts = []
+    for _ in range(2):  # the default evaluation set is the held-out rows, the same each time
+        evaluation = EvalProcess.start(EvalRequest(run.id, metrics=("eval_loss",)), manager.runs_dir, cpu_hardware())
+        done = list(evaluation.events())[-1]
+        assert done["summary"]["rows"] == 3 and "did not train on" in done["summary"]["note"]
+        firsts.append([row["prompt"] for row in read_rows_file(done["dir"])])
+    assert firsts[0] == firsts[1]
+    held = {row[-1]["content"] for row in firsts[0]}
+    assert held <= set(questions()) and len(held) == 3
