@@ -19,7 +19,9 @@ def cmd_eval(args) -> int:
             raise CommandLineError(f"--column-map {item!r}: write it as old=new, e.g. answer=completion")
         column_map[old] = new
     request = EvalRequest(args.target, data=args.data, split=args.split, config=args.config, metrics=metrics,
-                          limit=args.limit, max_new_tokens=args.max_new_tokens, column_map=column_map)
+                          limit=args.limit, max_new_tokens=args.max_new_tokens, column_map=column_map,
+                          tasks=tuple(t.strip() for t in (args.lm_eval_tasks or "").split(",") if t.strip()),
+                          task_include=args.lm_eval_include)
     runs_dir = runs_folder(args, write=True)  # the evaluation holds a core there and saves into the run
     hardware = hardware_for(args)
     check_one_core(args.cores, hardware)
@@ -53,16 +55,24 @@ def cmd_eval(args) -> int:
     finally:
         if bar is not None:
             bar.close()
+    if done is not None and done["summary"].get("harness_error"):
+        print(f"lm-eval failed: {done['summary']['harness_error']}", file=sys.stderr)
     if done is None:
         print("Stopped before any answer was scored; nothing was saved.", file=sys.stderr)
         return 1
     summary = done["summary"]
     if args.json:
-        print(json.dumps(summary["results"]))
+        results = summary["results"]  # lm-eval's scores are the tuned model's metrics lm_eval/TASK/METRIC
+        results["tuned"] |= {f"lm_eval/{task}/{metric}": value for task, scores in summary.get("harness", {}).items()
+                             for metric, value in scores.items()}
+        print(json.dumps(results))
     else:
         if summary["note"]:
             print(f"Evaluated on {summary['note']}.")
         print(format_summary(summary))
+        for task, scores in summary.get("harness", {}).items():
+            shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in scores.items())
+            print(f"lm-eval {task} (tuned): {shown}")
         print(f"{summary['rows']} prompts, greedy, at most {summary['max_new_tokens']} new tokens; "
               f"{len(summary['shapes'])} distinct input shapes (buckets {summary['buckets']}), each a compilation "
               "on Neuron.")
@@ -84,6 +94,9 @@ def add_parser(command) -> None:
     sub.add_argument("--max-new-tokens", type=int, default=64, help="each answer's length limit (default 64)")
     sub.add_argument("--column-map", action="append", default=[], metavar="OLD=NEW",
                      help="rename a column of the evaluation set, e.g. answer=completion")
+    sub.add_argument("--lm-eval-tasks", metavar="TASK,...", help="lm-evaluation-harness tasks to run on the tuned "
+                     "model too (needs `pip install lm-eval`; offline, name your own tasks with --lm-eval-include)")
+    sub.add_argument("--lm-eval-include", metavar="FOLDER", help="a folder of lm-eval task YAML files")
     sub.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     sub.add_argument("--cores", help="the core to evaluate on (default: the first free one)")
     sub.add_argument("--backend", choices=("cpu",), help="evaluate on the CPU even if a device is present")

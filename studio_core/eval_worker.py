@@ -150,6 +150,15 @@ def main() -> int:
                "buckets": sorted({r[s]["bucket"] for r in rows for s in sides if s in r}),
                "shapes": sorted(list(s) for s in model.shapes), "seconds": round(time.time() - started, 2),
                "time": started, "results": evaluation.summarise(rows, sides)}
+    if request.get("tasks") and not stop.is_set():
+        from studio_core import harness
+
+        emit("progress", done=len(items) * len(sides), total=len(items) * len(sides), side="lm-eval")
+        try:  # the tuned model as loaded here (on Neuron: on its core), never loaded again by lm-eval
+            summary["harness"] = harness.run_tasks(model.model, model.tokenizer, list(request["tasks"]),
+                                                   include_path=request.get("task_include"), limit=request["limit"])
+        except Exception as error:  # lm-eval's own failure on the user's task: said, the rest kept
+            summary["harness_error"] = f"{type(error).__name__}: {error}"
     out.mkdir(parents=True, exist_ok=True)
     with open(out / evaluation.ROWS, "w") as f:
         for row in rows:

@@ -5,6 +5,10 @@ and each answer is scored against the reference.
     for event in evaluation.events():
         ...  # {"type": "progress", "done", "total"}, then {"type": "done", "summary", "dir"}
 
+lm-evaluation-harness tasks (`EvalRequest.tasks`, when lm-eval is installed) run on the tuned
+model in the same process, on the model it loaded (studio_core.harness); their scores go to the
+summary's `harness`.
+
 The work happens in `studio_core.eval_worker`, a child process of its own that takes a core
 through the same leases as chat (kind "eval"), answers through the same generation path
 (static cache, prompt buckets, greedy by default: studio_core.generation) and ends when done
@@ -76,6 +80,8 @@ class EvalRequest:
     limit: int | None = None  # the first N rows
     max_new_tokens: int = MAX_NEW_TOKENS
     column_map: dict = field(default_factory=dict)
+    tasks: tuple[str, ...] = ()  # lm-evaluation-harness tasks, run on the tuned model (studio_core.harness)
+    task_include: str | None = None  # a folder of the user's own lm-eval task YAML files
 
 
 def normalise(text: str) -> str:
@@ -280,6 +286,10 @@ def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]
         problems.append(f"limit {request.limit}: evaluate at least 1 row (or no limit)")
     if not 1 <= request.max_new_tokens <= 512:
         problems.append(f"max_new_tokens {request.max_new_tokens}: use 1 to 512")
+    if request.tasks or request.task_include:
+        from studio_core import harness
+
+        problems += [f"lm-eval: {p}" for p in harness.check_tasks(list(request.tasks), request.task_include)]
     try:
         resolve(request.target, runs_dir)
         source = data_source(request, runs_dir)

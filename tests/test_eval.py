@@ -36,7 +36,20 @@ def test_the_tuned_model_prefers_the_chosen_answers_and_a_stopped_evaluation_fre
     for key in ("full", "lora"):
         shutil.copytree(manager.runs_dir / ids[key], runs_dir / ids[key])
     hardware = cpu_hardware()
-    request = EvalRequest(ids["full"], data="builtin:preference", metrics=("preference_accuracy", "exact_match"))
+    # an lm-eval task of the user's, offline: two identical choices score the same and lm-eval picks the
+    # first of equals, so its accuracy is the share of rows whose target is the first: 3 of 8
+    include = tmp_path / "tasks"
+    include.mkdir()
+    rows = [{"question": q, "choices": ["teal", "teal"], "label": 0 if i < 3 else 1} for i, q in enumerate(
+        list(questions())[:8])]
+    (include / "same.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (include / "same.yaml").write_text(json.dumps({
+        "task": "studio_same_choices", "dataset_path": "json", "test_split": "test",
+        "dataset_kwargs": {"data_files": {"test": str(include / "same.jsonl")}}, "output_type": "multiple_choice",
+        "doc_to_text": "{{question}}", "doc_to_choice": "choices", "doc_to_target": "label",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}))
+    request = EvalRequest(ids["full"], data="builtin:preference", metrics=("preference_accuracy", "exact_match"),
+                          tasks=("studio_same_choices",), task_include=str(include))
     evaluation = EvalProcess.start(request, runs_dir, hardware)
     assert leases.holders(runs_dir, "cpu", hardware.cores)[evaluation.cores[0]]["kind"] == "eval"
     events = list(evaluation.events())
@@ -45,6 +58,8 @@ def test_the_tuned_model_prefers_the_chosen_answers_and_a_stopped_evaluation_fre
     # SFT trained on the answers the preference set calls chosen: the adapter prefers them, the base cannot
     assert results["tuned"]["preference_accuracy"] >= 0.75 > results["base"]["preference_accuracy"]
     assert set(results["tuned"]) == {"preference_accuracy", "exact_match"}
+    harness = events[-1]["summary"]["harness"]["studio_same_choices"]
+    assert harness["acc"] == pytest.approx(3 / 8) and harness["samples"] == 8
 
     # a LoRA run (its adapter switched off for the base), stopped after its first answer: what was
     # scored is saved, the process ends, the core is free
