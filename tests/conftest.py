@@ -55,7 +55,7 @@ def manager(tmp_path):
 # supervisor, torchrun, a rank), the browser, or `launch.py` training or serving the app.
 NOT_IN_A_FAST_TEST = ("studio_core.supervisor", "torch.distributed.run", "studio_core.worker", "chromium",
                       "playwright")
-SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs", "two_process_runs"}
+SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs", "two_process_runs", "grpo_runs"}
 
 
 def _heavy_start(args) -> str | None:
@@ -172,6 +172,17 @@ def sft_runs(tmp_path_factory):
 
     return shared_runs(tmp_path_factory, "sft", {"full": RunSpec.load(RECIPES / "tiny-sft.yaml"),
                                                  "lora": RunSpec.load(RECIPES / "tiny-sft-lora.yaml")})
+
+
+@pytest.fixture(scope="session")
+def grpo_runs(tmp_path_factory):
+    """A LoRA GRPO run of the tiny model with the recipe's two reward functions, 2 steps, a metrics
+    event every 2, finished: {"lora"}. test_trainers checks it trained; test_eval scores its
+    answers under its rewards."""
+    from studio_core.spec import RunSpec
+
+    spec = RunSpec.load(RECIPES / "tiny-grpo-lora.yaml").with_overrides(["max_steps=2", "logging_steps=2"])
+    return shared_runs(tmp_path_factory, "grpo", {"lora": spec}, side_by_side=1)
 
 
 @pytest.fixture(scope="session")

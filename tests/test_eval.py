@@ -77,14 +77,11 @@ def test_the_tuned_model_prefers_the_chosen_answers_and_a_stopped_evaluation_fre
     assert leases.holders(runs_dir, "cpu", hardware.cores) == {}
 
 
-def test_a_grpo_run_is_scored_under_its_own_rewards(tmp_path):
-    from studio_core.runs.manager import RunManager
-
-    manager = RunManager(tmp_path / "runs")
-    spec = RunSpec.load(RECIPES / "tiny-grpo.yaml").with_overrides(["max_steps=2", "logging_steps=1"])
-    run = manager.start(spec, cpu_hardware())
-    assert manager.wait(run.id).live_state == "finished"
-    evaluation = EvalProcess.start(EvalRequest(run.id, limit=4, max_new_tokens=16), manager.runs_dir, cpu_hardware())
+def test_a_grpo_run_is_scored_under_its_own_rewards(grpo_runs, tmp_path):
+    manager = grpo_runs.copy_to(tmp_path / "runs", "lora")
+    run_id = grpo_runs.ids["lora"]
+    spec = RunSpec.load(manager.runs_dir / run_id / "spec.yaml")
+    evaluation = EvalProcess.start(EvalRequest(run_id, limit=4, max_new_tokens=16), manager.runs_dir, cpu_hardware())
     done = list(evaluation.events())[-1]
     summary = done["summary"]
     assert {"mean_reward", "reward/length", "reward/exact_match"} <= set(summary["results"]["tuned"])
@@ -119,12 +116,15 @@ def test_a_held_out_fraction_is_evaluated_in_training_and_after_on_the_same_rows
     observed = {tuple(event["shape"]) for event in view.shapes}
     assert predicted.eval_batches == 1 and {tuple(s[:2]) for s in predicted.eval_shapes} <= observed
 
-    firsts = []
-    for _ in range(2):  # the default evaluation set is the held-out rows, the same each time
-        evaluation = EvalProcess.start(EvalRequest(run.id, metrics=("eval_loss",)), manager.runs_dir, cpu_hardware())
-        done = list(evaluation.events())[-1]
-        assert done["summary"]["rows"] == 3 and "did not train on" in done["summary"]["note"]
-        firsts.append([row["prompt"] for row in read_rows_file(done["dir"])])
-    assert firsts[0] == firsts[1]
-    held = {row[-1]["content"] for row in firsts[0]}
+    # the default evaluation set is the held-out rows: the ones training evaluated on, not trained on
+    evaluation = EvalProcess.start(EvalRequest(run.id, metrics=("eval_loss",), max_new_tokens=8), manager.runs_dir,
+                                   cpu_hardware())
+    done = list(evaluation.events())[-1]
+    assert done["summary"]["rows"] == 3 and "did not train on" in done["summary"]["note"]
+    held = {row["prompt"][-1]["content"] for row in read_rows_file(done["dir"])}
     assert held <= set(questions()) and len(held) == 3
+    from datasets import load_dataset  # the rows datasets itself holds out of the file with this seed
+
+    rows = load_dataset("json", data_files=str(BUILTIN_DATASETS["builtin:qa"]), split="train")
+    test = rows.train_test_split(test_size=0.25, seed=42)["test"]
+    assert held == {row["messages"][0]["content"] for row in test}

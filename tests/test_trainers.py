@@ -41,6 +41,9 @@ def test_trainer_runs_end_to_end(trainer, lora, tmp_path, request):
     if trainer == "sft":  # its recipes as they are: the session's shared runs of them
         shared, key = request.getfixturevalue("sft_runs"), "lora" if lora else "full"
         view = shared.copy_to(tmp_path / "runs", key).view(shared.ids[key])
+    elif trainer == "grpo":  # the session's shared GRPO run (STEPS: 2), which test_eval evaluates too
+        shared = request.getfixturevalue("grpo_runs")
+        view = shared.copy_to(tmp_path / "runs", "lora").view(shared.ids["lora"])
     else:
         recipe = RECIPES / f"tiny-{trainer}-lora.yaml"
         spec = RunSpec.load(recipe).with_overrides([f"max_steps={STEPS[trainer]}", "logging_steps=2"])
