@@ -1,8 +1,9 @@
 """Compare runs (Runs tab): their curves of one metric overlaid in one plot, each run's last
-value of it, and their settings side by side, only those that differ (from each run's
-spec.yaml, keys flattened: `studio.nproc`, `model_init_kwargs.dtype`).
+value of it, their settings side by side, only those that differ (from each run's
+spec.yaml, keys flattened: `studio.nproc`, `model_init_kwargs.dtype`), and the tuned model's
+mean scores in each run's latest evaluation (the Evaluate tab's), when one has any.
 
-The engine is studio_core.history; this module only lays it out.
+The engine is studio_core.history and studio_core.evaluation; this module only lays it out.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from studio_core import history
+from studio_core import evaluation, history
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import RunView
+from studio_core.runs.view import RunView, format_time
 
 
 def _views(manager: RunManager, run_ids: list[str] | None) -> tuple[list[RunView], list[str]]:
@@ -41,6 +42,28 @@ def curves(views: list[RunView], metric: str | None) -> tuple[gr.LinePlot, str]:
     return gr.LinePlot(value=frame, y_title=metric, visible=True), "\n".join(lines)
 
 
+def evaluation_rows(views: list[RunView]) -> pd.DataFrame | None:
+    """A row per thing compared (when, on what data, how many rows, then each metric of the tuned
+    model), a column per run, from each run's latest evaluation; None when none has one."""
+    latest = {}
+    for view in views:
+        found = evaluation.evaluations(view.dir)
+        if found:
+            latest[view.id] = found[0]
+    if not latest:
+        return None
+    metrics = list(dict.fromkeys(m for s in latest.values() for m in s.get("results", {}).get("tuned", {})))
+    rows = [["evaluated", *[format_time(latest[v.id].get("time")) if v.id in latest else "" for v in views]],
+            ["data", *[f"{latest[v.id].get('data')} ({latest[v.id].get('split')})" if v.id in latest else ""
+                       for v in views]],
+            ["rows", *[str(latest[v.id].get("rows")) if v.id in latest else "" for v in views]]]
+    for metric in metrics:
+        values = [latest[v.id].get("results", {}).get("tuned", {}).get(metric) if v.id in latest else None
+                  for v in views]
+        rows.append([f"{metric} (tuned)", *["" if x is None else f"{x:.4g}" for x in values]])
+    return pd.DataFrame(rows, columns=["latest evaluation", *[v.id for v in views]])
+
+
 def build(manager: RunManager) -> gr.Dropdown:
     """Create the compare section in the current Blocks context; returns its run picker,
     whose choices the Runs tab keeps current."""
@@ -56,6 +79,8 @@ def build(manager: RunManager) -> gr.Dropdown:
         last = gr.Markdown("", elem_id="compare-last")
         gr.Markdown("**Settings that differ** (spec.yaml: the recipe with the defaults the studio applied)")
         diff = gr.Dataframe(interactive=False, wrap=True, elem_id="compare-diff")
+        scores = gr.Dataframe(interactive=False, wrap=True, visible=False, elem_id="compare-evals",
+                              label="Latest evaluation (Evaluate tab): the tuned model's mean scores")
 
     def on_pick(run_ids, current):
         views, missing = _views(manager, run_ids)
@@ -70,12 +95,14 @@ def build(manager: RunManager) -> gr.Dropdown:
             notes.append("Their settings are the same.")
         elif not names:
             notes.append("These runs have no logged metric in common yet.")
+        evaluated = evaluation_rows(views) if len(views) >= 2 else None
         return {metric: gr.update(choices=names, value=chosen), plot: shown_plot, last: table,
-                diff: pd.DataFrame(rows, columns=["setting", *[v.id for v in views]]), note: " ".join(notes)}
+                diff: pd.DataFrame(rows, columns=["setting", *[v.id for v in views]]), note: " ".join(notes),
+                scores: gr.update(value=evaluated, visible=evaluated is not None)}
 
     def on_metric(run_ids, name):
         return curves(_views(manager, run_ids)[0], name)
 
-    picked.change(on_pick, [picked, metric], [metric, plot, last, diff, note])
+    picked.change(on_pick, [picked, metric], [metric, plot, last, diff, note, scores])
     metric.change(on_metric, [picked, metric], [plot, last])
     return picked

@@ -1,4 +1,4 @@
-"""The web app: Train, Runs, Chat, Export and Doctor tabs over one run manager.
+"""The web app: Train, Runs, Chat, Evaluate, Export and Doctor tabs over one run manager.
 
     python launch.py [--port 7860]
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app import cache_panel, chat_tab, doctor_tab, export_tab, runs_tab, train_tab
+from app import cache_panel, chat_tab, doctor_tab, eval_tab, export_tab, runs_tab, train_tab
 from studio_core.hardware import Hardware, detect_hardware
 from studio_core.runs.manager import RunManager
 
@@ -24,14 +24,20 @@ CSS = (".run-status {font-size: 1.05em} .run-log textarea {font-family: monospac
 LOG_FOLLOW_JS = """
 <script>
 (() => {
-  const atEnd = new WeakMap(), seen = new WeakMap(), kept = new WeakMap();
+  const atEnd = new WeakMap(), seen = new WeakMap(), kept = new WeakMap(), touched = new WeakMap();
   const near = (box) => box.scrollHeight - box.scrollTop - box.clientHeight < 24;
   setInterval(() => {
     for (const box of document.querySelectorAll('.run-log textarea')) {
       if (!seen.has(box)) {
         atEnd.set(box, true);
-        box.addEventListener('scroll', () => {  // the user's scrolling, not a new value's reflow
-          if (seen.get(box) === box.value) { atEnd.set(box, near(box)); kept.set(box, box.scrollTop); }
+        for (const kind of ['wheel', 'pointerdown', 'keydown', 'touchstart'])
+          box.addEventListener(kind, () => touched.set(box, Date.now()), {passive: true});
+        box.addEventListener('scroll', () => {
+          // the user's scrolling (a hand on the box just now, or no new value since the last look),
+          // not the reflow of a new value, which the check below puts back
+          if (Date.now() - (touched.get(box) || 0) < 1000 || seen.get(box) === box.value) {
+            atEnd.set(box, near(box)); kept.set(box, box.scrollTop);
+          }
         });
       }
       if (seen.get(box) !== box.value) {
@@ -95,6 +101,8 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
                 cache_panel.build(manager, hardware.backend, demo)
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat_tab.build(manager, hardware, demo)
+            with gr.Tab("Evaluate", id="eval", elem_id="tab-eval"):
+                eval_tab.build(manager, hardware, demo)
             with gr.Tab("Export", id="export", elem_id="tab-export"):
                 export_tab.build(manager, hardware, demo)
             with gr.Tab("Doctor", id="doctor", elem_id="tab-doctor"):

@@ -1,6 +1,6 @@
 """The Runs tab: every run in the runs folder (filtered, sorted, with the disk space each
-takes), runs compared, and one opened with its plots and log, to clone into the Train tab
-or delete.
+takes), runs compared, and one opened with its plots, log and evaluations, to clone into the
+Train tab or delete.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pandas as pd
 
 from app import compare, run_panel
 from app.train_form import TrainForm, form_values
-from studio_core import history, trainers
+from studio_core import evaluation, history, trainers
 from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import STATES, RunView, format_seconds, format_time
@@ -57,6 +57,34 @@ def run_info(manager: RunManager, run_id: str | None) -> str:
     return "  \n".join(lines)
 
 
+def scores_text(results: dict, metrics) -> str:
+    """One model's mean scores, the metrics the evaluation was asked for (or all it has)."""
+    names = [m for m in metrics if m in results] or list(results)
+    return ", ".join(f"{name} {results[name]:.4g}" for name in names)
+
+
+def evaluations_text(manager: RunManager, run_id: str | None) -> str:
+    """The opened run's evaluations, newest first: when, on what, how many rows, each model's scores."""
+    if not run_id:
+        return ""
+    try:
+        found = evaluation.evaluations(manager.view(run_id).dir)
+    except KeyError:  # deleted meanwhile
+        return ""
+    if not found:
+        return "**Evaluations:** none yet (the Evaluate tab runs one)."
+    # the base (before) first, then the tuned (after), as the Evaluate tab shows them
+    sides = sorted({side for s in found for side in s.get("results", {})}, key=lambda side: (side != "base", side))
+    lines = ["**Evaluations** (newest first; the Evaluate tab shows each in full)", "",
+             "| evaluated | on | " + " | ".join(sides) + " |", "|---" * (2 + len(sides)) + "|"]
+    for s in found:
+        rows = f"{s.get('rows')} of {s.get('of_rows')} rows (stopped)" if s.get("stopped") else f"{s.get('rows')} rows"
+        cells = [scores_text(s.get("results", {}).get(side, {}), s.get("metrics") or []) for side in sides]
+        lines.append(f"| {format_time(s.get('time'))} | `{s.get('data')}` ({s.get('split')}), {rows} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainForm | None = None,
           tabs: gr.Tabs | None = None, train_tab_id: str = "train",
           train_follow: tuple[gr.State, gr.Timer] | None = None) -> tuple[gr.Dataframe, gr.Dropdown, gr.Timer]:
@@ -82,6 +110,7 @@ def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainF
     controls = run_panel.RunControls(prefix="runs-")  # for the opened run
     message = gr.Markdown("", elem_id="runs-message")
     info = gr.Markdown("", elem_id="run-info")
+    evals = gr.Markdown("", elem_id="run-evals")
     pending = gr.State(None)  # the run the confirm button deletes
     panel = run_panel.RunPanel(controls)
     with gr.Accordion("Spec (spec.yaml: the recipe with the applied defaults)", open=False):
@@ -106,7 +135,8 @@ def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainF
             spec_text = manager.view(run_id).spec_text() if run_id else ""
         except KeyError:  # deleted meanwhile
             spec_text = ""
-        return {**panel.render(manager, run_id), spec_code: spec_text, info: run_info(manager, run_id)}
+        return {**panel.render(manager, run_id), spec_code: spec_text, info: run_info(manager, run_id),
+                evals: evaluations_text(manager, run_id)}
 
     def on_select(frame: pd.DataFrame, event: gr.SelectData):
         return frame.iloc[event.index[0]]["run"]
@@ -143,7 +173,7 @@ def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainF
     for widget in filters:
         widget.change(on_refresh, *refresh_io)
     table.select(on_select, table, opened)
-    opened.change(on_open, opened, [*panel.components, spec_code, info])
+    opened.change(on_open, opened, [*panel.components, spec_code, info, evals])
     # One queue for these, in the order they were asked: a Delete clicked right after another
     # run was opened is answered after that opening's reset, not hidden by it.
     in_order = {"concurrency_id": "delete-run", "concurrency_limit": 1}

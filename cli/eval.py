@@ -7,7 +7,7 @@ import json
 import sys
 
 from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
-from studio_core.evaluation import METRICS, EvalError, EvalProcess, EvalRequest, format_summary
+from studio_core.evaluation import METRICS, EvalError, EvalProcess, EvalRequest, check_request, format_summary
 
 
 def cmd_eval(args) -> int:
@@ -23,6 +23,10 @@ def cmd_eval(args) -> int:
                           tasks=tuple(t.strip() for t in (args.lm_eval_tasks or "").split(",") if t.strip()),
                           task_include=args.lm_eval_include)
     runs_dir = runs_folder(args, write=True)  # the evaluation holds a core there and saves into the run
+    problems = check_request(request, runs_dir)[1]  # before the hardware probe (a child Python, seconds)
+    if problems:
+        print("Cannot evaluate:\n" + "\n".join(f"- {p}" for p in problems), file=sys.stderr)
+        return 2
     hardware = hardware_for(args)
     check_one_core(args.cores, hardware)
     try:

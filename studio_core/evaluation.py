@@ -272,7 +272,8 @@ def data_source(request: EvalRequest, runs_dir: Path) -> dict:
         return {**common, "name": spec.dataset_name, "split": request.split or spec.dataset_train_split,
                 "config": spec.dataset_config, "holdout": None,
                 "note": "" if request.split else "the run's training data (it held none out): this shows what it "
-                "learned, not how it does on new prompts; give --data for a held-out set"}
+                "learned, not how it does on new prompts; name a held-out set (--data, or the Evaluate tab's "
+                "evaluation set)"}
     holdout = {"fraction": held.fraction, "seed": held.seed} if held.kind == eval_data.FRACTION else None
     return {**common, "name": held.name, "split": held.split, "config": held.config, "holdout": holdout,
             "note": f"the run's evaluation set ({held.describe()}), which it did not train on"}

@@ -1,6 +1,7 @@
 """A trained run in a real browser: chatted with side by side with its base model, then
-unloaded; exported with its card and pushed to a stand-in for the Hub, the typed token kept
-out of every file.
+unloaded; evaluated against its base (progress, scores, the rows where it got worse, the rows
+downloaded, bad input refused) and the evaluation listed in the Runs tab; exported with its
+card and pushed to a stand-in for the Hub, the typed token kept out of every file.
 
 The Doctor tab runs its checks for real on this machine.
 
@@ -11,17 +12,42 @@ skipped, saying so, where Chromium is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from pathlib import Path
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from studio_browser import App, expect
 from studio_core.chat import EMPTY_ANSWER
 
 
-def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
-    sft_runs.copy_to(app.runs_dir, "full")
+def full_run(app, sft_runs) -> str:
+    """The shared full SFT run in the app's runs folder (copied by the first test of this file that asks)."""
     run_id = sft_runs.ids["full"]
+    if not (app.runs_dir / run_id).exists():
+        sft_runs.copy_to(app.runs_dir, "full")
+    return run_id
+
+
+def pick(page, elem_id: str, option: str) -> None:
+    """Choose an option of a dropdown."""
+    page.locator(f"#{elem_id} input").first.click()
+    page.get_by_role("option", name=option).click()
+
+
+def frame_cells(table) -> list[dict]:
+    """A gr.Dataframe's rows as {header: cell text} (the rows it drew: a long one draws those in view)."""
+    return table.evaluate("""el => {
+        const heads = [...el.querySelectorAll('[role=columnheader]')].map(th => th.innerText.trim());
+        const rows = [...el.querySelectorAll('[role=row]')].filter(row => row.querySelector('[role=gridcell]'));
+        return rows.map(row => Object.fromEntries(
+            [...row.querySelectorAll('[role=gridcell]')].map((cell, i) => [heads[i], cell.innerText.trim()])));
+    }""")
+
+
+def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
+    run_id = full_run(app, sft_runs)
     page.get_by_role("tab", name="Chat").click()
     target = page.locator("#chat-target input").first
     target.fill(run_id)
@@ -93,3 +119,72 @@ def test_the_doctor_tab_checks_this_machine_as_the_cli_does(page):
         assert re.search(rf"PASS\s+{name}\s", text), f"{name} not shown as passed:\n{text}"
     assert "sum 3.0" in text and "from the cache" in text and "offline (HF_HUB_OFFLINE=1)" in text
     expect(page.locator("#doctor-run")).to_be_enabled()
+
+
+def test_evaluate_a_trained_run_against_its_base(page, app, sft_runs, tmp_path):
+    run_id = full_run(app, sft_runs)
+    evals = app.runs_dir / run_id / "eval"
+    page.get_by_role("tab", name="Evaluate").click()
+    pick(page, "eval-run", run_id)
+    message, progress = page.locator("#eval-message"), page.locator("#eval-progress")
+    expect(message).to_contain_text("No evaluation of this run yet")
+    # bad input: said in the tab, and nothing started (exact_match asked for: it needs a reference)
+    page.locator("#eval-metric-exact_match input").check()
+    no_reference = tmp_path / "prompts.jsonl"
+    no_reference.write_text(json.dumps({"prompt": "What is the name of the studio cat?"}) + "\n")
+    data = page.locator("#eval-data textarea, #eval-data input").first
+    for bad, said in ((no_reference, "compare with a reference answer"), (tmp_path / "none.jsonl", "not found")):
+        data.fill(str(bad))
+        page.locator("#eval-start").click()
+        expect(message).to_contain_text("Not started", timeout=30_000)
+        expect(message).to_contain_text(said)
+        expect(progress).to_have_text("")
+        expect(page.locator("#eval-stop")).to_be_disabled()
+        assert not evals.exists()
+    data.fill("")
+    page.locator("#eval-metric-exact_match input").uncheck()
+
+    # one evaluation of 4 rows on the run's own data, every metric that applies: progress, then the scores
+    page.locator("#eval-limit input").fill("4")
+    page.locator("#eval-start").click()
+    expect(progress).to_contain_text(re.compile(r"\d of 8 answers"), timeout=120_000)
+    expect(progress).to_contain_text("8 of 8 answers (base): done", timeout=120_000)
+    expect(page.locator("#eval-start")).to_be_enabled()
+    expect(page.locator("#eval-stop")).to_be_disabled()
+    expect(message).to_have_text("")
+    scores = {row["metric"]: row for row in frame_cells(page.locator("#eval-summary"))}
+    assert float(scores["exact_match"]["tuned"]) >= 0.75 and float(scores["exact_match"]["base"]) <= 0.25, scores
+    expect(page.locator("#eval-info")).to_contain_text("the run's training data")
+    expect(page.locator("#eval-info")).to_contain_text("distinct input shapes")
+    rows = frame_cells(page.locator("#eval-rows"))
+    assert len(rows) == 4 and all(row["prompt"] and row["reference"] for row in rows), rows
+    assert {"exact_match (base)", "exact_match (tuned)", "rouge_l (tuned)"} <= set(rows[0]), rows[0]
+    page.locator("#eval-worse input").check()
+    expect(page.locator("#eval-count")).to_contain_text("0 of 4 rows")
+    assert frame_cells(page.locator("#eval-rows")) == []
+    page.locator("#eval-worse input").uncheck()
+    expect(page.locator("#eval-count")).to_have_text("4 rows.")
+    if os.environ.get("STUDIO_SCREENSHOTS"):
+        page.set_viewport_size({"width": 1400, "height": 900})
+        page.locator("#eval-start").evaluate("e => e.scrollIntoView({block: 'start'})")
+        page.screenshot(path=os.environ["STUDIO_SCREENSHOTS"] + "/eval.png")
+    with page.expect_download() as download:
+        page.locator("#eval-download").click()
+    lines = Path(download.value.path()).read_text().splitlines()
+    assert len(lines) == 4 and all(json.loads(line)["tuned"]["answer"] and "answer" in json.loads(line)["base"]
+                                   for line in lines)
+    [saved] = list(evals.iterdir())
+
+    # the Runs tab lists it; a fresh page shows it without running anything
+    page.get_by_role("tab", name="Runs").click()
+    pick(page, "open-run", run_id)
+    listing = page.locator("#run-evals")
+    expect(listing).to_contain_text("builtin:qa")
+    tuned = json.loads((saved / "summary.json").read_text())["results"]["tuned"]["exact_match"]
+    expect(listing).to_contain_text(f"exact_match {tuned:.4g}")
+    page.reload()
+    page.locator("#start").wait_for()
+    page.get_by_role("tab", name="Evaluate").click()
+    pick(page, "eval-run", run_id)
+    expect(page.locator("#eval-count")).to_have_text("4 rows.")
+    assert list(evals.iterdir()) == [saved]
