@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node=N -m studio_core.worker RUN_DIR
 
 It reads the resolved spec from RUN_DIR/spec.yaml (the planner has already applied every
-default, so nothing is decided here), builds the trainer's TRL config and trainer (their
-classes and extra arguments come from studio_core.trainers), full or LoRA, streams events
+default, so nothing is decided here), builds the trainer's TRL config and trainer
+(studio_core.trainer_setup, which the precompile jobs share), full or LoRA, streams events
 from rank 0 through a TrainerCallback, and saves the final model or adapter to
 RUN_DIR/output, with OUTPUT_INFO saying which. An exception becomes an `error` event
 before the process exits non-zero.
@@ -12,7 +12,6 @@ before the process exits non-zero.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -27,17 +26,14 @@ use_rank_core()  # first, before anything imports torch: one NeuronCore per rank
 if "LOCAL_RANK" in os.environ:
     die_with_parent()  # a rank never outlives its torchrun, however torchrun ends (supervisor.py says why)
 
-from studio_core import sources, trainers  # noqa: E402
-from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+from studio_core import trainers  # noqa: E402
 from studio_core.checkpoints import RESUME_ENV, stop_and_save_callback
 from studio_core.compile_watch import CompileWatch, ShapeWatch
-from studio_core.downloads import download_with_progress
-from studio_core.layout import mesh_sizes
-from studio_core.rewards import reward_functions
 from studio_core.runs import events
-from studio_core.runs.folder import EVENTS, OUTPUT, OUTPUT_INFO, SPEC
+from studio_core.runs.folder import EVENTS, OUTPUT_INFO, SPEC
 from studio_core.spec import RunSpec, SpecError
 from studio_core.train_data import load_checked_datasets
+from studio_core.trainer_setup import build_trainer
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -70,39 +66,7 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> None:
     trainer_spec = trainers.get(spec.trainer)
     # first: data that does not fit fails before the model loads
     dataset, eval_dataset = load_checked_datasets(spec, log if RANK == 0 else None)
-    import torch
-    import trl
     from transformers import TrainerCallback
-
-    args = dict(spec.args)
-    if args.get("torch_compile"):
-        torch._dynamo.config.automatic_dynamic_shapes = False  # see plan.DYNAMIC_SHAPES_OFF
-
-    model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)}
-    script_fields = {f.name for f in dataclasses.fields(trl.ScriptArguments)}
-    model_path = spec.model_name_or_path
-    if model_path == BUILTIN_MODEL:
-        model_path = str(ensure_tiny_model())
-    elif RANK == 0 and sources.HUB_ID.match(model_path) and not Path(model_path).exists():
-        download_with_progress(model_path, log)
-    model_args = trl.ModelConfig(model_name_or_path=model_path,
-                                 **{k: v for k, v in args.items() if k in model_fields})
-    config_args = {k: v for k, v in args.items() if k not in model_fields | script_fields}
-    init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
-                   "dtype": model_args.dtype, **(config_args.get("model_init_kwargs") or {})}
-    if spec.layout.tp_size > 1 or spec.layout.fsdp_size > 1:
-        from transformers.distributed import DistributedConfig
-
-        init_kwargs["distributed_config"] = DistributedConfig(**mesh_sizes(
-            spec.layout.tp_size, spec.layout.fsdp_size, int(os.environ.get("WORLD_SIZE", "1"))))
-    config_args["model_init_kwargs"] = init_kwargs
-
-    trainer_kwargs = {}
-    if trainer_spec.rewards:
-        trainer_kwargs["reward_funcs"], weights = reward_functions(spec.rewards)
-        config_args.setdefault("reward_weights", weights)
-    config = getattr(trl, trainer_spec.config_class)(output_dir=str(run_dir / OUTPUT), run_name=spec.run_name,
-                                                    **config_args)
 
     class EventCallback(TrainerCallback):
         """Rank 0 reports progress, metrics, compilations and new batch shapes as events.
@@ -148,11 +112,10 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> None:
             self.compiles.report_backend_metrics()
 
     stop_and_save = stop_and_save_callback(run_dir, RANK, int(os.environ.get("WORLD_SIZE", "1")))
-    trainer = getattr(trl, trainer_spec.trainer_class)(
-        model=model_path, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
-        peft_config=trl.get_peft_config(model_args),
-        callbacks=[*([EventCallback()] if RANK == 0 else []), stop_and_save], **trainer_kwargs,
-    )
+    built = build_trainer(spec, run_dir, dataset, eval_dataset,
+                          callbacks=[*([EventCallback()] if RANK == 0 else []), stop_and_save],
+                          log=log if RANK == 0 else None)
+    trainer, config, model_args, model_path = built.trainer, built.config, built.model_args, built.model_path
     resume_from = os.environ.get(RESUME_ENV) or None  # set by RunManager.resume
     trainer.train(resume_from_checkpoint=resume_from)
     if stop_and_save.stopped_at is not None:  # stopped as asked, with a checkpoint: resumable

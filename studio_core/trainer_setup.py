@@ -1,0 +1,71 @@
+"""The run's TRL trainer, built from its resolved spec: what the training worker trains and the
+precompile jobs compile (studio_core/precompile_worker.py), so both build the same model, the
+same config and the same compiled graphs.
+
+Imports TRL when called; only processes that train import it (the worker, the precompile jobs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from studio_core import sources, trainers
+from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+from studio_core.downloads import download_with_progress
+from studio_core.layout import mesh_sizes
+from studio_core.rewards import reward_functions
+from studio_core.runs.folder import OUTPUT
+from studio_core.spec import RunSpec
+
+
+@dataclasses.dataclass
+class Built:
+    trainer: object
+    config: object  # the trainer's TRL config
+    model_args: object  # trl.ModelConfig
+    model_path: str  # where the model loads from (the built-in model's folder for builtin:tiny-qwen3)
+
+
+def build_trainer(spec: RunSpec, run_dir: Path, dataset, eval_dataset, callbacks: list, log: Path | None = None,
+                  changes: dict | None = None) -> Built:
+    """The run's trainer. `log`: the events file for a download's progress (rank 0 only);
+    `changes`: config values that replace the spec's (the precompile jobs' one step, no saving)."""
+    import torch
+    import trl
+
+    trainer_spec = trainers.get(spec.trainer)
+    args = {**spec.args, **(changes or {})}
+    if args.get("torch_compile"):
+        torch._dynamo.config.automatic_dynamic_shapes = False  # see plan.DYNAMIC_SHAPES_OFF
+
+    model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)}
+    script_fields = {f.name for f in dataclasses.fields(trl.ScriptArguments)}
+    model_path = spec.model_name_or_path
+    if model_path == BUILTIN_MODEL:
+        model_path = str(ensure_tiny_model())
+    elif log is not None and sources.HUB_ID.match(model_path) and not Path(model_path).exists():
+        download_with_progress(model_path, log)
+    model_args = trl.ModelConfig(model_name_or_path=model_path,
+                                 **{k: v for k, v in args.items() if k in model_fields})
+    config_args = {k: v for k, v in args.items() if k not in model_fields | script_fields}
+    init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
+                   "dtype": model_args.dtype, **(config_args.get("model_init_kwargs") or {})}
+    if spec.layout.tp_size > 1 or spec.layout.fsdp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        init_kwargs["distributed_config"] = DistributedConfig(**mesh_sizes(
+            spec.layout.tp_size, spec.layout.fsdp_size, int(os.environ.get("WORLD_SIZE", "1"))))
+    config_args["model_init_kwargs"] = init_kwargs
+
+    trainer_kwargs = {}
+    if trainer_spec.rewards:
+        trainer_kwargs["reward_funcs"], weights = reward_functions(spec.rewards)
+        config_args.setdefault("reward_weights", weights)
+    config_args.setdefault("output_dir", str(run_dir / OUTPUT))
+    config = getattr(trl, trainer_spec.config_class)(run_name=spec.run_name, **config_args)
+    trainer = getattr(trl, trainer_spec.trainer_class)(
+        model=model_path, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
+        peft_config=trl.get_peft_config(model_args), callbacks=callbacks, **trainer_kwargs)
+    return Built(trainer, config, model_args, model_path)
