@@ -18,6 +18,7 @@ from studio_core.builtin import BUILTIN_MODEL
 from studio_core.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
 from studio_core.cores import format_cores
 from studio_core.hardware import Hardware
+from studio_core.openai_api import ApiServer
 from studio_core.history import runs_with_a_model
 from studio_core.runs.manager import RunManager
 
@@ -27,6 +28,7 @@ class ChatHolder:
 
     def __init__(self):
         self.chat: ChatProcess | None = None
+        self.server: ApiServer | None = None  # the loaded model behind OpenAI's API, when served
         self.lock = threading.Lock()
 
     def load(self, name: str, manager: RunManager, hardware: Hardware) -> str:
@@ -49,9 +51,39 @@ class ChatHolder:
             return f"Unloaded: the chat process has ended and core {cores} is free."
 
     def _unload(self) -> None:
+        self._stop_serving()
         if self.chat is not None:
             self.chat.unload()
             self.chat = None
+
+    def serve(self, on: bool, port: int) -> tuple[str, str]:
+        """Serve the loaded model at http://127.0.0.1:PORT/v1 (on), or stop; (status, client snippet)."""
+        with self.lock:
+            self._stop_serving()
+            if not on:
+                return "Not served.", ""
+            if self.chat is None or not self.chat.alive:
+                return "**Load a run or a model first**, then serve it.", ""
+            try:  # this machine only, and no key: another host goes through `launch.py serve --api-key-file`
+                self.server = ApiServer(self.chat, self.chat.target.label, "127.0.0.1", int(port)).start()
+            except OSError as error:
+                return f"**Not served:** {error}", ""
+            return (f"Serving `{self.chat.target.label}` at **{self.server.url}** (OpenAI's API, this machine only; "
+                    "requests take turns with this tab's chat). To serve to other hosts, with a key: "
+                    f"`launch.py serve {self.chat.target.label} --host 0.0.0.0 --api-key-file FILE`."), \
+                client_snippet(self.server.url, self.chat.target.label)
+
+    def _stop_serving(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def client_snippet(url: str, model: str) -> str:
+    return (f'from openai import OpenAI\n\nclient = OpenAI(base_url="{url}", api_key="none")\n'
+            f'reply = client.chat.completions.create(\n    model="{model}",\n'
+            '    messages=[{"role": "user", "content": "Hello!"}],\n    max_tokens=64, temperature=0)\n'
+            'print(reply.choices[0].message.content)\n')
 
 
 def chat_targets(manager: RunManager) -> list[str]:
@@ -118,6 +150,13 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
         stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
         clear = gr.Button("Clear", elem_id="chat-clear")
     shapes = gr.Markdown("", elem_id="chat-shapes")
+    with gr.Accordion("Serve: the loaded model behind OpenAI's API", open=False, elem_id="serve-box"):
+        with gr.Row():
+            serving = gr.Checkbox(False, label="Serve at http://127.0.0.1:PORT/v1 (this machine only)",
+                                  elem_id="serve-on")
+            port = gr.Number(8000, label="Port", precision=0, minimum=1, maximum=65535, elem_id="serve-port")
+        served = gr.Markdown("Not served.", elem_id="serve-status")
+        snippet = gr.Code("", language="python", label="A client (pip install openai)", elem_id="serve-snippet")
 
     def on_load(name):
         try:
@@ -164,8 +203,11 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
 
     inputs = [message, conversations, compare, system, temperature, top_p, max_new_tokens]
     outputs = [tuned, base, conversations, message, shapes]
-    load.click(on_load, target, [status, base])
-    unload.click(holder.unload, None, status)
+    load.click(on_load, target, [status, base]).then(lambda: (False, "Not served.", ""), None,
+                                                      [serving, served, snippet])
+    unload.click(holder.unload, None, status).then(lambda: (False, "Not served.", ""), None,
+                                                   [serving, served, snippet])
+    serving.input(holder.serve, [serving, port], [served, snippet])
     send.click(on_send, inputs, outputs)
     message.submit(on_send, inputs, outputs)
     stop.click(on_stop, None, None)

@@ -12,7 +12,8 @@ them, so a metric the engine adds appears here without a change.
 from __future__ import annotations
 
 import json
-import tempfile
+import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -153,9 +154,30 @@ def evaluation_choices(summaries: list[dict]) -> list[tuple[str, str]]:
              Path(s["dir"]).name) for s in summaries]
 
 
+def targets(manager: RunManager) -> list:
+    """What the Evaluate tab offers: finished runs with a model, newest first, then the models
+    that are not runs but were evaluated in this runs folder (by `launch.py eval`)."""
+    return [*runs_with_a_model(manager, chats=True),
+            *[(f"{model} (a model, not a run)", model) for model in evaluation.evaluated_models(manager.runs_dir)]]
+
+
+def download_folder(runs_dir: Path) -> Path:
+    """Where the page's row downloads go. Gradio hands out only files in its temp folder, the working
+    directory or allowed_paths (the runs folder's exports/), and a run's eval/ folder is in none of
+    them: a download is a copy of rows.jsonl there, named after its evaluation (showing it again
+    writes the same file). The folder is emptied when the app starts, so the copies of an app that
+    was killed go with the next start."""
+    path = Path(runs_dir) / "exports" / "eval-downloads"
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def download_copy(folder: Path, run_id: str, summary: dict, rows: list[dict]) -> str:
     """The rows as a JSONL file in `folder`, which the page may hand out."""
-    path = folder / f"{run_id}-eval-{Path(summary['dir']).name}.jsonl"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_id).strip("-")
+    path = folder / f"{name}-eval-{Path(summary['dir']).name}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
@@ -181,13 +203,11 @@ class Running:
 
 def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
     running = Running()
-    # Gradio hands out only files in its temp folder, the working directory or allowed_paths, and a
-    # run's eval/ folder is in none of them (the default runs folder is ~/trn-studio/runs): the
-    # download is a copy of rows.jsonl in a folder of this app's, removed when the app ends.
-    downloads = tempfile.TemporaryDirectory(prefix="trn-studio-eval-")
+    downloads = download_folder(manager.runs_dir)
     with gr.Row():
-        run = gr.Dropdown([], value=None, label="Finished run", scale=3, elem_id="eval-run",
-                          info="its tuned model and the base it started from answer the same prompts")
+        run = gr.Dropdown([], value=None, label="Finished run (or a model evaluated before)", scale=3,
+                          elem_id="eval-run", info="a run's tuned model and the base it started from answer the "
+                          "same prompts; a model evaluated from `launch.py eval` is listed with its evaluations")
         earlier = gr.Dropdown([], value=None, label="Its evaluations (newest first)", scale=2,
                               elem_id="eval-earlier", info="shown without running anything")
     with gr.Row():
@@ -254,16 +274,11 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
         return {summary_table: gr.update(value=means, visible=True, column_widths=summary_widths(means)),
                 info: about(summary),
                 shown: kept, worse_metric: gr.update(choices=both, value=metric),
-                download: gr.update(value=download_copy(Path(downloads.name), run_id, summary, rows), visible=True),
+                download: gr.update(value=download_copy(downloads, run_id, summary, rows), visible=True),
                 **rows_view(kept, only_worse, metric)}
 
     def summaries_of(run_id: str | None) -> list[dict]:
-        if not run_id:
-            return []
-        try:
-            return evaluation.evaluations(manager.view(run_id).dir)
-        except KeyError:  # deleted since the list was sent
-            return []
+        return evaluation.evaluations_of(run_id, manager.runs_dir) if run_id else []
 
     def on_run(run_id, only_worse, metric, request: gr.Request):
         found = summaries_of(run_id)
@@ -343,5 +358,5 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
     earlier.input(on_earlier, [run, earlier, worse, worse_metric], result_outputs)
     for widget in (worse, worse_metric):
         widget.change(rows_view, [shown, worse, worse_metric], [table, count], show_progress="hidden")
-    run.focus(lambda: gr.update(choices=runs_with_a_model(manager, chats=True)), None, run)
-    page.load(lambda: gr.update(choices=runs_with_a_model(manager, chats=True)), None, run)  # after a login
+    run.focus(lambda: gr.update(choices=targets(manager)), None, run)
+    page.load(lambda: gr.update(choices=targets(manager)), None, run)  # after a login

@@ -24,22 +24,23 @@ from studio_core.trl_schema import trainer_fields
 
 THIS_MACHINE = "this machine"
 RUN_ON = [("this machine", "local"), ("Slurm", "slurm")]
-TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the form offers, when installed
+TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the form offers (requirements.txt installs both)
 # The form's starting values suit the built-in tiny model: from random weights, it learns its
 # facts in seconds at this rate. Any other model starts at TRL's default for the trainer.
 TINY_LEARNING_RATE = 2e-3
 
 
 def report_choices() -> list[str]:
-    """TRL's report_to values this environment can run: none, and each tracker installed."""
+    """TRL's report_to values this environment can run: none, and each tracker installed (an
+    environment set up without requirements.txt may lack one: a run reporting to it would fail)."""
     return ["none", *[name for name in TRACKERS if importlib.util.find_spec(name) is not None]]
 
 
 def report_info(choices: list[str]) -> str:
     if len(choices) > 1:
         return "TRL's report_to; the Runs tab says where to open it"
-    return ("neither TensorBoard nor Trackio is installed here: `pip install tensorboard` (or trackio) "
-            "in the studio's environment, then restart the studio")
+    return ("neither TensorBoard nor Trackio is installed here: `pip install -r requirements.txt` "
+            "in the studio's environment installs both; then restart the studio")
 
 
 def learning_rate_start(trainer: str, model: str) -> float:
@@ -179,6 +180,14 @@ class TrainForm:
                                           info="another instance type: preview and export only",
                                           elem_id="target")
                 w["lnc"] = gr.Dropdown([2, 1], value=2, label="LNC (instance types)", elem_id="lnc")
+            with gr.Row():  # studio_core/precompile.py
+                w["precompile"] = gr.Checkbox(False, label="Precompile: compile the run's batch shapes before step 1, "
+                                              "in parallel", elem_id="precompile",
+                                              info="needs torch_compile (on by default on Neuron); one-process local "
+                                              "runs; the run then finds its graphs in the compile cache")
+                w["precompile_jobs"] = gr.Number(0, label="Precompile jobs", precision=0, minimum=0,
+                                                 info="parallel compile processes, each on a free core; 0: one per "
+                                                 "core, at most 8", elem_id="precompile_jobs")
             w["run_on"] = gr.Radio(RUN_ON, value="local", label="Run on", elem_id="run_on",
                                    info="Slurm: the studio submits the run with sbatch (use it on the cluster's login "
                                    "node); Processes is then per node, and Plan for is the nodes' type")
@@ -309,7 +318,8 @@ def spec_from_form(v: dict) -> RunSpec:
                                  slurm=slurm_options(v) if on_slurm else {}),
                    column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards,
                    eval_fraction=float(v["eval_fraction"]) if v.get("eval_fraction") else None,
-                   eval_dataset=(v.get("eval_dataset") or "").strip() or None)
+                   eval_dataset=(v.get("eval_dataset") or "").strip() or None,
+                   precompile=bool(v.get("precompile")), precompile_jobs=int(v.get("precompile_jobs") or 0) or None)
 
 
 def slurm_partitions() -> tuple[list[str], str]:
@@ -378,6 +388,7 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
          "column_map": yaml.safe_dump(spec.column_map, sort_keys=False) if spec.column_map else "",
          "keep_columns": ", ".join(map(str, spec.keep_columns or [])),
          "eval_fraction": spec.eval_fraction or 0, "eval_dataset": spec.eval_dataset or "",
+         "precompile": spec.precompile is True, "precompile_jobs": spec.precompile_jobs or 0,
          "nproc": spec.layout.nproc, "tp_size": spec.layout.tp_size, "fsdp_size": spec.layout.fsdp_size,
          "cores": spec.layout.cores or "", "run_on": spec.layout.run_on, "nodes": spec.layout.nodes,
          "partition": spec.layout.slurm.get("partition"), "time": spec.layout.slurm.get("time", ""),

@@ -26,10 +26,11 @@ Compared:
   several Dynamo frames (graph breaks), each compiled once per shape it sees, so `max/frame`, the
   most compilations of any one frame, is the figure to hold against the forecast's shape count.
   compile s: their total seconds.
-- padding waste: the forecast's (1 - real / padded tokens). The run counts its real tokens (the
-  attention mask's sum) but not its padded ones, so the run's waste is 1 - run tokens / the
-  forecast's padded tokens, given only when the shape sets are equal; and the run's real tokens
-  are held against the forecast's, which should be the same number.
+- padding waste: the forecast's (1 - real / padded tokens). The run counts its real tokens (TRL's
+  own count behind its num_tokens metric: the attention mask's sum, over every data-parallel
+  process, as the forecast counts them) but not its padded ones, so the run's waste is 1 - run
+  tokens / the forecast's padded tokens, given only when the shape sets are equal; and the run's
+  real tokens are held against the forecast's, which should be the same number.
 - speed without compilation: steps/s = steps 2..N / the sum of their step times (the worker's
   `step_s`, compile time taken out; step 1 also loads and warms up), tokens/s likewise (real
   tokens). Packed rows carry three times the real tokens of the others at the same shape as pad-128,

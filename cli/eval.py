@@ -23,14 +23,14 @@ def cmd_eval(args) -> int:
                           tasks=tuple(t.strip() for t in (args.lm_eval_tasks or "").split(",") if t.strip()),
                           task_include=args.lm_eval_include)
     runs_dir = runs_folder(args, write=True)  # the evaluation holds a core there and saves into the run
-    problems = check_request(request, runs_dir)[1]  # before the hardware probe (a child Python, seconds)
+    source, problems = check_request(request, runs_dir)  # before the hardware probe (a child Python, seconds)
     if problems:
         print("Cannot evaluate:\n" + "\n".join(f"- {p}" for p in problems), file=sys.stderr)
         return 2
     hardware = hardware_for(args)
     check_one_core(args.cores, hardware)
     try:
-        evaluation = EvalProcess.start(request, runs_dir, hardware, cores=args.cores)
+        evaluation = EvalProcess.start(request, runs_dir, hardware, cores=args.cores, checked=source)
     except EvalError as error:
         print(f"Cannot evaluate:\n{error}", file=sys.stderr)
         return 2

@@ -81,11 +81,23 @@ def parser() -> argparse.ArgumentParser:
         sub.set_defaults(func=func)
         return sub
 
-    serve = command("serve", cmd_serve, "start the web app (the default command)")
+    serve = command("serve", cmd_serve, "start the web app (the default command), or with a run id or model, an "
+                    "OpenAI-compatible endpoint for it")
+    serve.add_argument("target", nargs="?", metavar="RUN_OR_MODEL",
+                       help="serve this run's model (or a model: a Hub id or folder) at /v1, OpenAI's API, instead "
+                            "of the web app")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=whole_number(1, 65535), default=7860)
-    serve.add_argument("--auth", help="user:password required to log in (needed for a non-loopback --host)")
-    serve.add_argument("--auth-file", help="file with one user:password per line")
+    serve.add_argument("--port", type=whole_number(1, 65535), help="port (default 7860 for the web app, 8000 for a "
+                       "model)")
+    serve.add_argument("--auth", help="the web app: user:password required to log in (needed for a non-loopback "
+                       "--host)")
+    serve.add_argument("--auth-file", help="the web app: file with one user:password per line")
+    serve.add_argument("--api-key-file", help="a model: file holding the API key clients must send (needed for a "
+                       "non-loopback --host)")
+    serve.add_argument("--max-queue", type=whole_number(1, 1024), default=32,
+                       help="a model: requests that may wait for it (default 32); more get 503")
+    serve.add_argument("--cores", help="a model: the core to load it on (default: the first free one)")
+    serve.add_argument("--backend", choices=("cpu",), help="a model: serve it on the CPU even if a device is present")
 
     for name, func, help in (("train", cmd_train, "train a recipe, following it in the terminal"),
                              ("plan", cmd_plan, "print the launch a recipe would make; runs nothing")):
@@ -111,6 +123,12 @@ def parser() -> argparse.ArgumentParser:
         slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
                            help="another sbatch option, e.g. --sbatch-arg=--qos=high (repeat for more)")
         slurm.add_argument("--auto-resume", action="store_true", help="SageMaker HyperPod: srun --auto-resume=1")
+        sub.add_argument("--precompile", action="store_true",
+                         help="compile the run's batch shapes before step 1, in parallel processes (needs "
+                              "torch_compile; same as --set studio.precompile=true)")
+        sub.add_argument("--jobs", type=whole_number(1), metavar="N",
+                         help="with --precompile: this many parallel compile processes (default: one per core, "
+                              "at most 8)")
         if name == "plan":
             sub.add_argument("--export-script", metavar="FILE", help="also write a runnable bash launch script")
             sub.add_argument("--slurm-script", metavar="FILE", help="also write a standalone Slurm batch script for "

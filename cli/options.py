@@ -40,6 +40,10 @@ def load_spec(args) -> RunSpec:
               if (value := getattr(args, key)) is not None]
     if args.cores is not None:
         layout.append(f"studio.cores={json.dumps(args.cores)}")  # a core set is text, even "3" (JSON quotes as YAML)
+    if getattr(args, "jobs", None) is not None and not args.precompile:
+        raise SpecError(["--jobs goes with --precompile (the number of parallel compile processes)"])
+    if getattr(args, "precompile", False):
+        layout += ["studio.precompile=true", *([f"studio.precompile_jobs={args.jobs}"] if args.jobs else [])]
     spec = read_recipe(args.recipe).with_overrides([*args.set, *layout])  # checked once, by plan or start
     slurm = {key: value for key, value in (("partition", args.partition), ("time", args.time),
                                            ("account", args.account)) if value is not None}

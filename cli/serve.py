@@ -1,15 +1,25 @@
-"""serve: the web app, local-only unless a login is given."""
+"""serve: the web app, local-only unless a login is given; or, given a run or model, an
+OpenAI-compatible endpoint for it (studio_core/openai_api.py), local-only unless an API key is."""
 
 from __future__ import annotations
 
 import ipaddress
+import signal
 import sys
+import time
 from pathlib import Path
 
 from cli.options import CommandLineError, runs_folder
 
 
 def cmd_serve(args) -> int:
+    if args.target is not None:
+        return serve_model(args)
+    given = [flag for flag, value in (("--api-key-file", args.api_key_file), ("--cores", args.cores),
+                                      ("--backend", args.backend)) if value]
+    if given:
+        raise CommandLineError(f"{', '.join(given)}: these go with a model to serve (launch.py serve RUN_OR_MODEL)")
+    args.port = args.port or 7860
     auth = read_auth(args)
     if not is_loopback(args.host) and not auth:
         print(f"Refusing to listen on {args.host}: anyone who can reach it could train and read your "
@@ -54,3 +64,63 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def serve_model(args) -> int:
+    """An OpenAI-compatible endpoint for a run's model, in a chat process on a core of its own,
+    until Ctrl-C."""
+    from cli.options import check_one_core, hardware_for
+    from studio_core.chat import ChatError, ChatProcess
+    from studio_core.openai_api import ApiServer
+
+    if args.auth or args.auth_file:
+        raise CommandLineError("--auth / --auth-file are the web app's logins; a model's endpoint takes "
+                               "--api-key-file")
+    key = read_api_key(args.api_key_file) if args.api_key_file else None
+    if not is_loopback(args.host) and key is None:
+        print(f"Refusing to serve on {args.host} without a key: anyone who can reach it could use the model. Add "
+              "--api-key-file FILE (a file holding the key), or keep the default 127.0.0.1.", file=sys.stderr)
+        return 2
+    runs_dir = runs_folder(args, write=True)  # the chat process holds a core there
+    hardware = hardware_for(args)
+    check_one_core(args.cores, hardware)
+    try:
+        chat = ChatProcess.start(args.target, runs_dir, hardware, cores=args.cores)
+    except ChatError as error:
+        print(f"Cannot serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        server = ApiServer(chat, args.target, args.host, args.port or 8000, key, args.max_queue).start()
+    except OSError as error:
+        chat.unload()
+        print(f"Cannot serve: {error}", file=sys.stderr)
+        return 2
+    print(f"Serving {args.target} at {server.url} (OpenAI's API; key {'required' if key else 'not required'}); "
+          "Ctrl-C ends it", flush=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    try:
+        while server.thread.is_alive() and chat.alive:
+            time.sleep(0.5)
+        if not chat.alive:
+            print("The chat process ended; the endpoint stops.", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        chat.unload()
+    return 0
+
+
+def read_api_key(path: str) -> str:
+    """The key in the file's first line (never printed)."""
+    try:
+        lines = Path(path).read_text().split("\n")
+    except (OSError, UnicodeDecodeError) as error:
+        why = getattr(error, "strerror", None) or "not UTF-8 text"
+        raise CommandLineError(f"--api-key-file {path}: cannot read it ({why}): give a text file whose first line "
+                               "is the key") from None
+    key = lines[0].strip()
+    if len(key) < 8:
+        raise CommandLineError(f"--api-key-file {path}: its first line must hold a key of at least 8 characters")
+    return key

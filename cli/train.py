@@ -8,10 +8,11 @@ import time
 from dataclasses import replace
 
 from cli.options import CommandLineError, check_new_file, hardware_for, load_spec, runs_folder
-from studio_core import sources
+from studio_core import precompile, sources
 from studio_core.forecast import forecast_in_subprocess
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import FINAL_STATES, RunView, format_seconds, format_time, late_compile_text
+from studio_core.runs.view import (FINAL_STATES, RunView, format_seconds, format_time, late_compile_text,
+                                   studio_cost_text)
 from studio_core.scripts import launch_script, slurm_script
 from studio_core.spec import SpecError
 
@@ -52,7 +53,8 @@ def cmd_train(args) -> int:
     manager = RunManager(runs_folder(args, write=True))
     if args.resume:
         given = [name for name, value in (("the recipe", args.recipe), ("--set", args.set), ("--nproc", args.nproc),
-                                          ("--tp", args.tp_size), ("--fsdp", args.fsdp_size), ("--cores", args.cores))
+                                          ("--tp", args.tp_size), ("--fsdp", args.fsdp_size), ("--cores", args.cores),
+                                          ("--precompile", args.precompile or None), ("--jobs", args.jobs))
                  if value not in (None, [])]
         if given:
             raise SpecError([f"--resume goes on with the run's own settings: leave out {', '.join(given)}"])
@@ -85,7 +87,7 @@ def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:
     run's history (metrics, late compilations, steps up to its checkpoint) is not shown again."""
     from tqdm import tqdm
 
-    bar, shown, warned, fetch = None, 0, 0, None
+    bar, shown, warned, fetch, precompiled = None, 0, 0, None, None
     first_step = view.step if resumed else 0
     if resumed:
         shown, warned = len(view.metrics), len(view.late_compiles())
@@ -93,6 +95,10 @@ def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:
         view = manager.view(view.id)
         if bar is None:
             fetch = follow_download(view, fetch)
+            line = precompile.describe(view.precompile)
+            if line and line != precompiled:  # each shape compiled, then the total
+                print(line, flush=True)
+                precompiled = line
         if bar is None and view.max_steps:
             if fetch is not None:
                 fetch.close()
@@ -118,6 +124,9 @@ def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:
         if open_bar is not None:
             open_bar.close()
     print(f"Run {view.id}: {state} (exit code {view.exit_code})" + (f": {view.reason}" if view.reason else ""))
+    cost = studio_cost_text(view.studio_cost)
+    if cost:
+        print(cost[0].upper() + cost[1:])
     if state == "failed":
         for event in view.errors[-1:]:
             print(event.get("traceback") or "", file=sys.stderr)

@@ -47,7 +47,12 @@ UNTRAINED = f"untrained: {BUILTIN_MODEL} is randomly initialised, so its answers
 
 
 class ChatError(ValueError):
-    """The chat cannot start or answer; the message says what to change."""
+    """The chat cannot start or answer; the message says what to change. `code`: what kind of
+    failure, where the chat process says (context_length_exceeded)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -211,16 +216,18 @@ class ChatProcess:
         """Whether answers start inside a <think> block (for `split_reasoning`)."""
         return self.info["thinking"]
 
-    def generate(self, messages: list[dict], which: str = "tuned", temperature: float = 0.0, top_p: float = 1.0,
-                 max_new_tokens: int = 128):
-        """Yield token events as the model writes, then the done event (raises ChatError on failure)."""
+    def generate(self, messages: list[dict] | None, which: str = "tuned", temperature: float = 0.0,
+                 top_p: float = 1.0, max_new_tokens: int = 128, **more):
+        """Yield token events as the model writes, then the done event (raises ChatError on failure,
+        with `code` "context_length_exceeded" for a prompt too long). `more`: the chat process's other
+        request fields (text, seed, whole: see chat_worker)."""
         with self._lock:
             if not self.alive:
                 raise ChatError("the chat process has ended; load the model again")
             self._next_id += 1
             rid = self._next_id
             self._send({"op": "generate", "id": rid, "which": which, "messages": messages,
-                        "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens})
+                        "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, **more})
             while True:
                 try:
                     event = self._events.get(timeout=REPLY_TIMEOUT_S)
@@ -231,7 +238,7 @@ class ChatProcess:
                 if event.get("id") != rid:
                     continue  # what is left of an earlier, abandoned generation
                 if event["type"] == "error":
-                    raise ChatError(event["message"])
+                    raise ChatError(event["message"], event.get("code"))
                 yield event
                 if event["type"] == "done":
                     return

@@ -8,8 +8,9 @@ runs (kind "chat"), loads the model (studio_core.generation, which says how gene
 shaped for Neuron) and says `ready` (with the chat template's arguments it renders prompts
 with, the ones training rendered answers after, and whether answers start inside a <think>
 block). Then each stdin line is a request: {"op": "generate", "id", "which": "tuned"|"base",
-"messages", "temperature", "top_p", "max_new_tokens"}, {"op": "stop"} (ends the running
-generation) or {"op": "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
+"messages" (or "text": a plain prompt, no chat template), "temperature", "top_p", "max_new_tokens",
+"seed", "whole" (a prompt that does not fit is an error with code context_length_exceeded, not
+cut)}, {"op": "stop"} (ends the running generation) or {"op": "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
 {id, stopped, prompt_tokens, bucket, new_tokens, dropped_turns, ttft_s, seconds, text, shapes},
 error.
 """
@@ -22,7 +23,7 @@ import threading
 import traceback
 
 from studio_core import leases
-from studio_core.generation import Generator, on_leased_cores
+from studio_core.generation import Generator, TooLong, on_leased_cores
 
 
 def emit(kind: str, **fields) -> None:
@@ -44,12 +45,16 @@ def serve(chat: Generator) -> None:
             rid = request.get("id")
             try:
                 chat.stop.clear()
-                done = chat.generate(request["messages"], which=request.get("which", "tuned"),
+                done = chat.generate(request.get("messages"), which=request.get("which", "tuned"),
                                      temperature=float(request.get("temperature") or 0),
                                      top_p=float(request.get("top_p") or 1.0),
                                      max_new_tokens=int(request.get("max_new_tokens") or 128),
-                                     on_text=lambda piece: emit("token", id=rid, text=piece))
+                                     on_text=lambda piece: emit("token", id=rid, text=piece),
+                                     text=request.get("text"), whole=bool(request.get("whole")),
+                                     seed=request.get("seed"))
                 emit("done", id=rid, **done, shapes=sorted(list(s) for s in chat.shapes))
+            except TooLong as error:
+                emit("error", id=rid, message=str(error), code="context_length_exceeded")
             except Exception as error:
                 emit("error", id=rid, message=f"{type(error).__name__}: {error}",
                      traceback=traceback.format_exc()[-2000:])

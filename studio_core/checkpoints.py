@@ -17,6 +17,7 @@ No torch or transformers import at module level: the web app lists checkpoints t
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -52,17 +53,28 @@ def _write_control(run_dir: Path, data: dict) -> None:
     tmp.replace(run_dir / CONTROL)
 
 
-def stop_and_save_callback(run_dir: Path, rank: int, world_size: int):
-    """A TrainerCallback, on every rank, that carries out a save-and-stop request."""
+def stop_and_save_callback(run_dir: Path, rank: int, world_size: int, cost=None):
+    """A TrainerCallback, on every rank, that carries out a save-and-stop request. `cost`: a
+    compile_watch.StepCost that its step-end checks add their time to (part `stop_check`)."""
     from transformers import TrainerCallback
 
     control_file = run_dir / CONTROL
+    control_path = str(control_file)
 
     class StopAndSave(TrainerCallback):
         stopped_at: int | None = None
 
         def on_step_end(self, args, state, control, **kwargs):
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            self._check(state, control)
+            if cost is not None:
+                cost.add("stop_check", start, cpu_start)
+
+        def _check(self, state, control) -> None:
+            # Without a request (nearly always) a single stat() per step: a failed Path.read_text
+            # costs five times as much (measured at a step end: ~3 us against ~15 us).
             try:
+                os.stat(control_path)
                 request = json.loads(control_file.read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 return  # no request (or one being written: read again at the next step)

@@ -1,4 +1,5 @@
-"""What the training process compiles and what reaches the model, as events (rank 0).
+"""What the training process compiles and what reaches the model, as events (rank 0); the
+tokens it trains on (TRL's count); and what the studio's own per-step work costs (StepCost).
 
 Dynamo calls a start callback when it begins compiling (trigger DYNAMO: a frame, the
 forward; LAZY_BACKWARD: its backward, compiled on the first backward pass) and an end
@@ -8,6 +9,7 @@ eager), so the same events come from a CPU test and a Trainium run:
     compile_start  graph ("0/1": frame 0, its 2nd compilation), phase, step, reason
     compile_end    graph, phase, step, seconds, cache ("hit" / "miss" / absent: unknown)
     shape          a batch shape reaching the model for the first time, and its step
+                   (read from tensor metadata: nothing here reads a value off the device)
 
 A recompile's reason ("tensor 'kwargs['input_ids']' size mismatch at index 1. expected
 16, actual 32") comes from Dynamo's `recompiles` log, which is logged just before the
@@ -26,12 +28,12 @@ compile time and the NEFF compile time, and the progress event says the step com
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
 from pathlib import Path
+from time import perf_counter, thread_time
 from typing import Callable
 
 from studio_core.runs import events as ev
@@ -69,6 +71,8 @@ class CompileWatch:
 
     def compile_seconds(self) -> float:
         """Compile time so far, including compilations still running."""
+        if not self.running:  # nearly every step end: no lock, no clock (a read of a dict is safe)
+            return self.finished_s
         now = time.time()
         with self._lock:
             return self.finished_s + sum(now - start for start in self.running.values())
@@ -133,32 +137,111 @@ class NeffCompileTimes:
 
 class ShapeWatch:
     """A forward pre-hook on the outermost model wrapper (outside the compiled region, so it
-    changes no graph): every batch shape reaching the model, and the tokens it carries."""
+    changes no graph): every batch shape reaching the model. It reads tensor metadata only
+    (`.shape`), never a value: on Neuron or CUDA a value read here would be a device-to-host
+    sync per micro-batch, stalling the device's queue. The tokens come from TRL (TrainerTokens)."""
 
-    def __init__(self, events: Path, step: Callable[[], int]):
+    def __init__(self, events: Path, step: Callable[[], int], cost: StepCost | None = None):
         self.events = events
         self.step = step
+        self.cost = cost
         self.seen: set[tuple[int, ...]] = set()
-        self.tokens = 0  # real (unpadded) tokens so far
 
-    def install(self, model, count_tokens: bool = True) -> None:
-        """`count_tokens`: this model's forwards count as trained tokens (the outermost wrapper's
-        only: a forward through it reaches the inner model's hook too)."""
-        model.register_forward_pre_hook(functools.partial(self._hook, count_tokens=count_tokens), with_kwargs=True)
+    def install(self, model) -> None:
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
-    def _hook(self, module, args, kwargs, count_tokens: bool = True) -> None:
-        import torch
-
+    def _hook(self, module, args, kwargs) -> None:
+        start, cpu_start = perf_counter(), thread_time()
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(ids, torch.Tensor):
-            return
-        if count_tokens and torch.is_grad_enabled():  # the trained forward; not a reference model's or old policy's pass
-            mask = kwargs.get("attention_mask")
-            self.tokens += int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else ids.numel()
-        shape = tuple(ids.shape)
-        if shape not in self.seen:
-            self.seen.add(shape)
-            ev.append(self.events, ev.shape(list(shape), self.step()))
+        shape = getattr(ids, "shape", None)  # a tensor's metadata; None for anything else
+        if shape is not None:
+            shape = tuple(shape)
+            if shape not in self.seen:
+                self.seen.add(shape)
+                ev.append(self.events, ev.shape(list(shape), self.step()))
+        if self.cost is not None:
+            self.cost.add("shape_hook", start, cpu_start)
+
+
+class TrainerTokens:
+    """The tokens trained so far, as TRL itself counts them for its `num_tokens` metric: a Python
+    int TRL keeps on the host (it has already made the .item() call for its metric), so reading
+    it makes no device sync of ours. TRL 1.16 keeps it in `_total_train_tokens` in SFT, DPO, KTO
+    and reward modelling (training mode only, summed over the data-parallel ranks, divided by the
+    tensor-parallel size), and in `state.num_input_tokens_seen` in GRPO and RLOO (prompt and
+    completion tokens, counted as they are generated), where `_total_train_tokens` stays 0.
+    Whichever grows first is read from then on (Transformers also adds to num_input_tokens_seen
+    when a user sets include_num_input_tokens_seen; TRL's own count wins then)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.begin = self._counters()  # a resumed attempt starts from its checkpoint's count
+        self.from_trl_total = False
+
+    def _counters(self) -> tuple[int, int]:
+        return getattr(self.trainer, "_total_train_tokens", 0) or 0, self.trainer.state.num_input_tokens_seen or 0
+
+    def counted(self) -> int:
+        """Tokens counted since this attempt's training began (all data-parallel ranks)."""
+        total, seen = self._counters()
+        if self.from_trl_total or total > self.begin[0]:
+            self.from_trl_total = True
+            return total - self.begin[0]
+        return seen - self.begin[1]
+
+
+class EventBuffer:
+    """The per-step events (progress, metrics), written together: at once when the last write is
+    FLUSH_S old or more (so a 1-second Trainium step's progress is written as it ends), else with
+    the next that is due, and at the end of training (`flush`). A model of 50 steps/s then makes
+    one open, write and close per dozen steps instead of per step, and its JSON encoding runs
+    back to back (several times faster than at each step end, with the caches cold from the
+    step). Readers poll every 1-2 s, so they see no delay; a rank that crashes loses at most its
+    last FLUSH_S of progress (its error event still comes)."""
+
+    FLUSH_S = 0.25
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pending: list[dict] = []
+        self.written = float("-inf")  # monotonic time of the last write: the first event goes at once
+
+    def add(self, event: dict) -> None:
+        self.pending.append(event)
+        if time.monotonic() - self.written >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            ev.append_all(self.path, self.pending)
+            self.pending = []
+        self.written = time.monotonic()
+
+
+class StepCost:
+    """The studio's own time in the training process, per part, and how often each part ran:
+    around each call the studio makes per step, perf_counter() (wall time: what the step felt,
+    including any time the OS gave the core to another process meanwhile) and thread_time()
+    (this thread's CPU time: the studio's work alone, which a busy machine does not inflate),
+    added into small dicts whose keys exist from the start (nothing is kept per call)."""
+
+    PARTS = ("step_end", "log", "shape_hook", "stop_check")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.cpu_seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.calls = dict.fromkeys(self.PARTS, 0)
+
+    def add(self, part: str, start: float, cpu_start: float) -> None:
+        """One call of `part`, begun at perf_counter() `start` and thread_time() `cpu_start`, has ended."""
+        self.cpu_seconds[part] += thread_time() - cpu_start
+        self.seconds[part] += perf_counter() - start
+        self.calls[part] += 1
+
+    def parts(self) -> dict[str, dict]:
+        """{part: {seconds, cpu_seconds, calls}}, as the studio_cost event carries them."""
+        return {name: {"seconds": round(self.seconds[name], 6), "cpu_seconds": round(self.cpu_seconds[name], 6),
+                       "calls": self.calls[name]} for name in self.PARTS}
 
 
 class _ReasonHandler(logging.Handler):

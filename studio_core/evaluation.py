@@ -236,15 +236,31 @@ def results_dir(target: str, runs_dir: Path) -> Path:
     return out
 
 
-def evaluations(run_dir: Path) -> list[dict]:
-    """The run's finished evaluations' summaries, newest first (one that cannot be read is left out)."""
+def evaluations(run_dir: Path, under: str = EVAL_DIR) -> list[dict]:
+    """The run's finished evaluations' summaries (or those of a folder's `under`), newest first (one
+    that cannot be read is left out)."""
     found = []
-    for path in sorted((run_dir / EVAL_DIR).glob(f"*/{SUMMARY}"), reverse=True):
+    for path in sorted((run_dir / under).glob(f"*/{SUMMARY}"), reverse=True):
         try:
             found.append({**json.loads(path.read_text()), "dir": str(path.parent)})
         except (OSError, ValueError):
             continue
     return found
+
+
+def evaluations_of(target: str, runs_dir: Path) -> list[dict]:
+    """The finished evaluations of a run (its eval/), or of a model that is not a run (the runs
+    folder's evals/, those whose summary names it), newest first."""
+    runs_dir = Path(runs_dir)
+    if folder.is_run_id(target) and folder.is_run(runs_dir / target):
+        return evaluations(runs_dir / target)
+    return [s for s in evaluations(runs_dir, MODEL_EVALS) if s.get("target") == target]
+
+
+def evaluated_models(runs_dir: Path) -> list[str]:
+    """The models that are not runs and have been evaluated in this runs folder, newest first."""
+    return list(dict.fromkeys(s["target"] for s in evaluations(Path(runs_dir), MODEL_EVALS)
+                              if isinstance(s.get("target"), str)))
 
 
 def read_rows_file(eval_dir: Path) -> list[dict]:
@@ -321,10 +337,12 @@ class EvalProcess:
 
     @classmethod
     def start(cls, request: EvalRequest, runs_dir: str | Path, hardware: Hardware, cores: str | None = None,
-              reading=None) -> EvalProcess:
-        """Check the request (EvalError saying what to change), take a core and start the process."""
+              reading=None, checked: dict | None = None) -> EvalProcess:
+        """Check the request (EvalError saying what to change), take a core and start the process.
+        `checked`: the data source check_request gave for this request, which then is not checked
+        again (the CLI checks before it probes the hardware)."""
         runs_dir = Path(runs_dir).expanduser()
-        source, problems = check_request(request, runs_dir)
+        source, problems = (checked, []) if checked is not None else check_request(request, runs_dir)
         if problems:
             raise EvalError("\n".join(f"- {p}" for p in problems))
         target = resolve(request.target, runs_dir)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from studio_core import children, leases, trainers
@@ -112,8 +113,8 @@ def run_summary(run_dir: Path) -> dict:
     state = events.fold(events.read(run_dir / folder.EVENTS))
     from studio_core.evaluation import evaluations
 
-    latest = next(iter(evaluations(run_dir)), None)
-    return {"spec": spec, "hardware": launch.get("hardware", {}), "cores": launch.get("cores"), "evaluation": latest,
+    return {"spec": spec, "hardware": launch.get("hardware", {}), "cores": launch.get("cores"),
+            "evaluations": evaluations(run_dir),
             "losses": state.losses(), "final": state.final_metrics(), "last_loss": state.last_loss(),
             "compiles": len(state.compiles), "compile_seconds": round(state.compile_seconds(), 1),
             "shapes": len(state.shapes), "attempts": state.attempts}
@@ -134,21 +135,36 @@ def card_data(summary: dict, kind: str, base_license: str | None):
     return ModelCardData(base_model=hub_base, datasets=[hub_data] if hub_data else None,
                          library_name="peft" if kind == "adapter" else "transformers", license=base_license,
                          pipeline_tag=trainer.task, tags=tags, model_name=spec.display_name,
-                         eval_results=eval_results(summary.get("evaluation"), trainer.task) or None)
+                         eval_results=eval_results(summary.get("evaluations") or [], trainer.task) or None)
 
 
-def eval_results(evaluation: dict | None, task: str) -> list:
-    """The run's latest evaluation as the Hub's model-index results: the tuned model's scores
-    (the base's are in the card's text beside them)."""
+LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
+
+
+def eval_results(found: list[dict], task: str) -> list:
+    """The run's evaluations (newest first) as the Hub's model-index results: the tuned model's
+    scores, the newest of each (data, split, metric) (the base's are in the card's text beside
+    them), and lm-eval's task scores, each task its own dataset."""
     from huggingface_hub import EvalResult
 
-    if not evaluation or "tuned" not in evaluation.get("results", {}):
-        return []
-    data = evaluation["data"]
-    return [EvalResult(task_type=task, dataset_type=data if HUB_ID.match(data) else "json", dataset_name=data,
-                       dataset_split=evaluation.get("split"), metric_type=metric, metric_value=value,
-                       metric_name=metric.replace("_", " "))
-            for metric, value in evaluation["results"]["tuned"].items() if isinstance(value, (int, float))]
+    results, seen = [], set()
+    for evaluation in found:
+        data, split = evaluation.get("data"), evaluation.get("split")
+        for metric, value in (evaluation.get("results", {}).get("tuned") or {}).items():
+            if isinstance(value, (int, float)) and (data, split, metric) not in seen:
+                seen.add((data, split, metric))
+                results.append(EvalResult(task_type=task, dataset_type=data if HUB_ID.match(data) else "json",
+                                          dataset_name=data, dataset_split=split, metric_type=metric,
+                                          metric_value=value, metric_name=metric.replace("_", " ")))
+        for name, metrics in (evaluation.get("harness") or {}).items():
+            for metric, value in metrics.items():
+                if isinstance(value, (int, float)) and metric != "samples" and "_stderr" not in metric \
+                        and ("lm-eval", name, metric) not in seen:
+                    seen.add(("lm-eval", name, metric))
+                    results.append(EvalResult(task_type=task, dataset_type=name, dataset_name=name,
+                                              metric_type=metric, metric_value=value, metric_name=metric,
+                                              source_name="lm-evaluation-harness", source_url=LM_EVAL_URL))
+    return results
 
 
 def _main(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) -> None:
@@ -287,22 +303,37 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
             "last_loss": "" if summary["last_loss"] is None else f"{summary['last_loss']:.4f}",
             "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
             "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "",
-            "evaluation": _evaluation_text(summary.get("evaluation")),
+            "evaluation": _evaluations_text(summary.get("evaluations") or []),
             "loader": _loader(kind, base, scores=not trainer.chats)}
 
 
-def _evaluation_text(evaluation: dict | None) -> str:
-    """The latest evaluation as the card's table, each model a column, with how it was made."""
-    if not evaluation:
+def _evaluations_text(found: list[dict]) -> str:
+    """Every evaluation of the run, newest first, each a table of its models side by side, with
+    how it was made, and lm-eval's task scores where it ran tasks."""
+    if not found:
         return "Not evaluated: `launch.py eval RUN_ID` (or the studio's Evaluate tab) compares it with its base."
-    sides = list(evaluation["results"])
+    parts = [_evaluation_text(evaluation) for evaluation in found]
+    return "\n\n".join(parts)
+
+
+def _evaluation_text(evaluation: dict) -> str:
+    sides = list(evaluation.get("results") or {})
     metrics = list(dict.fromkeys(m for side in sides for m in evaluation["results"][side]))
-    lines = [f"On {evaluation['rows']} prompts of {evaluation['data']} (split {evaluation['split']}), greedy, at most "
-             f"{evaluation['max_new_tokens']} new tokens{'; ' + evaluation['note'] if evaluation.get('note') else ''}:",
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(evaluation["time"])) + " UTC, " if evaluation.get("time") \
+        else ""
+    lines = [f"{when}on {evaluation['rows']} prompts of {evaluation['data']} (split {evaluation['split']}), greedy, "
+             f"at most {evaluation['max_new_tokens']} new tokens"
+             f"{'; ' + evaluation['note'] if evaluation.get('note') else ''}:",
              "", "| metric | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
     for metric in metrics:
         cells = [evaluation["results"][side].get(metric) for side in sides]
         lines.append(f"| {metric} | " + " | ".join("-" if c is None else f"{c:.4g}" for c in cells) + " |")
+    tasks = evaluation.get("harness") or {}
+    if tasks:
+        lines += ["", "lm-evaluation-harness, the tuned model:", "", "| task | metric | value |", "|---|---|---|"]
+        for name, values in tasks.items():
+            lines += [f"| {name} | {metric} | {'-' if value is None else f'{value:.4g}'} |"
+                      for metric, value in values.items() if metric != "samples"]
     return "\n".join(lines)
 
 

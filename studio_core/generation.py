@@ -44,6 +44,15 @@ def on_leased_cores(setup: dict):
         yield
 
 
+class TooLong(ValueError):
+    """A prompt that does not fit the static cache with room for the answer."""
+
+    def __init__(self, tokens: int, room: int):
+        super().__init__(f"the prompt is {tokens} tokens; with the answer's max tokens, at most {room} fit the "
+                         "model's cache: shorten it or ask for fewer tokens")
+        self.tokens, self.room = tokens, room
+
+
 class Generator:
     """`target`: a ChatTarget's fields (model, tokenizer, adapter: a LoRA run's, base: a full
     run's base model, trust_remote_code); `backend`; `max_cache_len`: the static cache's length."""
@@ -131,10 +140,29 @@ class Generator:
             input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
         return input_ids, attention_mask
 
-    def generate(self, messages: list[dict], which: str = "tuned", temperature: float = 0.0, top_p: float = 1.0,
-                 max_new_tokens: int = 128, on_text=None) -> dict:
-        """Answer the conversation; `on_text(piece)` gets the text as it comes. Returns the text,
-        prompt_tokens, bucket, new_tokens, dropped_turns, ttft_s, seconds, stopped (by `stop`)."""
+    def fitted(self, messages: list[dict] | None, text: str | None, max_new_tokens: int,
+               whole: bool) -> tuple[list[int], int, int]:
+        """(prompt ids, bucket, turns dropped) of a conversation, or of a plain `text` prompt (no
+        chat template). `whole`: a prompt that does not fit the cache is a TooLong, not cut."""
+        if text is None:
+            ids, bucket, dropped = self.prompt(messages, max_new_tokens)
+            if whole and (dropped or len(ids) < len(self.render(messages))):
+                raise TooLong(len(self.render(messages)), buckets_for(self.max_cache_len, max_new_tokens)[-1])
+            return ids, bucket, dropped
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) or [self.pad]
+        room = buckets_for(self.max_cache_len, max_new_tokens)[-1]
+        if len(ids) > room:
+            if whole:
+                raise TooLong(len(ids), room)
+            ids = ids[-room:]
+        return ids, next(b for b in buckets_for(self.max_cache_len, max_new_tokens) if b >= len(ids)), 0
+
+    def generate(self, messages: list[dict] | None, which: str = "tuned", temperature: float = 0.0,
+                 top_p: float = 1.0, max_new_tokens: int = 128, on_text=None, text: str | None = None,
+                 whole: bool = False, seed: int | None = None) -> dict:
+        """Answer the conversation (or continue a plain `text` prompt); `on_text(piece)` gets the
+        text as it comes; `seed` makes sampling repeatable. Returns the text, prompt_tokens,
+        bucket, new_tokens, dropped_turns, ttft_s, seconds, stopped (by `stop`)."""
         import torch
         from transformers import StoppingCriteria, TextIteratorStreamer
 
@@ -144,7 +172,9 @@ class Generator:
             def __call__(self, input_ids, scores, **kwargs):
                 return stop.is_set()
 
-        ids, bucket, dropped = self.prompt(messages, max_new_tokens)
+        ids, bucket, dropped = self.fitted(messages, text, max_new_tokens, whole)
+        if seed is not None:
+            torch.manual_seed(seed)
         input_ids, attention_mask = self._padded(ids, bucket)
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {
             "do_sample": False}

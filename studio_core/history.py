@@ -8,9 +8,10 @@ command line do; nothing here imports Gradio.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 
-from studio_core import leases
+from studio_core import leases, plan
 from studio_core.runs import folder
 from studio_core.runs.events import ACTIVE_STATES
 from studio_core.runs.manager import RunManager
@@ -145,16 +146,30 @@ def delete_run(manager: RunManager, run_id: str) -> int:
 
 
 # --- experiment tracking ----------------------------------------------------------------
+TENSORBOARD_PORT = 6006  # TensorBoard's own default; the studio itself is on 7860
+
+
 def tracking_hint(view: RunView) -> str | None:
-    """Where to open the run's experiment tracking (TRL's report_to), or None when it has none."""
-    report_to = view.spec.get("report_to", "none")
-    targets = report_to if isinstance(report_to, list) else [report_to]
+    """How to open the run's experiment tracking (TRL's report_to), one markdown line per tracker,
+    or None when it has none. The folders are named from where the run folder is now (it may have
+    been moved); a run made before the studio put them in its folder is pointed where it wrote."""
+    names = plan.trackers(view.spec.get("report_to", "none"))
+    env = view.launch().get("env", {})
     lines = []
-    if "tensorboard" in targets:  # transformers 5 logs to <output_dir>/runs/<date>_<host>
-        lines.append(f"TensorBoard: `tensorboard --logdir {view.dir / 'output' / 'runs'}`")
-    if "trackio" in targets:  # logged locally (TRACKIO_DIR, else ~/.cache/huggingface/trackio)
-        lines.append(f"Trackio: `trackio show --project \"{view.spec.get('project', 'huggingface')}\"`")
-    return "; ".join(lines) or None
+    if "tensorboard" in names:
+        logdir = (view.dir / plan.TENSORBOARD_DIR if "TENSORBOARD_LOGGING_DIR" in env
+                  else view.dir / folder.OUTPUT / "runs")  # transformers 5's own <output_dir>/runs/<date>_<host>
+        url = f"http://localhost:{TENSORBOARD_PORT}"
+        lines.append(f"TensorBoard: `{shlex.join(['tensorboard', '--logdir', str(logdir), '--port', str(TENSORBOARD_PORT)])}`"
+                     f", then open [{url}]({url})")
+    if "trackio" in names:
+        project = shlex.quote(str(view.spec.get("project", "huggingface")))
+        if "TRACKIO_DIR" in env:
+            where = f"TRACKIO_DIR={shlex.quote(str(view.dir / plan.TRACKIO_DIR))} "
+        else:  # logged to Trackio's own folder, shared by every run that did so
+            where = ""
+        lines.append(f"Trackio: `{where}trackio show --project {project}` (it prints the dashboard's address)")
+    return "  \n".join(lines) or None
 
 
 def runs_with_a_model(manager: RunManager, chats: bool = False) -> list[str]:

@@ -33,7 +33,7 @@ from studio_core.cores import parse_cores
 from studio_core.layout import pick_cores
 
 BACKENDS = ("neuron", "cuda", "cpu")
-KINDS = ("run", "chat", "eval", "export", "doctor")
+KINDS = ("run", "chat", "eval", "export", "doctor", "precompile")
 # A probe (holders) holds a shared lock for microseconds; acquire retries this long
 # so a probe from the UI never makes a start fail.
 PROBE_RETRY_S = 0.2

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from studio_core import backends, eval_data, sources, trainers
+from studio_core import backends, eval_data, precompile, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.children import REPO_ROOT
 from studio_core.cores import format_cores, parse_cores
@@ -25,6 +25,11 @@ from studio_core.trainers import Default
 from studio_core.trl_schema import trainer_fields
 
 WORKER_MODULE = "studio_core.worker"
+# Where TensorBoard and Trackio (TRL's report_to) write: folders of the run folder, so the run's
+# history, its delete and its size count them; the export builds a clean folder without them.
+TENSORBOARD_DIR = "tensorboard"
+TRACKIO_DIR = "trackio"
+TRACKERS = ("tensorboard", "trackio")
 DYNAMIC_SHAPES_OFF = "torch._dynamo.config.automatic_dynamic_shapes"
 
 
@@ -104,6 +109,7 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
             args[default.key] = default.value
             applied.append((default.key, default.value, default.reason))
     _eval_defaults(spec, args, hardware.backend, known, applied)
+    _tracker_defaults(args, known, run_id, applied)
     if hardware.backend == "neuron":
         _neuron_model_init(args, trainer, applied)
         warnings += _neuron_warnings(args, trainer)
@@ -117,13 +123,19 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
                         "compile (TRL issue 7660); each shape compiles once instead"))
     errors = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size,
                           cores if cores is not None else spec.layout.cores, hardware, model_config)
+    errors += precompile.problems(spec, trainer, args)
     backend = backends.get(spec.layout.run_on)
-    env = _environment(spec, hardware, run_id, compile_cache, cores, applied, backend.local_cores)
+    env = _environment(spec, hardware, run_id, compile_cache, cores, applied, backend.local_cores, run_dir)
     more_applied, more_warnings = backend.planned(spec, hardware, env, run_dir, compile_cache)
     applied += more_applied
     warnings += more_warnings
     argv = backend.launch_argv(spec.layout, WORKER_MODULE, str(run_dir))
     final = resolved(spec, args)
+    if spec.precompile and spec.precompile_jobs is None:
+        final.precompile_jobs = precompile.default_jobs(hardware.backend, hardware.cores)
+        applied.append(("studio.precompile_jobs", final.precompile_jobs,
+                        "one precompile job per core of this machine, at most 8; a core busy at the start is "
+                        "skipped"))
     if cores is not None:
         final.layout.cores = format_cores(cores)
     return Plan(argv, env, final, applied, warnings, errors, backend.name, cores)
@@ -198,8 +210,45 @@ def _neuron_warnings(args: dict, trainer: trainers.Trainer) -> list[str]:
     return warnings
 
 
+def trackers(report_to) -> list[str]:
+    """Which of TensorBoard and Trackio TRL's report_to (a name, a list, "all" or "none") logs to.
+    "all" is every integration installed, and the studio installs both."""
+    names = report_to if isinstance(report_to, list) else [report_to]
+    return list(TRACKERS) if "all" in names else [name for name in TRACKERS if name in names]
+
+
+def _tracker_defaults(args: dict, known, run_id: str, applied: list) -> None:
+    if "trackio" not in trackers(args.get("report_to")):
+        return
+    wanted = [("project", run_id, "Trackio's project is the run: its dashboard names the run as the Runs tab "
+               "does (TRL's default is \"huggingface\" for every run)"),
+              ("trackio_static_space_id", False, "Trackio stays local: with push_to_hub, transformers would "
+               "otherwise copy the logs to a new Space on the Hub (public unless hub_private_repo)")]
+    for key, value, reason in wanted:
+        if key in known and key not in args:
+            args[key] = value
+            applied.append((key, value, reason))
+
+
+def _tracker_environment(report_to, run_dir: str | Path, applied: list) -> dict[str, str]:
+    """The trackers' folders inside the run folder (transformers 5 has no logging_dir argument;
+    Trackio reads TRACKIO_DIR when it is imported, in the run's ranks)."""
+    env = {}
+    names = trackers(report_to)
+    if "tensorboard" in names:
+        env["TENSORBOARD_LOGGING_DIR"] = str(Path(run_dir) / TENSORBOARD_DIR)
+        applied.append(("TENSORBOARD_LOGGING_DIR", env["TENSORBOARD_LOGGING_DIR"], "TensorBoard's event files "
+                        "go in the run folder (not output/, the saved model's folder), the same folder for "
+                        "every attempt: a resumed run goes on in the same curves"))
+    if "trackio" in names:
+        env["TRACKIO_DIR"] = str(Path(run_dir) / TRACKIO_DIR)
+        applied.append(("TRACKIO_DIR", env["TRACKIO_DIR"], "Trackio logs locally into the run folder (not "
+                        "~/.cache/huggingface/trackio), so deleting the run deletes its tracking too"))
+    return env
+
+
 def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, chosen: list[int] | None,
-                 applied, local_cores: bool = True) -> dict[str, str]:
+                 applied, local_cores: bool = True, run_dir: str | Path = "<run folder>") -> dict[str, str]:
     """`chosen`: the run's cores; None for a plan that picks none (the spec's own are shown, else
     the first ones). Without `local_cores` (a Slurm run: each node is the job's alone) no core
     is named: every process sees its node's devices."""
@@ -217,6 +266,7 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
     if local_model and local_data:
         env["HF_HUB_OFFLINE"] = "1"
         applied.append(("HF_HUB_OFFLINE", "1", "model and dataset are local: the run makes no network call"))
+    env.update(_tracker_environment(spec.args.get("report_to"), run_dir, applied))
     # CPU threads follow the run's cores when it has some; else the machine's share
     placed = cores if local_cores and (hardware.backend != "cpu" or chosen is not None or named) else None
     device = device_env(hardware, compile_cache, placed, layout.nproc, written=layout.cores if named else None)

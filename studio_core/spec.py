@@ -12,6 +12,7 @@ problems as messages that say what to change; `SpecError` carries them.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -37,7 +38,9 @@ TOKEN_WAYS = ("log in once with `hf auth login`, or set HF_TOKEN in the environm
 # A value that looks like a Hugging Face access token, in whatever setting.
 TOKEN_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
 # The studio block's keys besides the layout's.
-STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards", "eval_fraction", "eval_dataset"}
+STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards", "eval_fraction", "eval_dataset", "precompile",
+               "precompile_jobs"}
+MAX_PRECOMPILE_JOBS = 64
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -109,6 +112,8 @@ class RunSpec:
     rewards: list = field(default_factory=list)  # reward functions of GRPO, RLOO (see rewards.py)
     eval_fraction: float | None = None  # hold out this part of the training split (see eval_data.py)
     eval_dataset: str | None = None  # or evaluate on this dataset
+    precompile: bool = False  # compile the forecast's batch shapes before step 1 (see precompile.py)
+    precompile_jobs: int | None = None  # in this many parallel processes (None: the planner picks)
 
     # --- recipe YAML -------------------------------------------------------------------
     @classmethod
@@ -131,7 +136,8 @@ class RunSpec:
         spec = cls(trainer=studio.get("trainer", trainers.DEFAULT), layout=Layout(**layout),
                    column_map=studio.get("column_map") or {}, keep_columns=studio.get("keep_columns"),
                    rewards=studio.get("rewards") or [], eval_fraction=studio.get("eval_fraction"),
-                   eval_dataset=studio.get("eval_dataset"))
+                   eval_dataset=studio.get("eval_dataset"), precompile=studio.get("precompile", False),
+                   precompile_jobs=studio.get("precompile_jobs"))
         for name in ("model_name_or_path", "dataset_name", "dataset_config",
                      "dataset_train_split", "run_name"):
             if name in data:
@@ -147,6 +153,10 @@ class RunSpec:
         studio = {"trainer": self.trainer, **layout}
         studio |= {k: getattr(self, k) for k in ("column_map", "keep_columns", "rewards") if getattr(self, k)}
         studio |= {k: getattr(self, k) for k in ("eval_fraction", "eval_dataset") if getattr(self, k) is not None}
+        if self.precompile:
+            studio["precompile"] = self.precompile
+        if self.precompile_jobs is not None:
+            studio["precompile_jobs"] = self.precompile_jobs
         out = {"studio": studio,
                "model_name_or_path": self.model_name_or_path,
                "dataset_name": self.dataset_name}
@@ -214,6 +224,7 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
     seen = {p.split(":", 1)[0] for p in problems}  # a LoRA value of the wrong type is already named
     problems += [p for p in peft_check.peft_problems(spec.args) if p.split(":", 1)[0] not in seen]
     problems += _check_numbers(spec)
+    problems += _check_trackers(spec.args.get("report_to"))
     problems += _check_layout(spec.layout)
     # YAML reads `run_name: 2024-06-01` as a date and `dataset_name: 7` as a number.
     names = {"model_name_or_path": spec.model_name_or_path, "dataset_name": spec.dataset_name,
@@ -229,10 +240,12 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
                         "the run downloads them there, and checks them before it trains)")
     if "model_name_or_path" not in not_text and not any(s.startswith("model ") for s in skipped):
         problems += sources.check_model(spec.model_name_or_path, bool(spec.args.get("trust_remote_code")))
+    train_rows = None
     if "dataset_name" not in not_text:
-        problems += _check_data(spec, run_user_code, warnings, here=not any(s.startswith("dataset ") for s in skipped))
-    else:
-        problems += eval_data.check(spec)
+        found, train_rows = _check_data(spec, run_user_code, warnings,
+                                        here=not any(s.startswith("dataset ") for s in skipped))
+        problems += found
+    problems += eval_data.check(spec, train_rows)
     warnings += eval_data.warnings(spec)
     return problems
 
@@ -283,38 +296,38 @@ def _reward_check(spec: RunSpec, run_user_code: bool):
     return lambda entries, rows: rewards.check_rewards(entries, rows, user_code=False)
 
 
-def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str], here: bool = True) -> list[str]:
+def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str],
+                here: bool = True) -> tuple[list[str], int | None]:
     """The dataset's source, then (for a local file) its first rows against the trainer and the
     GRPO reward functions called once on them, then every record (data_scan.scan_file). A Hub
     dataset or a folder is not read here: its rewards are only imported, and the worker runs
-    `check_rows` on its first rows before it loads the model."""
+    `check_rows` on its first rows before it loads the model. -> (problems, the training rows
+    when the whole file was read, for the held-out fraction's check)."""
     problems = sources.check_dataset(spec.dataset_name) if here else []  # not here: a Hub dataset, not looked for
     if problems:
-        return problems + eval_data.check(spec)
+        return problems, None
     takes_rewards = trainers.get(spec.trainer).rewards
     path = sources.dataset_file(spec.dataset_name)
+    train_rows = None
     if path is None:
         problems = data_check.check_mapping(None, spec.column_map, spec.keep_columns)
         if takes_rewards and not problems:  # imported and looked up (with run_user_code), not called
             problems += _reward_check(spec, run_user_code)(spec.rewards, None)
-        problems += eval_data.check(spec)
     else:
         try:
             rows = read_rows(path, 5)
         except ValueError as error:
-            return [f"dataset_name: {error}", *eval_data.check(spec)]
+            return [f"dataset_name: {error}"], None
         problems = check_rows(spec, rows, check_rewards=_reward_check(spec, run_user_code))
-        train_rows = None
         if not problems:
             scan = data_scan.scan_file(path, spec.column_map, spec.keep_columns,
                                         spec.args.get("dataset_text_field", "text"))
             problems, warnings[:], train_rows = list(scan), [*warnings, *scan.warnings], scan.rows
-        problems += eval_data.check(spec, train_rows)
     if not takes_rewards and spec.rewards:
         using = ", ".join(t.key for t in trainers.TRAINERS.values() if t.rewards)
         problems.append(f"studio.rewards: {trainers.get(spec.trainer).name} takes no reward functions; remove them "
                         f"or choose a trainer that does ({using})")
-    return problems
+    return problems, train_rows
 
 
 def check_rows(spec: RunSpec, rows: list[dict], check_rewards=rewards.check_rewards) -> list[str]:
@@ -356,7 +369,23 @@ def _check_numbers(spec: RunSpec) -> list[str]:
     max_length = args.get("max_length")
     if isinstance(max_length, int) and max_length < 1:
         problems.append(f"max_length: must be at least 1 (or null for no truncation), got {max_length}")
+    if not isinstance(spec.precompile, bool):
+        problems.append(f"studio.precompile: true or false, got {spec.precompile!r}")
+    jobs = spec.precompile_jobs
+    if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool)
+                             or not 1 <= jobs <= MAX_PRECOMPILE_JOBS):
+        problems.append(f"studio.precompile_jobs: a whole number from 1 to {MAX_PRECOMPILE_JOBS} (parallel "
+                        f"compile processes), got {jobs!r}")
     return problems
+
+
+def _check_trackers(report_to) -> list[str]:
+    """A tracker named in report_to that is not installed here fails the run inside Transformers;
+    say so before launch. (The studio's requirements.txt installs TensorBoard and Trackio.)"""
+    names = report_to if isinstance(report_to, list) else [report_to]
+    missing = [name for name in ("tensorboard", "trackio") if name in names and importlib.util.find_spec(name) is None]
+    return [f"report_to: {name} is not installed here: `pip install -r requirements.txt` in the studio's "
+            "environment (or leave it out of report_to)" for name in missing]
 
 
 def _check_layout(layout: Layout) -> list[str]:

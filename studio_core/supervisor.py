@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,12 +39,15 @@ from pathlib import Path
 from studio_core import children, leases, slurm
 from studio_core.backends.slurm import AUTO_RESUME_ENV, JOB
 from studio_core.checkpoints import RESUME_ENV, list_checkpoints
-from studio_core.hardware import pin_to_cpu_cores
+from studio_core.hardware import pin_to_cpu_cores, studio_cpus
+from studio_core.precompile import WORKER_MODULE as PRECOMPILE_MODULE
+from studio_core.precompile import job_environment
+from studio_core.spec import RunSpec
 from studio_core.monitor import SAMPLE_EVERY_S, RunMonitor
 from studio_core.procs import die_with_parent, kill_run_processes
 from studio_core.runs import events as ev
 from studio_core.runs.events import EventReader
-from studio_core.runs.folder import ENDED, EVENTS, LOG, read_json, read_launch, write_json
+from studio_core.runs.folder import ENDED, EVENTS, LOG, SPEC, read_json, read_launch, write_json
 
 GRACE_S = 10
 SLURM_TASK = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")  # what this node's task's processes share
@@ -91,8 +95,15 @@ def main(run_dir: Path) -> int:
             ended(run_dir, "failed", None)
             return 1
         ev.append(events, ev.log(f"holding {backend} cores {cores}"))
+        cpus = studio_cpus()  # before the pinning below narrows what this process may use
         if backend == "cpu":
             pin_to_cpu_cores(cores)  # torchrun and every rank inherit the pinning
+        jobs = precompile_jobs(run_dir, launch)
+        if jobs:
+            precompile(run_dir, launch, jobs, cpus, lambda: stop_requested_at is not None)
+            if stop_requested_at is not None:
+                ended(run_dir, "stopped", None)
+                return 0
 
     torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=run_dir, env=children.environment(launch["env"]),
                                 pass_fds=lease.descriptors() if lease else (),
@@ -159,6 +170,76 @@ def main(run_dir: Path) -> int:
             return 0
         ended(run_dir, "failed", code)
     return 0
+
+
+def precompile_jobs(run_dir: Path, launch: dict) -> int:
+    """How many precompile jobs this start runs: the spec's, on a first start only (a resumed run
+    finds its shapes in the cache already)."""
+    spec = RunSpec.load(run_dir / SPEC)
+    return (spec.precompile_jobs or 1) if spec.precompile and RESUME_ENV not in launch["env"] else 0
+
+
+def precompile(run_dir: Path, launch: dict, wanted: int, cpus: list[int], stopping) -> None:
+    """Run the precompile jobs (studio_core/precompile.py) to their end, each on a core of its own:
+    the run's cores, then free ones of this machine, leased meanwhile. `stopping()`: a stop was
+    asked; the jobs are then ended. A failed job is logged; the run goes on without its shapes."""
+    backend, events = launch["hardware"]["backend"], run_dir / EVENTS
+    own = list(launch["cores"])
+    extra = []
+    for core in sorted(leases.free_cores(run_dir.parent, backend, launch["hardware"]["cpu_count"] if backend == "cpu"
+                                         else launch["hardware"]["devices"])):
+        if len(own) + len(extra) >= wanted:
+            break
+        try:
+            extra.append(leases.acquire(run_dir.parent, backend, [core], holder=run_dir.name, kind="precompile"))
+        except leases.CoresBusy:
+            continue  # taken meanwhile
+    cores = own + [lease.cores[0] for lease in extra]
+    jobs = min(wanted, len(cores))
+    ev.append(events, ev.log(f"precompile: {jobs} job(s) on {backend} cores {cores[:jobs]}"
+                             + (f" ({wanted} asked; the other cores are busy)" if jobs < wanted else "")))
+    began = time.monotonic()
+    procs = []
+    for job in range(jobs):
+        cpu = cpus[cores[job]] if backend == "cpu" else None
+        procs.append(children.start(
+            PRECOMPILE_MODULE, run_dir, job, jobs, stdin=subprocess.DEVNULL, cwd=run_dir,
+            env=job_environment(backend, launch["env"], cores[job], _free_port()),
+            preexec_fn=lambda cpu=cpu: _job_start(cpu)))
+    try:
+        while any(p.poll() is None for p in procs):
+            if stopping():
+                for p in procs:
+                    p.terminate()
+                break
+            time.sleep(0.5)
+        for p in procs:
+            try:
+                p.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    finally:
+        for lease in extra:
+            lease.release()
+    failed = [job for job, p in enumerate(procs) if p.returncode != 0]
+    if failed and not stopping():
+        ev.append(events, ev.log(f"precompile job(s) {failed} failed (train.log has their output): the run "
+                                 "compiles their shapes at their first step"))
+    ev.append(events, ev.precompile_end(round(time.monotonic() - began, 3), failed))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _job_start(cpu: int | None) -> None:
+    """In a precompile job, before it runs: it dies with the supervisor, on its own CPU."""
+    die_with_parent(signal.SIGTERM)
+    if cpu is not None:
+        os.sched_setaffinity(0, [cpu])
 
 
 def ended(run_dir: Path, state: str, code: int | None) -> None:

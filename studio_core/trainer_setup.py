@@ -64,7 +64,8 @@ def build_trainer(spec: RunSpec, run_dir: Path, dataset, eval_dataset, callbacks
         trainer_kwargs["reward_funcs"], weights = reward_functions(spec.rewards)
         config_args.setdefault("reward_weights", weights)
     config_args.setdefault("output_dir", str(run_dir / OUTPUT))
-    config = getattr(trl, trainer_spec.config_class)(run_name=spec.run_name, **config_args)
+    # the run id when the recipe names no run: trackers (Trackio) then go on with the same run after a resume
+    config = getattr(trl, trainer_spec.config_class)(run_name=spec.run_name or run_dir.name, **config_args)
     trainer = getattr(trl, trainer_spec.trainer_class)(
         model=model_path, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
         peft_config=trl.get_peft_config(model_args), callbacks=callbacks, **trainer_kwargs)

@@ -28,7 +28,7 @@ if "LOCAL_RANK" in os.environ:
 
 from studio_core import trainers  # noqa: E402
 from studio_core.checkpoints import RESUME_ENV, stop_and_save_callback
-from studio_core.compile_watch import CompileWatch, ShapeWatch
+from studio_core.compile_watch import CompileWatch, EventBuffer, ShapeWatch, StepCost, TrainerTokens
 from studio_core.runs import events
 from studio_core.runs.folder import EVENTS, OUTPUT_INFO, SPEC
 from studio_core.spec import RunSpec, SpecError
@@ -71,12 +71,16 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> None:
     class EventCallback(TrainerCallback):
         """Rank 0 reports progress, metrics, compilations and new batch shapes as events.
         A step's time is the wall time since the previous step ended, less the compile time
-        in it, so step times, tokens/s and the ETA are not skewed by compilation."""
+        in it, so step times, tokens/s and the ETA are not skewed by compilation. The tokens
+        are TRL's own count (TrainerTokens: a host int, no device sync). What the studio
+        itself runs per step is timed (StepCost) and reported at the end as `studio_cost`."""
 
-        def __init__(self):
+        def __init__(self, cost: StepCost):
             self.state = None
+            self.cost = cost  # the stop-and-save callback adds its checks' time to it too
+            self.out = EventBuffer(log)  # the per-step events, written a few at a time
             self.compiles = CompileWatch(log, self.current_step)
-            self.shapes = ShapeWatch(log, self.current_step)
+            self.shapes = ShapeWatch(log, self.current_step, self.cost)
             self.compiles.install()
 
         def current_step(self) -> int:
@@ -84,36 +88,50 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> None:
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.state = state
+            self.tokens = TrainerTokens(trainer)
+            self.first_step = state.global_step  # a resumed attempt begins at its checkpoint's step
             self.shapes.install(trainer.model_wrapped)  # outermost wrapper: outside the compiled graph
             if trainer.model is not trainer.model_wrapped and not args.torch_compile:  # evaluation: unwrapped
-                self.shapes.install(trainer.model, count_tokens=False)
-            self.mark = (time.time(), self.compiles.compile_seconds(), self.shapes.tokens)
+                self.shapes.install(trainer.model)
+            self.mark = (time.time(), self.compiles.compile_seconds(), 0)
+            self.step_cpu = [None, None]  # this thread's CPU time at the first and the latest step end
             events.append(log, events.status("running", world_size=args.world_size, max_steps=state.max_steps,
                                              num_train_epochs=state.num_train_epochs))
 
         def on_step_end(self, args, state, control, **kwargs):
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            self.step_cpu = [self.step_cpu[0] or cpu_start, cpu_start]  # no extra clock read
             self.compiles.step_ended()  # Neuron: neuronx-cc's time for graphs of this step
-            now, compiled, tokens = time.time(), self.compiles.compile_seconds(), self.shapes.tokens
+            now, compiled, tokens = time.time(), self.compiles.compile_seconds(), self.tokens.counted()
             step_s = max(0.0, now - self.mark[0] - (compiled - self.mark[1]))
-            events.append(log, events.progress(state.global_step, state.max_steps, state.epoch, round(step_s, 4),
-                                               round(compiled, 3), tokens - self.mark[2],
-                                               compiled=compiled > self.mark[1]))
+            self.out.add(events.progress(state.global_step, state.max_steps, state.epoch, round(step_s, 4),
+                                         round(compiled, 3), tokens - self.mark[2], compiled=compiled > self.mark[1]))
             self.mark = (now, compiled, tokens)
+            self.cost.add("step_end", start, cpu_start)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            events.append(log, events.metrics(state.global_step, state.epoch, logs or {}))
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            self.out.add(events.metrics(state.global_step, state.epoch, logs or {}))
+            self.cost.add("log", start, cpu_start)
 
         def on_save(self, args, state, control, **kwargs):
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            self.out.flush()  # the steps before it come first
             events.append(log, events.checkpoint(state.global_step, str(path), size))
 
         def on_train_end(self, args, state, control, **kwargs):
+            self.out.flush()
             self.compiles.report_backend_metrics()
+            steps = state.global_step - self.first_step
+            first, last = self.step_cpu
+            step_cpu_ms = (last - first) / (steps - 1) * 1000 if steps > 1 and first is not None else None
+            events.append(log, events.studio_cost(steps, self.cost.parts(), step_cpu_ms=step_cpu_ms))
 
-    stop_and_save = stop_and_save_callback(run_dir, RANK, int(os.environ.get("WORLD_SIZE", "1")))
+    cost = StepCost()  # rank 0 reports it; every other rank makes the same stop check
+    stop_and_save = stop_and_save_callback(run_dir, RANK, int(os.environ.get("WORLD_SIZE", "1")), cost)
     built = build_trainer(spec, run_dir, dataset, eval_dataset,
-                          callbacks=[*([EventCallback()] if RANK == 0 else []), stop_and_save],
+                          callbacks=[*([EventCallback(cost)] if RANK == 0 else []), stop_and_save],
                           log=log if RANK == 0 else None)
     trainer, config, model_args, model_path = built.trainer, built.config, built.model_args, built.model_path
     resume_from = os.environ.get(RESUME_ENV) or None  # set by RunManager.resume

@@ -197,15 +197,17 @@ def two_process_runs(tmp_path_factory):
 
 
 def history_specs() -> dict:
-    """The specs of history_runs: two SFT runs of 20 steps that differ in learning rate, run name
-    and max_grad_norm, and a DPO run of 4 steps: {"sft-a", "sft-b", "dpo"}."""
+    """The specs of history_runs: two SFT runs of 20 steps that differ in learning rate, run name,
+    max_grad_norm and report_to (sft-b logs to TensorBoard and Trackio too, for test_tracking), and
+    a DPO run of 4 steps: {"sft-a", "sft-b", "dpo"}."""
     from studio_core.spec import RunSpec
 
     def tiny(recipe: str, *overrides: str) -> RunSpec:
         return RunSpec.load(RECIPES / recipe).with_overrides(["max_steps=20", "logging_steps=5", *overrides])
 
     return {"sft-a": tiny("tiny-sft.yaml"),
-            "sft-b": tiny("tiny-sft.yaml", "learning_rate=1.0e-4", "run_name=tiny-sft-b", "max_grad_norm=0.5"),
+            "sft-b": tiny("tiny-sft.yaml", "learning_rate=1.0e-4", "run_name=tiny-sft-b", "max_grad_norm=0.5",
+                          "report_to=[tensorboard, trackio]"),
             "dpo": tiny("tiny-dpo.yaml", "max_steps=4", "logging_steps=2")}
 
 

@@ -15,7 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from pathlib import Path
+
+import openai
+import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from studio_browser import App, expect
@@ -28,6 +32,12 @@ def full_run(app, sft_runs) -> str:
     if not (app.runs_dir / run_id).exists():
         sft_runs.copy_to(app.runs_dir, "full")
     return run_id
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def pick(page, elem_id: str, option: str) -> None:
@@ -65,8 +75,24 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
     expect(base).to_contain_text("What is the name of the studio cat?")
     expect(base).to_contain_text(EMPTY_ANSWER)  # it wrote only whitespace: said so, not an empty bubble
     expect(base).to_contain_text("untrained")  # its label
+
+    # Serve: the loaded model behind OpenAI's API, asked by the real openai client
+    page.locator("#serve-box").get_by_text("Serve: the loaded model").click()
+    page.locator("#serve-port input").fill(str(free_port()))
+    page.locator("#serve-on input").check()
+    served = page.locator("#serve-status").get_by_text(re.compile(r"^Serving "))
+    served.wait_for(timeout=30_000)
+    url = re.search(r"http://127\.0\.0\.1:\d+/v1", served.inner_text()).group(0)
+    expect(page.locator("#serve-snippet")).to_contain_text(f'base_url="{url}"')
+    reply = openai.OpenAI(base_url=url, api_key="none", max_retries=0).chat.completions.create(
+        model=run_id, messages=[{"role": "user", "content": "What is the name of the studio cat?"}], max_tokens=32,
+        temperature=0)
+    assert reply.choices[0].message.content == "The studio cat is called Pixel."
     page.locator("#chat-unload").click()
     page.locator("#chat-status").get_by_text(re.compile(r"^Unloaded: ")).wait_for(timeout=60_000)
+    expect(page.locator("#serve-status")).to_have_text("Not served.")
+    with pytest.raises(openai.APIConnectionError):  # unloading ended the endpoint too
+        openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=10).models.list()
 
 
 def test_export_and_push_to_the_hub_from_the_page(new_page, runs_dir, sft_runs):

@@ -128,3 +128,45 @@ def test_a_held_out_fraction_is_evaluated_in_training_and_after_on_the_same_rows
     rows = load_dataset("json", data_files=str(BUILTIN_DATASETS["builtin:qa"]), split="train")
     test = rows.train_test_split(test_size=0.25, seed=42)["test"]
     assert held == {row["messages"][0]["content"] for row in test}
+
+
+@pytest.mark.fast
+def test_the_card_carries_every_evaluation_and_lm_evals_scores():
+    from studio_core.export import _evaluations_text, eval_results
+
+    older = {"time": 1_790_000_000, "data": "builtin:qa", "split": "train", "rows": 12, "max_new_tokens": 32,
+             "results": {"tuned": {"exact_match": 0.5, "rouge_l": 0.7}, "base": {"exact_match": 0.0}}}
+    newer = {**older, "time": 1_790_100_000, "results": {"tuned": {"exact_match": 1.0}, "base": {"exact_match": 0.0}},
+             "harness": {"studio_qa": {"acc": 0.75, "acc_stderr": 0.1, "samples": 4}}}
+    text = _evaluations_text([newer, older])
+    assert text.index("2026-09-22") < text.index("2026-09-21 14:13 UTC")  # newest first, each with its date
+    assert "| exact_match | 1 | 0 |" in text and "| rouge_l | 0.7 |" in text  # both evaluations' tables
+    assert "| studio_qa | acc | 0.75 |" in text
+    results = {(r.dataset_name, r.metric_type): (r.metric_value, r.source_name)
+               for r in eval_results([newer, older], "text-generation")}
+    assert results == {("builtin:qa", "exact_match"): (1.0, None), ("builtin:qa", "rouge_l"): (0.7, None),
+                       ("studio_qa", "acc"): (0.75, "lm-evaluation-harness")}  # the newest of each, no stderr
+
+
+@pytest.mark.fast
+def test_models_evaluated_from_the_cli_are_offered_with_their_evaluations(tmp_path):
+    from app.eval_tab import download_folder, targets
+    from studio_core.evaluation import evaluated_models, evaluations_of
+    from studio_core.runs.manager import RunManager
+
+    manager = RunManager(tmp_path / "runs")
+    for stamp, target in (("20261201-101010", "builtin:tiny-qwen3"), ("20261202-090000", "org/model"),
+                          ("20261202-100000", "builtin:tiny-qwen3")):
+        out = manager.runs_dir / "evals" / f"{stamp}-{target.replace(':', '-').replace('/', '-')}"
+        out.mkdir(parents=True)  # what launch.py eval writes for a model that is not a run
+        (out / "summary.json").write_text(json.dumps({"target": target, "data": "builtin:qa", "rows": 1}))
+        (out / "rows.jsonl").write_text("{}\n")
+    assert evaluated_models(manager.runs_dir) == ["builtin:tiny-qwen3", "org/model"]  # newest first
+    assert [Path(s["dir"]).name[:15] for s in evaluations_of("builtin:tiny-qwen3", manager.runs_dir)] == [
+        "20261202-100000", "20261201-101010"]
+    assert ("org/model (a model, not a run)", "org/model") in targets(manager)
+
+    stale = manager.runs_dir / "exports" / "eval-downloads" / "left-by-a-killed-app.jsonl"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("{}\n")
+    assert list(download_folder(manager.runs_dir).iterdir()) == []  # a new app starts with none

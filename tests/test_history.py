@@ -7,6 +7,7 @@ session's history_runs (conftest), read here through a copy of this file's own.
 """
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,8 @@ def tiny(recipe: str, *overrides: str) -> RunSpec:
 
 @pytest.fixture(scope="module")
 def runs(history_runs, tmp_path_factory):
-    """Three finished runs, made in this order: two SFT runs that differ in learning rate, run name
-    and max_grad_norm, and a DPO run: (manager, {name: spec}, {name: view})."""
+    """Three finished runs, made in this order: two SFT runs that differ in learning rate, run name,
+    max_grad_norm and report_to, and a DPO run: (manager, {name: spec}, {name: view})."""
     manager = history_runs.copy_to(tmp_path_factory.mktemp("history") / "runs")
     return manager, history_specs(), {name: manager.view(run_id) for name, run_id in history_runs.ids.items()}
 
@@ -94,7 +95,10 @@ def test_settings_diff_shows_only_the_differences(runs):
     a, b, dpo = views["sft-a"], views["sft-b"], views["dpo"]
     rows = history.settings_diff({a.id: a.spec, b.id: b.spec})
     assert rows == [["run_name", "tiny-sft", "tiny-sft-b"], ["learning_rate", str(a.spec["learning_rate"]), "0.0001"],
-                    ["max_grad_norm", history.NOT_SET, "0.5"]]
+                    ["max_grad_norm", history.NOT_SET, "0.5"],
+                    ["report_to", history.NOT_SET, '["tensorboard", "trackio"]'],
+                    ["project", history.NOT_SET, b.id],  # planned for Trackio: the run's id, and no Space
+                    ["trackio_static_space_id", history.NOT_SET, "false"]]
 
     rows = {row[0]: row[1:] for row in history.settings_diff({a.id: a.spec, dpo.id: dpo.spec})}
     assert rows["studio.trainer"] == ["sft", "dpo"]
@@ -170,12 +174,27 @@ def test_values_a_widget_cannot_hold_go_to_the_extra_box():
 @pytest.mark.fast
 def test_report_to_offers_what_is_installed_and_says_where_to_open_it(tmp_path):
     installed = [name for name in ("tensorboard", "trackio") if importlib.util.find_spec(name)]
-    assert report_choices() == ["none", *installed]
-    view = RunView(dir=tmp_path / "run")
+    assert report_choices() == ["none", *installed] == ["none", "tensorboard", "trackio"]  # requirements.txt
+    run = tmp_path / "run folder"  # a space, quoted in the commands
+    view = RunView(dir=run)
     view.spec = {"report_to": ["tensorboard", "trackio"], "project": "studio"}
+    # a run the studio planned: the trackers' folders are in the run folder (test_tracking reads them)
+    run.mkdir()
+    (run / "launch.json").write_text(json.dumps({"env": {"TENSORBOARD_LOGGING_DIR": "elsewhere/tensorboard",
+                                                         "TRACKIO_DIR": "elsewhere/trackio"}}))
     hint = history.tracking_hint(view)
-    assert f"tensorboard --logdir {tmp_path / 'run' / 'output' / 'runs'}" in hint
-    assert 'trackio show --project "studio"' in hint
+    assert f"`tensorboard --logdir '{run / 'tensorboard'}' --port 6006`" in hint  # where the folder is now
+    assert "[http://localhost:6006](http://localhost:6006)" in hint
+    assert f"`TRACKIO_DIR='{run / 'trackio'}' trackio show --project studio`" in hint
+    view.spec = {"report_to": "all"}  # every tracker installed; TRL's default project
+    assert "tensorboard --logdir" in history.tracking_hint(view)
+    assert "trackio show --project huggingface`" in history.tracking_hint(view)
+    # a run made before the trackers went into the run folder: where transformers and Trackio wrote
+    (run / "launch.json").write_text(json.dumps({"env": {}}))
+    view = RunView(dir=run)
+    view.spec = {"report_to": ["tensorboard", "trackio"]}
+    hint = history.tracking_hint(view)
+    assert f"--logdir '{run / 'output' / 'runs'}'" in hint and "`trackio show --project huggingface`" in hint
     view.spec = {"report_to": "none"}
     assert history.tracking_hint(view) is None
 

@@ -55,6 +55,9 @@ NOT_RUN = {
         "(tests/test_serve.py and the browser tests start the app)",
     "bash .ci/run": "CI itself: it installs Debian packages as root, then runs the whole test suite, this test "
                     "included",
+    ".venv/bin/python launch.py serve RUN_ID --port 8000":
+        "serves until it is stopped: tests/test_openai_api.py starts it on a run with a key and asks it through "
+        "the openai client",
     ".venv/bin/python launch.py doctor": "tests/test_doctor.py runs it (and checks its lines); its 2-process "
                                          "all-reduce and compiled steps would add a minute here",
 }
@@ -294,7 +297,7 @@ def after_export(s: Session, args: list[str], done: subprocess.CompletedProcess)
     assert done.stdout.startswith(f"Exported {kind} model to {out}: "), done.stdout
     assert json.loads((out / "studio_output.json").read_text())["kind"] == kind
     assert (out / "README.md").is_file() and (out / "config.json").is_file()
-    if s.evaluated:  # the card carries the latest evaluation as the Hub's model-index results
+    if s.evaluated:  # the card carries the evaluation (the only one) as the Hub's model-index results
         card = ModelCard.load(out / "README.md")
         assert {r.metric_type: r.metric_value for r in card.data.eval_results} == s.evaluated["tuned"]
         assert "| exact_match |" in card.text

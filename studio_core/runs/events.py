@@ -9,8 +9,10 @@ Who writes what:
     manager      status starting, log (plan warnings, stop and save), resume
     backend      log (a Slurm job id), error and status failed / stopped (a Slurm job that ended
                  without a final status: Slurm's reason)
-    supervisor   log, hardware (every 2 s; per node on Slurm), error, status finished / failed / stopped
-    worker       status running, progress, metrics, checkpoint, saved_stop, error, log
+    supervisor   log, hardware (every 2 s; per node on Slurm), error, status finished / failed / stopped,
+                 precompile_end
+    precompile jobs (before torchrun)  precompile_start, precompiled
+    worker       status running, progress, metrics, checkpoint, saved_stop, error, log, studio_cost
     compile_watch (in the worker)  compile_start, compile_end, compile_metrics, shape
     downloads (in the worker)      download, log
 
@@ -56,8 +58,10 @@ def progress(step: int, max_steps: int, epoch: float | None, step_s: float, comp
              tokens: int, compiled: bool = False) -> dict:
     """An optimizer step ended (rank 0, every step). `step_s`: the step's wall time less the
     compile time in it; `compile_s`: compile seconds so far in this attempt; `tokens`: the
-    real (unpadded) tokens the step trained on; `compiled`: something compiled in this step
-    (its time is left out of step_s, but such a step is no sample of the steady rate)."""
+    real (unpadded) tokens TRL counted in the step for its `num_tokens` metric, summed over all
+    data-parallel ranks (GRPO and RLOO: prompt and completion tokens, counted in the step that
+    generated them); `compiled`: something compiled in this step (its time is left out of
+    step_s, but such a step is no sample of the steady rate)."""
     return _event("progress", step=step, max_steps=max_steps, epoch=epoch, step_s=step_s, compile_s=compile_s,
                   tokens=tokens, compiled=compiled)
 
@@ -128,21 +132,64 @@ def hardware(sample: dict) -> dict:
     return {**_event("hardware"), **sample}
 
 
+def studio_cost(steps: int, parts: dict[str, dict], step_cpu_ms: float | None = None) -> dict:
+    """The studio's own time in the training process, at the end of training (rank 0): the time
+    around everything it runs per step. `parts`: {name: {seconds, cpu_seconds, calls}}:
+    `step_end` (the progress event, CompileWatch.step_ended, TRL's token count), `log` (the
+    metrics event), `shape_hook` (the forward pre-hook: every forward, evaluation's too),
+    `stop_check` (the stop-and-save check; rank 0's: every other rank makes the same check);
+    `seconds` is wall time (perf_counter: what the steps felt, other processes' turns on the core
+    included), `cpu_seconds` this thread's CPU time (thread_time: the studio's work alone).
+    `steps`: this attempt's optimizer steps; `seconds`, `cpu_seconds`: the sums; `per_step_ms`,
+    `cpu_per_step_ms`: per step; `step_cpu_ms`: the training thread's whole CPU time per step
+    (steps 2 to the last), which the studio's share is a part of."""
+    seconds = sum(part["seconds"] for part in parts.values())
+    cpu = sum(part.get("cpu_seconds", 0.0) for part in parts.values())
+    return _event("studio_cost", steps=steps, seconds=round(seconds, 6), cpu_seconds=round(cpu, 6),
+                  per_step_ms=round(seconds / steps * 1000, 5) if steps else None,
+                  cpu_per_step_ms=round(cpu / steps * 1000, 5) if steps else None,
+                  step_cpu_ms=None if step_cpu_ms is None else round(step_cpu_ms, 4), parts=parts)
+
+
+def precompile_start(shapes: list[list[int]], jobs: int) -> dict:
+    """Precompile began (studio_core/precompile.py; written by its first job): the distinct batch
+    `shapes` the run will take, compiled before step 1 by `jobs` parallel processes."""
+    return _event("precompile_start", shapes=shapes, jobs=jobs)
+
+
+def precompiled(shape: list[int], job: int, seconds: float, cache: str | None = None) -> dict:
+    """A precompile job trained one step on a batch of `shape`: `seconds` (its compilation and the
+    step), `cache`: Inductor's FX graph cache answered "hit" or "miss" (absent: unknown)."""
+    return _event("precompiled", shape=shape, job=job, seconds=seconds, cache=cache)
+
+
+def precompile_end(seconds: float, failed: list[int] | None = None) -> dict:
+    """Every precompile job has ended (the supervisor), `seconds` after they started; `failed`:
+    the jobs that did not end well (their shapes compile at their first step instead)."""
+    return _event("precompile_end", seconds=seconds, failed=failed or None)
+
+
 TYPES = ("status", "progress", "metrics", "log", "error", "compile_start", "compile_end", "compile_metrics",
-         "shape", "checkpoint", "saved_stop", "resume", "download", "hardware")
+         "shape", "checkpoint", "saved_stop", "resume", "download", "hardware", "studio_cost",
+         "precompile_start", "precompiled", "precompile_end")
 
 
 # --- writing and reading ------------------------------------------------------------------
 def append(path: str | Path, event: dict) -> dict:
     """Add one event at the end of the file, in one write."""
-    line = json.dumps(event, default=str) + "\n"
+    append_all(path, [event])
+    return event
+
+
+def append_all(path: str | Path, events: list[dict]) -> None:
+    """Add these events at the end of the file, in order, in one write (whole lines)."""
+    data = "".join(json.dumps(event, default=str) + "\n" for event in events).encode()
     # O_APPEND makes each write land whole at the end, even with several writers.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        os.write(fd, data)
     finally:
         os.close(fd)
-    return event
 
 
 class EventReader:
@@ -238,15 +285,17 @@ class RunState:
     progress_times: list[tuple[float, int]] = field(default_factory=list)  # (time, step) of this attempt
     step_seconds: list[float] = field(default_factory=list)  # each step's time, compilation left out
     steady_step_seconds: list[float] = field(default_factory=list)  # of steps that compiled nothing, no first one
-    tokens: int = 0  # real (unpadded) tokens trained on
+    tokens: int = 0  # real (unpadded) tokens trained on, all data-parallel ranks (TRL's count)
     compiles: list[dict] = field(default_factory=list)  # compile_end events, with their start's time and reason
     compiling: dict[tuple, dict] = field(default_factory=dict)  # compile_start events not ended yet
     shapes: list[dict] = field(default_factory=list)  # shape events: batch shapes as they first came
     checkpoints: list[dict] = field(default_factory=list)  # checkpoint events
     hardware: list[dict] = field(default_factory=list)  # hardware samples
     download: dict | None = None  # the latest download event
+    studio_cost: dict | None = None  # this attempt's studio_cost event, once its training ended
     attempts: int = 1  # 1 + the resumes
     spans: list[Attempt] = field(default_factory=list)  # each attempt's times, the first run's included
+    precompile: dict | None = None  # {jobs, total, done: [precompiled events], seconds, failed} (precompile.py)
 
     def apply(self, event: dict) -> None:
         kind, when = event["type"], event["time"]
@@ -292,14 +341,29 @@ class RunState:
             step = event.get("step", 0)
             self.metrics = [m for m in self.metrics if m.get("step", 0) <= step]
             self.step, self.progress_times, self.ended, self.exit_code, self.reason = step, [], None, None, None
-            self.compiling = {}
+            self.compiling, self.studio_cost = {}, None
             self.attempts += 1
         elif kind == "hardware":
             self.hardware.append(event)
         elif kind == "download":
             self.download = event
+        elif kind == "studio_cost":
+            self.studio_cost = event
         elif kind == "error":
             self.errors.append(event)
+        elif kind in ("precompile_start", "precompiled", "precompile_end"):
+            self._precompile(kind, event)
+
+    def _precompile(self, kind: str, event: dict) -> None:
+        state = self.precompile = self.precompile or {"jobs": None, "total": None, "done": [], "seconds": None,
+                                                      "failed": []}
+        if kind == "precompile_start":
+            state["jobs"], state["total"] = event.get("jobs"), len(event.get("shapes", []))
+        elif kind == "precompiled":
+            state["done"].append(event)
+        else:
+            state["seconds"], state["failed"] = event.get("seconds", 0.0), event.get("failed", [])
+            state["total"] = state["total"] if state["total"] is not None else len(state["done"])
 
     # --- what the page, the CLI and the card show -----------------------------------------
     def losses(self) -> list[tuple[int, float]]:

@@ -1,0 +1,111 @@
+"""Precompile: the run's batch shapes compiled before step 1, in parallel processes.
+
+On Trainium a run with eight batch shapes compiles eight graphs one after another, minutes
+each, at the steps where each shape first appears, while the host's CPU cores sit idle. With
+`studio.precompile: true` (the page's "Precompile", `launch.py train --precompile --jobs N`)
+the run's supervisor first starts N precompile jobs (studio_core/precompile_worker.py). Each
+builds the run's own trainer (studio_core/trainer_setup.py: the same model, LoRA, compile
+settings and data order), finds the first batch of every distinct shape the run will take
+(the same walk over the run's data loader that the shape forecast makes), and trains one
+step on each of its share of them (every Nth shape): a forward and a backward, which compile
+them into the compile cache the run uses. Then the run starts, and a shape's first step finds
+its graphs in the cache: its compile_end events say `hit`.
+
+What is cached, per backend (studio_core/compile_cache.py has the folders):
+- CPU and CUDA, Inductor: its FX graph cache and AOTAutograd cache, under
+  TORCHINDUCTOR_CACHE_DIR. Dynamo still traces each new shape in the run (its bytecode
+  analysis is not cached across processes): seconds on the tiny model, against the tens of
+  seconds Inductor's code generation and C++ compile cost.
+- Neuron: TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR), which its documentation
+  says is safe for concurrent processes; each job holds a NeuronCore, as a graph is compiled
+  at its first run on the device. Written from the documentation, not run on a Trainium
+  machine here.
+
+Where the jobs run: on the run's own cores plus the free cores of this machine (CPU cores on
+the CPU backend, NeuronCores on Neuron), leased for the precompile's length (kind
+"precompile"); one job per core. A job that fails costs nothing but its time: the run
+compiles that job's shapes at their first step, as without precompile.
+
+Limits: one-process runs only (with data parallelism the training step's graphs are split at
+DDP's gradient buckets, so a one-process job compiles different graphs); not for GRPO and
+RLOO, whose shapes come from what the model generates; local runs only.
+"""
+
+from __future__ import annotations
+
+from studio_core.device_env import RANK_CORES, VISIBLE
+
+WORKER_MODULE = "studio_core.precompile_worker"
+MAX_BATCHES = 20_000  # walk at most this many batches for shapes (the forecast's cap)
+
+
+def problems(spec, trainer, args: dict) -> list[str]:
+    """Why this run cannot be precompiled (empty: it can). `args`: the planned TRL arguments."""
+    if not spec.precompile:
+        return []
+    found = []
+    if not args.get("torch_compile"):
+        found.append("studio.precompile: nothing compiles without torch_compile: true; set it (on Neuron the "
+                     "studio turns it on) or turn precompile off")
+    if not trainer.forecast:
+        found.append(f"studio.precompile: {trainer.name} runs are not precompiled: {trainer.not_forecast}")
+    if spec.layout.nproc > 1 or spec.layout.nodes > 1:
+        found.append(f"studio.precompile: one-process runs only (this one has {spec.layout.nproc * spec.layout.nodes}): "
+                     "with data parallelism the training step's graphs are split at DDP's gradient buckets, so a "
+                     "one-process precompile job would compile other graphs; set nproc 1 or turn precompile off")
+    if spec.layout.run_on != "local":
+        found.append("studio.precompile: local runs only for now (studio.run_on: local)")
+    return found
+
+
+def default_jobs(backend: str, free: int) -> int:
+    """Jobs when the spec names none: one per core the precompile can have (the run's and the
+    free ones), at most 8."""
+    return max(1, min(8, free))
+
+
+def job_environment(backend: str, env: dict[str, str], core: int, port: int) -> dict[str, str]:
+    """A precompile job's environment: the run's, on one core of its own, as torchrun would give
+    its one rank (a process group of one, on its own rendezvous `port`), since the run's config
+    (its ddp_backend) expects one."""
+    env = {k: v for k, v in env.items() if k != RANK_CORES}
+    env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+    if backend == "neuron":
+        env[VISIBLE] = str(core)
+    elif backend == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(core)
+    elif backend == "cpu":
+        env["OMP_NUM_THREADS"] = "1"  # the job is pinned to one CPU (the supervisor does it)
+    return env
+
+
+def signature(batch: dict) -> tuple:
+    """What makes a batch compile graphs of its own: its tensors' names and shapes."""
+    return tuple(sorted((key, tuple(value.shape)) for key, value in batch.items() if hasattr(value, "shape")))
+
+
+def shape_of(batch: dict) -> list[int]:
+    """The batch shape the page shows (input_ids', else the first tensor's)."""
+    ids = batch.get("input_ids")
+    tensor = ids if ids is not None else next(v for v in batch.values() if hasattr(v, "shape"))
+    return list(tensor.shape)
+
+
+def describe(state: dict | None) -> str | None:
+    """One line on a run's precompile, from RunState.precompile."""
+    if not state:
+        return None
+    done, total = len(state["done"]), state["total"]
+    if total is None:  # the first job has not yet said how many shapes there are
+        return f"precompile: {done} shape(s) compiled, finding the run's batch shapes"
+    seconds = [d["seconds"] for d in state["done"]]
+    each = f", {min(seconds):.1f}-{max(seconds):.1f} s each" if seconds else ""
+    hits = sum(d.get("cache") == "hit" for d in state["done"])
+    cached = f", {hits} already in the cache" if hits else ""
+    if state.get("seconds") is None:
+        return f"precompile: {done}/{total} shapes compiled in {state['jobs']} parallel job(s){each}{cached}"
+    failed = f"; {len(state['failed'])} job(s) failed (their shapes compile at their first step)" \
+        if state["failed"] else ""
+    return (f"precompile: {done}/{total} shapes compiled in {state['seconds']:.1f} s by {state['jobs']} parallel "
+            f"job(s){each}{cached}{failed}")

@@ -1,0 +1,102 @@
+"""A precompile job: compiles its share of the run's batch shapes, then exits. An entry point,
+never imported (studio_core/precompile.py says what precompile is).
+
+    python -m studio_core.precompile_worker RUN_DIR JOB JOBS
+
+Started by the run's supervisor before torchrun, on a core of its own. It builds the run's
+own trainer (studio_core/trainer_setup.py), walks the run's data loader for the first batch of
+every distinct shape, in the order the run meets them, takes shapes JOB, JOB+JOBS, ..., and
+trains one step on each: a forward and a backward, which compile them into the run's compile
+cache. It writes `precompile_start` (job 0: the shapes of all jobs) and one `precompiled` per
+shape, never the compile events of the run itself. Nothing else of it is kept: the steps train
+a throwaway copy of the model in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from studio_core.procs import die_with_parent
+
+die_with_parent()  # never outlives the supervisor that started it
+
+from studio_core.precompile import MAX_BATCHES, shape_of, signature  # noqa: E402
+from studio_core.runs import events  # noqa: E402
+from studio_core.runs.folder import EVENTS, SPEC  # noqa: E402
+from studio_core.spec import RunSpec  # noqa: E402
+from studio_core.train_data import load_checked_datasets  # noqa: E402
+from studio_core.trainer_setup import build_trainer  # noqa: E402
+
+# One step per shape, nothing saved, logged, evaluated or reported.
+ONE_STEP_EACH = {"save_strategy": "no", "eval_strategy": "no", "logging_strategy": "no", "report_to": "none",
+                 "load_best_model_at_end": False, "push_to_hub": False, "gradient_accumulation_steps": 1}
+
+
+def main(run_dir: Path, job: int, jobs: int) -> None:
+    spec = RunSpec.load(run_dir / SPEC)
+    log = run_dir / EVENTS
+    dataset, _ = load_checked_datasets(spec, None)
+    from transformers import TrainerCallback
+
+    mine: list[dict] = []
+
+    class Timer(TrainerCallback):
+        """Each step trains one batch of a new shape: its time is that shape's compile and step."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.began, self.cache = time.perf_counter(), _cache_counts()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            batch = mine[state.global_step - 1]
+            hits, misses = (now - before for now, before in zip(_cache_counts(), self.cache))
+            cache = ("hit" if hits and not misses else "miss") if hits or misses else None
+            events.append(log, events.precompiled(shape_of(batch), job, round(time.perf_counter() - self.began, 3),
+                                                  cache=cache))
+
+    with tempfile.TemporaryDirectory(prefix="precompile-") as scratch:
+        walked = build_trainer(spec, run_dir, dataset, None, callbacks=[], changes={"output_dir": scratch})
+        batches = first_batch_of_each_shape(walked.trainer)
+        if job == 0:
+            events.append(log, events.precompile_start([shape_of(b) for b in batches], jobs))
+        mine[:] = batches[job::jobs]
+        if not mine:
+            return
+        # The steps: the same trainer settings, one step per batch of this job's shapes.
+        built = build_trainer(spec, run_dir, dataset, None, callbacks=[Timer()],
+                              changes={**ONE_STEP_EACH, "output_dir": scratch, "max_steps": len(mine)})
+        built.trainer.get_train_dataloader = lambda: list(mine)  # these batches, in this order
+        built.trainer.train()
+
+
+def first_batch_of_each_shape(trainer) -> list[dict]:
+    """The first batch of each distinct shape the run takes, in the order it meets them: the
+    run's own data loader (sampler, seed, collator), pass after pass as the run reads it."""
+    args = trainer.args
+    loader = trainer.get_train_dataloader()
+    per_epoch = max(1, len(loader))
+    wanted = args.max_steps * args.gradient_accumulation_steps if args.max_steps > 0 else math.ceil(
+        args.num_train_epochs * per_epoch)
+    wanted = min(wanted, MAX_BATCHES)
+    first: dict[tuple, dict] = {}
+    read = 0
+    while read < wanted:
+        for batch in loader:
+            first.setdefault(signature(batch), batch)
+            read += 1
+            if read >= wanted:
+                break
+    return list(first.values())
+
+
+def _cache_counts() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
