@@ -37,7 +37,7 @@ def forecast_markdown(f: Forecast, backend: str) -> str:
 
 def suggestion_label(s: dict) -> str:
     settings = ", ".join(f"{k}: {v}" for k, v in s["set"].items())
-    return f"{settings} -> {s['graphs']} shape(s), waste {s['waste']:.1%} ({s['why']})"
+    return f"{settings} -> {s['graphs']} shape(s), waste {s['waste']:.1%} ({s['why']}); costs the data: {s['cost']}"
 
 
 def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
@@ -47,7 +47,8 @@ def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
                              "(each distinct shape is a compilation on Trainium).", elem_id="forecast-report")
         histogram = gr.BarPlot(x="tokens", y="samples", title="Sequence lengths (before truncation)",
                                x_label_angle=-30, height=220, visible=False, elem_id="length-histogram")
-        choice = gr.Radio([], label="Suggested settings", visible=False, elem_id="suggestions")
+        choice = gr.Radio([], label="Suggested settings, best first (little padding, samples kept whole, fewest "
+                                    "shapes), each with what it costs the data", visible=False, elem_id="suggestions")
         apply = gr.Button("Apply suggestion", visible=False, elem_id="apply-suggestion")
         offered = gr.State({})
     inputs, extra = form.components(), form.widgets["extra"]

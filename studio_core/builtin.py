@@ -16,6 +16,9 @@ This module provides:
   reward modeling; ``builtin:feedback`` (each chosen and rejected answer on its own, with a
   desirable ``label``: unpaired preference data) for KTO;
   ``builtin:prompts`` (the same questions as prompts, with a ``reference`` answer) for GRPO and RLOO.
+  ``builtin:wide`` (:func:`ensure_wide_sample`): 2,000 SFT conversations of 20 to 2,000 tokens,
+  made on first use into the cache, for what a real chat set's spread of lengths does to
+  compilations and padding.
 
 Generation after SFT: the Qwen3 template renders the last assistant turn with an
 empty ``<think>\\n\\n</think>\\n\\n`` block, so prompt with
@@ -25,11 +28,13 @@ empty ``<think>\\n\\n</think>\\n\\n`` block, so prompt with
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 BUILTIN_MODEL = "builtin:tiny-qwen3"
@@ -37,13 +42,38 @@ BUILTIN_MODEL = "builtin:tiny-qwen3"
 TINY_MODEL_FOLDER = "tiny-qwen3-v1"
 
 _DATA_DIR = Path(__file__).parent / "data"
-BUILTIN_DATASETS: dict[str, Path] = {
+_SAMPLE_FILES: dict[str, Path] = {
     "builtin:qa": _DATA_DIR / "qa.jsonl",
     "builtin:chat": _DATA_DIR / "chat.jsonl",
     "builtin:preference": _DATA_DIR / "preference.jsonl",  # DPO, reward modeling: prompt / chosen / rejected
     "builtin:feedback": _DATA_DIR / "feedback.jsonl",  # KTO: prompt / completion / label (unpaired)
     "builtin:prompts": _DATA_DIR / "prompts.jsonl",  # GRPO: prompt and a reference answer
 }
+WIDE_DATASET = "builtin:wide"
+# Bump when the wide sample's recipe (or the tokenizer it counts with) changes.
+WIDE_SAMPLE_FILE = "wide-v1.jsonl"
+
+
+class _BuiltinDatasets(Mapping):
+    """Name -> the JSONL file. The wide sample is made on first lookup (a few MB: generated
+    into the cache rather than committed), so every reader of a path finds the file there."""
+
+    def __getitem__(self, name: str) -> Path:
+        if name == WIDE_DATASET:
+            return ensure_wide_sample()
+        return _SAMPLE_FILES[name]
+
+    def __contains__(self, name) -> bool:  # without making the file
+        return name in _SAMPLE_FILES or name == WIDE_DATASET
+
+    def __iter__(self):
+        return iter([*_SAMPLE_FILES, WIDE_DATASET])
+
+    def __len__(self) -> int:
+        return len(_SAMPLE_FILES) + 1
+
+
+BUILTIN_DATASETS: Mapping[str, Path] = _BuiltinDatasets()
 
 # The tokenizer is trained on these (conversational "messages") samples.
 CORPUS_DATASETS = ("builtin:chat", "builtin:qa")
@@ -182,3 +212,98 @@ def _build(folder: Path) -> None:
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+
+
+# --- builtin:wide: a sample with a long-tailed spread of lengths ---------------------------------
+# Token lengths (the tiny tokenizer and chat template, as SFT counts them) are drawn from a
+# log-normal: median 250, sigma 0.9, clipped to 20..2000. That is the shape length histograms of
+# public chat SFT sets tend to have (a bulk of short-to-middle conversations, a long right tail),
+# not the statistics of any one set: the median and spread are chosen, not measured. With
+# these figures about 6% of the rows are over 1,000 tokens and about 1% reach the 2,000 clip.
+WIDE_ROWS, WIDE_MEDIAN, WIDE_SIGMA, WIDE_MIN, WIDE_MAX = 2000, 250, 0.9, 20, 2000
+_WIDE_SEED = 1
+_WIDE_SOURCES = ("builtin:qa", "builtin:chat", "builtin:preference", "builtin:feedback", "builtin:prompts")
+
+
+def ensure_wide_sample(path: Path | None = None) -> Path:
+    """Return the ``builtin:wide`` JSONL file, making it on first use (default
+    ``cache_dir()/data/<WIDE_SAMPLE_FILE>``). The same bytes on every machine with the same
+    library versions: a seeded draw, counted with the tiny model's tokenizer, built here
+    (no model needed). Written to a temporary sibling and renamed into place, so concurrent
+    callers (torchrun ranks, the page) never read half a file."""
+    path = Path(path) if path is not None else cache_dir() / "data" / WIDE_SAMPLE_FILE
+    if path.is_file():
+        return path
+    with _BUILD_LOCK:
+        if path.is_file():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps({"messages": messages}) + "\n" for messages in _wide_conversations())
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(text)
+            os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache may be shared
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path
+
+
+def _sample_turns() -> tuple[list[str], list[str]]:
+    """(user turns, assistant turns) of the other built-in samples, each once, in file order."""
+    users, assistants = {}, {}
+    for name in _WIDE_SOURCES:
+        for line in _SAMPLE_FILES[name].read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            turns = row.get("messages") or [*row.get("prompt", []), *row.get("chosen", []),
+                                            *row.get("rejected", []), *row.get("completion", [])]
+            for turn in turns:
+                if turn["role"] in ("user", "assistant"):  # not the system prompts
+                    (users if turn["role"] == "user" else assistants)[turn["content"]] = None
+            if "reference" in row:
+                assistants[row["reference"]] = None
+    return list(users), list(assistants)
+
+
+def _wide_conversations() -> list[list[dict]]:
+    import random
+
+    tokenizer = _build_tokenizer()
+    empty = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+    overhead = len(tokenizer.apply_chat_template(empty, tokenize=True, return_dict=True)["input_ids"])
+    counts: dict[str, int] = {}
+
+    def count(piece: str) -> int:  # the pre-tokenizer splits at each word, so counts add up
+        if piece not in counts:
+            counts[piece] = len(tokenizer(piece, add_special_tokens=False)["input_ids"])
+        return counts[piece]
+
+    def fill(turns: list[str], budget: int) -> tuple[str, int]:
+        """Words of randomly drawn turns, up to exactly `budget` tokens where words allow."""
+        words, used, misses = [], 0, 0
+        while used < budget and misses < 50:
+            for word in rng.choice(turns).split():
+                n = count(word if not words else " " + word)
+                if used + n <= budget:
+                    words.append(word)
+                    used += n
+                else:
+                    misses += 1
+                if used == budget:
+                    break
+        if not words:
+            raise RuntimeError(f"wide sample: no word fits in {budget} tokens")
+        return " ".join(words), used
+
+    rng = random.Random(_WIDE_SEED)
+    users, assistants = _sample_turns()
+    rows = []
+    for _ in range(WIDE_ROWS):
+        length = round(rng.lognormvariate(math.log(WIDE_MEDIAN), WIDE_SIGMA))
+        content = min(max(length, WIDE_MIN), WIDE_MAX) - overhead
+        question, asked = fill(users, max(3, round(content * rng.uniform(0.05, 0.4))))
+        answer, _ = fill(assistants, content - asked)
+        rows.append([{"role": "user", "content": question}, {"role": "assistant", "content": answer}])
+    return rows

@@ -12,11 +12,16 @@ Several data-parallel processes take turns at the batches (accelerate gives proc
 batches r, r+N, ...), so the forecast covers them all and reports the shapes of the busiest
 one too. GRPO's shapes come from what the model generates, so GRPO is not forecast.
 
+The suggestions are settings walked the same way (pad_to_multiple_of buckets, length-grouped
+batches with buckets, max_length, packing), each with what it costs the data: the samples cut
+at max_length, a changed order (length grouping), samples cut across rows (packing).
+
 Runs in a child process (it imports TRL): `forecast_in_subprocess` for the app and the CLI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -29,6 +34,10 @@ from studio_core import children, trainers
 from studio_core.spec import RunSpec, SpecError
 
 MAX_MICRO_BATCHES = 20_000  # walk at most this many batches (say so when the run takes more)
+# Padding the suggestions' ranking calls little: a suggestion over it comes after those under it.
+LITTLE_WASTE = 0.15
+BUCKETS = (32, 64, 128)  # pad_to_multiple_of tried alone
+GROUPED_BUCKETS = (16, 32, 64, 128)  # and under length-grouped batches, whose padding is mostly the bucket's
 # Settings the forecast's stand-in trainer must not take from the run: devices, compilation,
 # logging, saving and the model's own loading (none of them changes a batch's shape).
 NOT_FOR_DATA = ("use_cpu", "bf16", "fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode",
@@ -51,7 +60,8 @@ class Forecast:
     truncated: int  # samples longer than max_length
     data_parallel: int
     busiest_rank_shapes: int
-    suggestions: list[dict] = dataclasses.field(default_factory=list)  # {"set", "graphs", "waste", "why"}
+    # {"set", "graphs", "waste", "why", "truncated": samples cut at max_length, "cost": to the data, in words}
+    suggestions: list[dict] = dataclasses.field(default_factory=list)
     eval_shapes: list[list[int]] = dataclasses.field(default_factory=list)  # an evaluation's, as `shapes`
     eval_batches: int = 0  # batches of one evaluation (each evaluation walks the same ones)
 
@@ -96,6 +106,7 @@ class Forecast:
         for s in self.suggestions:
             settings = ", ".join(f"{k}={v}" for k, v in s["set"].items())
             lines.append(f"  suggestion: {settings} -> {s['graphs']} shape(s), waste {s['waste']:.1%} ({s['why']})")
+            lines.append(f"    costs the data: {s['cost']}")
         return "\n".join(lines)
 
     @classmethod
@@ -193,6 +204,11 @@ def _updates(trainer, dp: int) -> int:
 
 def _walk(trainer, updates: int, dp: int) -> dict:
     """Every batch of the run, through the trainer's loss code to the model's door."""
+    from transformers import set_seed
+
+    # The run's Trainer seeds torch as it starts and draws its first order after that. A length-
+    # grouped sampler shuffles with torch's global generator, so each walk starts from that seed.
+    set_seed(trainer.args.seed)
     seen: list = []
 
     def hook(module, args, kwargs):
@@ -298,38 +314,89 @@ def _lengths(trainer, dataset, tokenizer) -> list[int]:
 
 
 def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> list[dict]:
-    """Settings that cut compilations or padding, each with its effect from a real walk."""
-    candidates = []
-    collator = trainer.data_collator
+    """Settings that cut compilations or padding, each with its effect from a real walk and what it
+    costs the data. Ranked: little padding (up to LITTLE_WASTE) first, and among those what keeps
+    each sample whole in a row of its own (padding, then length grouping, which changes only the
+    order) before packing, which cuts samples across rows and lets a row's samples attend to one
+    another; then the fewest shapes, then the least padding."""
+    args, collator = trainer.args, trainer.data_collator
     multiple = getattr(collator, "pad_to_multiple_of", None)
-    packing = getattr(trainer.args, "packing", False)
-    for m in (32, 64, 128):
-        if multiple != m and (current.max_length or m + 1) > m:
-            candidates.append(({"pad_to_multiple_of": m}, f"pads each batch up to a multiple of {m} tokens"))
-    if current.max_length and multiple != current.max_length and not packing:
-        candidates.append(({"pad_to_multiple_of": current.max_length},
-                           f"pads every batch to max_length {current.max_length}: one shape"))
+    packing = getattr(args, "packing", False)
+    grouped = getattr(args, "train_sampling_strategy", None) == "group_by_length"
+    limit, samples = current.max_length, len(current.lengths)
+    cut = (f"{current.truncated} of {samples} samples cut at max_length {limit}, as now" if limit
+           else "no max_length: none cut")
+    fits = [m for m in BUCKETS if (limit or m + 1) > m]
+    candidates = [({"pad_to_multiple_of": m}, f"pads each batch up to a multiple of {m} tokens", 0,
+                   f"none beyond padding: the same batches in the same order; {cut}")
+                  for m in fits if m != multiple]  # (settings, why, rank of its cost to the data, that cost)
+    if limit and multiple != limit and not packing:
+        candidates.append(({"pad_to_multiple_of": limit}, f"pads every batch to max_length {limit}: one shape", 0,
+                           f"none beyond padding: the same batches in the same order; {cut}"))
+    if "input_ids" in trainer.train_dataset.column_names and not packing:  # the sampler's lengths: SFT's rows
+        order = _grouped_order(trainer)
+        candidates += [({"train_sampling_strategy": "group_by_length", "pad_to_multiple_of": m},
+                        f"batches of like lengths, each padded up to a multiple of {m} tokens", 1, f"{order}; {cut}")
+                       for m in GROUPED_BUCKETS if (limit or m + 1) > m and not (grouped and m == multiple)]
     found = []
-    for settings, why in candidates:
-        collator.pad_to_multiple_of = settings["pad_to_multiple_of"]
-        try:
-            walk = _walk(trainer, updates, dp)
-        finally:
-            collator.pad_to_multiple_of = multiple
-        found.append((settings, why, walk))
-    if hasattr(trainer.args, "packing_strategy") and current.max_length and not packing:  # SFT packs
+    for settings, why, rank, cost in candidates:
+        with _changed(trainer, settings):
+            found.append((settings, why, rank, cost, current.truncated, _walk(trainer, updates, dp)))
+    if hasattr(args, "packing_strategy") and limit and not packing:  # SFT packs
         packed = build(packing=True, packing_strategy="wrapped")
+        split = _split_by_rows(current.lengths, limit)
         found.append(({"packing": True, "packing_strategy": "wrapped"},
-                      f"joins samples into rows of max_length {current.max_length}: one shape, padding only in the "
-                      "last rows",
-                      _walk(packed, _updates(packed, dp), dp)))
-    result = []
-    for settings, why, walk in found:
+                      f"joins samples into rows of max_length {limit}: one shape, padding only in the last rows", 2,
+                      f"samples end to end in data order, cut every {limit} tokens: about {split} of {samples} "
+                      "samples split across rows, and a row's samples attend to one another (wrapped packing "
+                      "keeps no boundary); none cut off at max_length", 0, _walk(packed, _updates(packed, dp), dp)))
+    ranked, cheapest = [], {}  # cheapest: (graphs, waste) -> the least cost to the data that gets them
+    for settings, why, rank, cost, truncated, walk in found:
         graphs = len(walk["shapes"])
-        waste = 1 - walk["real"] / walk["padded"] if walk["padded"] else 0.0
+        waste = round(1 - walk["real"] / walk["padded"] if walk["padded"] else 0.0, 4)
         if graphs < current.graphs or waste < current.waste - 0.05:
-            result.append({"set": settings, "graphs": graphs, "waste": round(waste, 4), "why": why})
-    return sorted(result, key=lambda s: (s["graphs"], s["waste"]))
+            cheapest[graphs, waste] = min(cheapest.get((graphs, waste), rank), rank)
+            over = waste > LITTLE_WASTE  # over it, what the data pays no longer decides the order
+            ranked.append(((over, 0 if over else rank, graphs, waste), rank,
+                           {"set": settings, "graphs": graphs, "waste": waste, "why": why,
+                            "truncated": truncated, "cost": cost}))
+    # a dearer way to the same shapes and waste is left out (grouping when padding alone does it)
+    return [s for _, rank, s in sorted(ranked, key=lambda entry: entry[0])
+            if rank == cheapest[s["graphs"], s["waste"]]]
+
+
+@contextlib.contextmanager
+def _changed(trainer, settings: dict):
+    """The trainer with a suggestion's collator padding and sampling strategy, for one walk."""
+    collator, args = trainer.data_collator, trainer.args
+    kept = collator.pad_to_multiple_of, getattr(args, "train_sampling_strategy", None)
+    collator.pad_to_multiple_of = settings.get("pad_to_multiple_of", kept[0])
+    if "train_sampling_strategy" in settings:  # the sampler is made anew by each walk's data loader
+        args.train_sampling_strategy = settings["train_sampling_strategy"]
+    try:
+        yield trainer
+    finally:
+        collator.pad_to_multiple_of = kept[0]
+        if "train_sampling_strategy" in settings:
+            args.train_sampling_strategy = kept[1]
+
+
+def _grouped_order(trainer) -> str:
+    """What length grouping does to the order, with this run's megabatch (Transformers'
+    get_length_grouped_indices: at most 50 batches, at least 4 megabatches)."""
+    batch = trainer.args.train_batch_size * trainer.args.gradient_accumulation_steps
+    mega = max(1, min(len(trainer.train_dataset) // (batch * 4), 50))
+    return (f"order: shuffled, then sorted by length within megabatches of {mega} batches ({mega * batch} samples), "
+            "the longest batch first, so a batch holds samples of like length rather than a random draw")
+
+
+def _split_by_rows(lengths: list[int], row: int) -> int:
+    """Samples that wrapped packing (every sample end to end, cut each `row` tokens) splits."""
+    split = end = 0
+    for length in lengths:
+        start, end = end, end + length
+        split += start // row != (end - 1) // row
+    return split
 
 
 def _shape_list(shapes: Counter) -> list[list[int]]:

@@ -31,6 +31,7 @@ TENSORBOARD_DIR = "tensorboard"
 TRACKIO_DIR = "trackio"
 TRACKERS = ("tensorboard", "trackio")
 DYNAMIC_SHAPES_OFF = "torch._dynamo.config.automatic_dynamic_shapes"
+RECOMPILE_LIMITS = "torch._dynamo.config.recompile_limit, accumulated_recompile_limit"  # trainer_setup sets them
 
 
 # What each backend needs for training to work, or to work well. The Neuron figures come from
@@ -121,6 +122,9 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     if args.get("torch_compile"):
         applied.append((DYNAMIC_SHAPES_OFF, False, "automatic dynamic shapes make graphs Neuron cannot "
                         "compile (TRL issue 7660); each shape compiles once instead"))
+        applied.append((RECOMPILE_LIMITS, "16384 per frame, 1048576 in all", "past Dynamo's own limits (8 "
+                        "recompiles of a frame, 256 in all) a frame would run uncompiled from then on, on Trainium "
+                        "eager and unannounced; each shape compiles instead, as the forecast counts them"))
     errors = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size,
                           cores if cores is not None else spec.layout.cores, hardware, model_config)
     errors += precompile.problems(spec, trainer, args)

@@ -19,6 +19,9 @@ from studio_core.rewards import reward_functions
 from studio_core.runs.folder import OUTPUT
 from studio_core.spec import RunSpec
 
+RECOMPILE_LIMIT = 1 << 14  # per frame (Dynamo's default: 8); see build_trainer
+ACCUMULATED_RECOMPILE_LIMIT = 1 << 20  # in all (Dynamo's default: 256)
+
 
 @dataclasses.dataclass
 class Built:
@@ -39,6 +42,11 @@ def build_trainer(spec: RunSpec, run_dir: Path, dataset, eval_dataset, callbacks
     args = {**spec.args, **(changes or {})}
     if args.get("torch_compile"):
         torch._dynamo.config.automatic_dynamic_shapes = False  # see plan.DYNAMIC_SHAPES_OFF
+        # With dynamic shapes off every batch shape is a recompile of every frame, and past Dynamo's
+        # limits (8 per frame, 256 in all) a frame runs uncompiled from then on: on Trainium that
+        # is training eager, unannounced. Each shape compiles instead, as the forecast said it would.
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+        torch._dynamo.config.accumulated_recompile_limit = ACCUMULATED_RECOMPILE_LIMIT
 
     model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)}
     script_fields = {f.name for f in dataclasses.fields(trl.ScriptArguments)}

@@ -25,13 +25,15 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 COMPILED = ["torch_compile=true", "torch_compile_backend=eager", "logging_steps=4"]
 # (recipe, overrides, steps): each case trains the fewest steps that reach every batch shape its
 # data makes (a forecast of 12 steps finds no other), since compiling is what a step here costs:
-# the DPO run compiles again at every step, up to Dynamo's cache limit.
+# the DPO run compiles again at every step.
 CASES = {
     "sft-unpadded": ("tiny-sft.yaml", [], 6),  # its third shape comes at step 6
     "sft-padded-128": ("tiny-sft.yaml", ["pad_to_multiple_of=128"], 3),
     "sft-packed-wrapped": ("tiny-sft.yaml", ["packing=true", "packing_strategy=wrapped"], 3),
     "dpo-padded": ("tiny-dpo.yaml", ["pad_to_multiple_of=16"], 3),
     "reward-padded": ("tiny-reward.yaml", ["pad_to_multiple_of=16"], 3),  # chosen and rejected in one batch
+    # past Dynamo's own limit of 8 recompiles a frame would run uncompiled: each of the 12 shapes compiles
+    "sft-wide-12-shapes": ("tiny-sft.yaml", ["dataset_name=builtin:wide", "max_length=1024"], 12),
 }
 
 
