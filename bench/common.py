@@ -103,16 +103,38 @@ def own_cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a live process and its live descendants (a server the bench started)."""
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue  # ended meanwhile
+        total += times.user + times.system
+    return total
+
+
 class Noise:
     """Cores' worth of CPU that processes other than the bench and its runs used over an interval:
-    machine busy time minus the bench's own and its reaped runs' CPU time."""
+    machine busy time minus the bench's own and its reaped runs' CPU time, and minus that of the
+    live process trees in `mine` (pids of servers the bench started and has not reaped)."""
 
-    def __init__(self) -> None:
-        self.t, self.busy, self.own = time.monotonic(), busy_cpu_s(), own_cpu_s()
+    def __init__(self, mine: tuple[int, ...] = ()) -> None:
+        self.mine = mine
+        self.t, self.busy, self.own = time.monotonic(), busy_cpu_s(), self._own()
+
+    def _own(self) -> float:
+        return own_cpu_s() + sum(tree_cpu_s(pid) for pid in self.mine)
 
     def others_cores(self) -> float:
         elapsed = time.monotonic() - self.t
-        return ((busy_cpu_s() - self.busy) - (own_cpu_s() - self.own)) / max(elapsed, 1e-6)
+        return ((busy_cpu_s() - self.busy) - (self._own() - self.own)) / max(elapsed, 1e-6)
 
 
 def wait_quiet(max_wait_s: float, threshold: float) -> dict:

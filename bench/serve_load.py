@@ -93,8 +93,8 @@ def measure(work: Path, args, report: dict) -> None:
                           "max_tokens": 48, "run": view.id}
     rounds = report["rounds"] = []
     for round_ in range(args.rounds):
-        gate = wait_quiet(QUIET_WAIT_S, QUIET_CORES)
-        noise = Noise()
+        gate = wait_quiet(QUIET_WAIT_S, QUIET_CORES)  # the server idles meanwhile
+        noise = Noise(mine=(server.pid,))
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=args.clients) as pool:
             timings = [t for got in pool.map(lambda c: one_client(url, view.id, c, args.requests), range(args.clients))
