@@ -170,12 +170,12 @@ def download_folder(runs_dir: Path) -> Path:
     path = Path(runs_dir) / "exports" / "eval-downloads"
     if path.exists():
         shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path  # made by the first download
 
 
 def download_copy(folder: Path, run_id: str, summary: dict, rows: list[dict]) -> str:
     """The rows as a JSONL file in `folder`, which the page may hand out."""
+    folder.mkdir(parents=True, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_id).strip("-")
     path = folder / f"{name}-eval-{Path(summary['dir']).name}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))

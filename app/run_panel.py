@@ -17,16 +17,21 @@ import gradio as gr
 import pandas as pd
 
 from app.hardware_panel import HardwarePanel
-from studio_core import trainers
+from studio_core import history, precompile, trainers
 from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import RunView, format_seconds, late_compile_text
+from studio_core.runs.view import ACTIVE_STATES, RunView, format_seconds, late_compile_text, studio_cost_text
 from studio_core.sizes import MB
 from studio_core.spec import SpecError
 
 STATE_COLOURS = {"starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
                  "failed": "#dc322f", "stopped": "#6c71c4"}
 TRAINER_PLOTS = max(len(t.plots) for t in trainers.TRAINERS.values())  # the most plots a trainer has
+# How often a page looks at the run it shows: a new event shows within this plus the redraw
+# (bench/page_latency.py measures it; the goal is under 1 s). A look that finds nothing new sends
+# nothing (RunPanel.changes), and the looks bypass Gradio's queue (queue=False), where an event
+# that does nothing costs the app about 10 ms of CPU instead of 3.5 ms.
+LOOK_EVERY_S = 0.5
 
 
 class RunControls:
@@ -127,27 +132,37 @@ class RunPanel:
 
     def follow(self, timer: gr.Timer, manager: RunManager, run_id: gr.Component, pause: bool = False) -> None:
         """Redraw the panel on the ticks of `timer` for the run `run_id` names, but only when what
-        it shows can have changed: a going run every tick (its clock moves), an ended run (or
-        none) once. With `pause`, the timer stops once the run has ended and been drawn (start
-        it again with `gr.Timer(active=True)` when another run is followed): an idle page then
-        sends no request at all."""
+        it shows can have changed: a going run when its files changed (all of it) or its clock
+        moved a second (its times), an ended run (or none) once. With `pause`, the timer stops
+        once the run has ended and been drawn (start it again with `gr.Timer(active=True)` when
+        another run is followed): an idle page then sends no request at all."""
         shown = gr.State(None)  # what this page shows now (see changes), or None
 
         def tick(wanted, last):
             update = self.changes(manager, wanted, last, shown)
-            return update or ({timer: gr.Timer(active=False)} if pause else {shown: last})
+            if update or not pause or going(last):  # nothing new (last is current): pause once ended
+                return update or {shown: last}
+            return {timer: gr.Timer(active=False)}
 
         timer.tick(tick, [run_id, shown], [*self.components, shown, *([timer] if pause else [])],
-                   show_progress="hidden")
+                   show_progress="hidden", queue=False)  # see LOOK_EVERY_S
 
     def changes(self, manager: RunManager, run_id: str | None, last, shown: gr.State) -> dict:
         """{widget: value} for this run when the page's `shown` state (`last`) is out of date, with
         the new state; {} when nothing changed (Gradio wants at least one output in a dict: a
         caller that sends nothing returns {shown: last}, which stays on the server)."""
-        current = _shown_as(manager, run_id)
-        if current is not None and current == last:
+        current, view = _shown_as(manager, run_id)
+        if current == last:
             return {}
+        if going(last) and current[:-1] == last[:-1]:  # only the clock moved: the times it shows
+            return {**self.clock(view), shown: current}
         return {**self.render(manager, run_id), shown: current}
+
+    def clock(self, view: RunView) -> dict:
+        """{widget: value} of the widgets that show the time (elapsed, compiling for ...): what
+        changes in a going run's panel while its files do not."""
+        return {self.status: status_markdown(view), self.progress: progress_html(view),
+                self.compiles: compiles_html(view)}
 
     def render(self, manager: RunManager, run_id: str | None) -> dict:
         """{widget: value} for this run (or for none)."""
@@ -184,16 +199,24 @@ class RunPanel:
         return shown
 
 
-def _shown_as(manager: RunManager, run_id: str | None) -> tuple | None:
-    """What the panel shows for this run, as a value that changes when the view does; None
-    while the run goes (its elapsed time and ETA change every second)."""
+def _shown_as(manager: RunManager, run_id: str | None) -> tuple[tuple, RunView | None]:
+    """What the panel shows for this run, as a value that changes when the view does: its files
+    (events, log) and, while the run goes, the clock's second too (its elapsed time moves); and
+    the view. So a page may look several times a second, to show a new event at once, and is
+    sent a going run's times about once a second when nothing else changed."""
     if not run_id:
-        return ("none",)
+        return ("none",), None
     try:
         view = manager.view(run_id)
     except KeyError:
-        return ("missing", run_id)
-    return None if view.active else (run_id, *view.version())
+        return ("missing", run_id), None
+    version = view.version()  # its state first
+    return (run_id, *version, int(time.time()) if version[0] in ACTIVE_STATES else None), view
+
+
+def going(shown: tuple | None) -> bool:
+    """Whether a value of _shown_as is a going run's (run id, state, ...)."""
+    return shown is not None and len(shown) > 2 and shown[1] in ACTIVE_STATES
 
 
 def status_markdown(view: RunView) -> str:
@@ -215,7 +238,8 @@ def status_markdown(view: RunView) -> str:
     last_loss = view.last_loss()
     if last_loss is not None:
         parts.append(f"loss {last_loss:.4f}")
-    return " · ".join(parts)
+    hint = history.tracking_hint(view)  # TensorBoard, Trackio: where to look (TRL's report_to)
+    return " · ".join(parts) + (f"  \n{hint}" if hint else "")
 
 
 def progress_html(view: RunView) -> str:
@@ -233,11 +257,29 @@ def progress_html(view: RunView) -> str:
         fraction = download["done_bytes"] / download["total_bytes"]  # the bar shows the download meanwhile
         label = (f"downloading {what} (first use): {download['done_bytes'] / MB:,.1f} of "
                  f"{download['total_bytes'] / MB:,.1f} MB")
+    pre = view.precompile
+    if pre and view.live_state == "starting" and pre["seconds"] is None:  # the bar shows the precompile meanwhile
+        fraction = len(pre["done"]) / pre["total"] if pre["total"] else 0.0
+        label = precompile.describe(pre)
     return (f"<div class='run-progress' data-step='{view.step}' data-total='{total}'>"
             f"<div style='background:#eee8d5;border-radius:4px;height:14px'>"
             f"<div style='background:#268bd2;width:{fraction * 100:.1f}%;height:14px;border-radius:4px'></div>"
             f"</div><div style='font-size:0.9em;margin-top:4px'>{html.escape(label)}</div></div>"
-            + checkpoints_html(view))
+            + precompile_html(view) + studio_cost_html(view) + checkpoints_html(view))
+
+
+def studio_cost_html(view: RunView) -> str:
+    """The studio's own time per step in the training process, once the run has reported it."""
+    text = studio_cost_text(view.studio_cost)
+    return f"<div class='studio-cost' style='font-size:0.85em'>{html.escape(text[0].upper() + text[1:])}</div>" \
+        if text else ""
+
+
+def precompile_html(view: RunView) -> str:
+    """The run's precompile once it has ended: shapes, time, what the cache already had."""
+    if not view.precompile or view.precompile["seconds"] is None:
+        return ""
+    return f"<div class='precompile' style='font-size:0.85em'>{html.escape(precompile.describe(view.precompile))}</div>"
 
 
 def checkpoints_html(view: RunView) -> str:

@@ -5,6 +5,8 @@ Train tab or delete.
 
 from __future__ import annotations
 
+import time
+
 import gradio as gr
 import pandas as pd
 
@@ -22,6 +24,7 @@ from studio_core.sizes import format_size
 COLUMNS = ["run", "state · steps", "trainer", "model", "dataset", "started", "training", "wall", "final loss", "size"]
 COLUMN_WIDTHS = ["19%", "11%", "7%", "12%", "12%", "10%", "8%", "7.5%", "6%", "7.5%"]
 ALL = "all"
+LIST_EVERY_S = 2.0  # how often an open page's runs table is listed again
 
 
 def runs_table(views: list[RunView], state: str = ALL, trainer: str = ALL, model: str = ALL,
@@ -190,19 +193,36 @@ def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainF
     if train_follow is not None:  # the Train tab follows the resumed run too
         selected, train_timer = train_follow
         resumed.then(lambda run_id: (run_id, gr.Timer(active=True)), opened, [selected, train_timer])
-    timer = gr.Timer(2.0)
-    listed, shown = gr.State(None), gr.State(None)  # the last listing and run view this page was sent
+    timer = gr.Timer(LIST_EVERY_S)
+    # the last listing this page was sent and when it was made; the last run view it was sent;
+    # the timer's interval now
+    listed, shown, pace = gr.State(None), gr.State(None), gr.State(LIST_EVERY_S)
+    evals_sent = gr.State(None)  # the opened run's evaluations as last sent (an evaluation may end meanwhile)
 
-    def on_tick(current, state_, trainer_, model_, sort_, last_listing, last_shown):
+    def on_tick(current, state_, trainer_, model_, sort_, last_listing, last_shown, last_pace, last_evals):
         # One request per tick for the table and the opened run, and nothing sent when nothing
-        # changed: an idle history of 200 runs is not sent to the page every 2 s.
-        listing = on_refresh(current, state_, trainer_, model_, sort_)
-        now = (listing[0].to_json(), repr(listing[1:]))
-        update = {} if now == last_listing else dict(zip([*refresh_io[1], listed], [*listing, now]))
-        return update | panel.changes(manager, current, last_shown, shown) or {shown: last_shown}
+        # changed: an idle history of 200 runs is not sent to the page every 2 s. The timer ticks
+        # every run_panel.LOOK_EVERY_S while the opened run goes (its new events show at once),
+        # else every LIST_EVERY_S; the history is listed every LIST_EVERY_S (listing 200 runs is
+        # the tick's dearest part).
+        update = {}
+        if last_listing is None or time.monotonic() - last_listing[2] >= LIST_EVERY_S - run_panel.LOOK_EVERY_S / 2:
+            listing = on_refresh(current, state_, trainer_, model_, sort_)
+            now = (listing[0].to_json(), repr(listing[1:]), time.monotonic())
+            update = ({listed: now} if last_listing is not None and now[:2] == last_listing[:2]
+                      else dict(zip([*refresh_io[1], listed], [*listing, now])))
+            found = evaluations_text(manager, current)
+            if found != last_evals:
+                update |= {evals: found, evals_sent: found}
+        update |= panel.changes(manager, current, last_shown, shown)
+        wanted = run_panel.LOOK_EVERY_S if run_panel.going(update.get(shown, last_shown)) else LIST_EVERY_S
+        if wanted != last_pace:
+            update |= {timer: gr.Timer(wanted), pace: wanted}
+        return update or {shown: last_shown}
 
-    timer.tick(on_tick, [*refresh_io[0], listed, shown], [*refresh_io[1], listed, *panel.components, shown],
-               show_progress="hidden")
+    timer.tick(on_tick, [*refresh_io[0], listed, shown, pace, evals_sent],
+               [*refresh_io[1], listed, *panel.components, shown, timer, pace, evals, evals_sent],
+               show_progress="hidden", queue=False)  # see run_panel.LOOK_EVERY_S
     return table, opened, timer
 
 

@@ -299,7 +299,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
     form.layout_box.expand(*layout_io, show_progress="hidden", concurrency_id="core-map")
     start_event = start_btn.click(on_start, inputs, [message, plan_box, selected])
     resume_event = controls.wire(manager, hardware, selected, message)
-    timer = gr.Timer(1.0)
+    # a tick sends nothing unless the run's files changed or its clock moved a second (see
+    # RunPanel.changes), so it may come often: a new event shows within about half a second
+    timer = gr.Timer(run_panel.LOOK_EVERY_S)
     panel.follow(timer, manager, selected, pause=True)
     for started in (start_event, resume_event):  # the panel follows a run again
         started.then(lambda: gr.Timer(active=True), None, timer)

@@ -1,4 +1,4 @@
-"""The web app's CPU, idle, with the Runs tab open on a long run history (200 finished runs).
+"""The web app's CPU and memory, idle, with the Runs tab open on a long run history (200 finished runs).
 
 Run from the repository root (about 20 minutes for the default 5 rounds of 2 sides):
 
@@ -6,7 +6,7 @@ Run from the repository root (about 20 minutes for the default 5 rounds of 2 sid
     .venv/bin/python bench/runs_tab_cpu.py --compare /path/to/an/older/checkout  # before vs after
     .venv/bin/python bench/runs_tab_cpu.py --repo /path/to/a/checkout            # that checkout alone
 
-It prints a table of rounds and, per side, the median and spread (min-max) of the app's CPU, and
+It prints a table of rounds and, per side, the median and spread (min-max) of the app's CPU and RSS, and
 writes every figure to bench/results/runs_tab_cpu-<time>.json. Target: an idle page with 200 runs
 in its history costs near nothing.
 
@@ -29,8 +29,10 @@ Playwright) opens the page and clicks the Runs tab; once the table lists every r
 aria-rowcount, read again at the end) the page settles (--settle, default 10 s). Then the CPU
 seconds (user + system, psutil) of the app process and its descendants -- reaped children
 included -- are read at the start and end of a --window of wall time (default 60 s): CPU =
-their difference / the window, as a fraction of one core. Also recorded: the page's queue requests
-during the window (the timers' ticks, showing the page really polls), the browser's CPU, the cores
+their difference / the window, as a fraction of one core. The app's memory is its RSS with its
+descendants' (app_memory.app_usage), read once a second in the window: median and peak, in MB
+(2**20 bytes). Also recorded: the page's event requests during the window (the timers' ticks,
+queued or not, showing the page really polls), the browser's CPU, the cores
 the rest of the machine used (machine busy time minus the app, browser and bench) and the load
 average before and after, and errors in the app's log. The app is stopped (SIGINT to its process
 group, then SIGKILL to what is left) and the browser closed after every measurement, however it
@@ -57,7 +59,7 @@ import time
 from pathlib import Path
 
 from common import PROCS, REPO, BenchError, busy_cpu_s, ok, tail, run_bench  # also sets up sys.path
-from app_memory import CHROMIUM, CHROMIUM_ARGS, browser_cpu_s, free_port, wait_http
+from app_memory import CHROMIUM, CHROMIUM_ARGS, app_usage, browser_cpu_s, free_port, wait_http
 import psutil
 from studio_core.procs import kill_run_processes
 
@@ -247,7 +249,7 @@ def measure_once(pw, side: str, repo: Path, runs_dir: Path, expected: int, args,
         requests = {"queue": 0, "failed": 0}  # the page's requests to the app's queue: the timers' ticks
 
         def on_request(request) -> None:
-            if "/queue/join" in request.url:
+            if "/queue/join" in request.url or "/run/predict" in request.url:  # queued or not
                 requests["queue"] += 1
 
         def on_failed(request) -> None:
@@ -270,7 +272,10 @@ def measure_once(pw, side: str, repo: Path, runs_dir: Path, expected: int, args,
         start = {"t": time.monotonic(), "app": tree_cpu_s(app.pid), "browser": browser_cpu_s(app.pid),
                  "bench": own_cpu_s(), "busy": busy_cpu_s(), "queue": requests["queue"],
                  "failed": requests["failed"], "load": os.getloadavg()}
-        page.wait_for_timeout(args.window * 1000)
+        rss = []  # the app's memory (with its children, as app_memory counts it), once a second
+        while time.monotonic() - start["t"] < args.window:
+            rss.append(app_usage(app.pid)[0] / 2 ** 20)
+            page.wait_for_timeout(min(1000, max(0, args.window - (time.monotonic() - start["t"])) * 1000))
         end = {"t": time.monotonic(), "app": tree_cpu_s(app.pid), "browser": browser_cpu_s(app.pid),
                "bench": own_cpu_s(), "busy": busy_cpu_s(), "queue": requests["queue"],
                "failed": requests["failed"], "load": os.getloadavg()}
@@ -281,7 +286,7 @@ def measure_once(pw, side: str, repo: Path, runs_dir: Path, expected: int, args,
         row.update({
             "window_s": window, "app_cpu_s": app_s, "app_cpu": app_s / window,
             "app_processes": [start["app"][1], end["app"][1]],
-            "app_rss_mb": psutil.Process(app.pid).memory_info().rss / 2 ** 20,
+            "app_rss_mb": statistics.median(rss), "app_rss_peak_mb": max(rss), "rss_samples": len(rss),
             "browser_cpu": browser_s / window, "bench_cpu": bench_s / window,
             "machine_busy_cores": (end["busy"] - start["busy"]) / window,
             "others_cores": ((end["busy"] - start["busy"]) - app_s - browser_s - bench_s) / window,
@@ -340,7 +345,11 @@ def summarize(rounds: list[dict], sides: list[str], args) -> dict:
     for side in sides:
         cpu = [r["app_cpu"] for r in rounds if r["side"] == side]
         others = [r["others_cores"] for r in rounds if r["side"] == side]
+        rss = [r["app_rss_mb"] for r in rounds if r["side"] == side]
         summary[side] = {"app_cpu_median": statistics.median(cpu), "app_cpu_min": min(cpu), "app_cpu_max": max(cpu),
+                         "app_rss_mb_median": statistics.median(rss), "app_rss_mb_min": min(rss),
+                         "app_rss_mb_max": max(rss),
+                         "app_rss_peak_mb": max(r["app_rss_peak_mb"] for r in rounds if r["side"] == side),
                          "app_cpu_rounds": cpu, "others_cores_median": statistics.median(others),
                          "load_start": [r["load_start"][0] for r in rounds if r["side"] == side],
                          "load_end": [r["load_end"][0] for r in rounds if r["side"] == side]}
@@ -362,12 +371,13 @@ def print_report(report: dict) -> None:
     rounds = report.get("rounds") or []
     if not rounds:
         return
-    print(f"\n{'round':>5} {'side':>4} {'app CPU':>8} {'CPU s':>6} {'window':>6} {'rows':>9} {'ticks':>5} "
-          f"{'browser':>7} {'others':>6} {'load 1m':>11} errors")
+    print(f"\n{'round':>5} {'side':>4} {'app CPU':>8} {'CPU s':>6} {'RSS MB':>6} {'window':>6} {'rows':>9} "
+          f"{'ticks':>5} {'browser':>7} {'others':>6} {'load 1m':>11} errors")
     for r in rounds:
         if "app_cpu" not in r:
             continue
-        print(f"{r['round']:>5} {r['side']:>4} {r['app_cpu']:>8.3f} {r['app_cpu_s']:>6.1f} {r['window_s']:>6.0f} "
+        print(f"{r['round']:>5} {r['side']:>4} {r['app_cpu']:>8.3f} {r['app_cpu_s']:>6.1f} {r['app_rss_mb']:>6.0f} "
+              f"{r['window_s']:>6.0f} "
               f"{str(r['rows_after_click']) + '/' + str(r['rows_at_end']):>9} {r['queue_requests']:>5} "
               f"{r['browser_cpu']:>7.2f} {r['others_cores']:>6.2f} "
               f"{r['load_start'][0]:>5.2f}->{r['load_end'][0]:<5.2f} {len(r['errors_in_log'])}")
@@ -379,7 +389,8 @@ def print_report(report: dict) -> None:
         commit = (info.get("commit") or "?")[:7] + (" (+changes)" if info.get("dirty") else "")
         print(f"{side} {info['repo']} @ {commit}: app CPU median {s['app_cpu_median']:.3f} of a core, "
               f"spread {s['app_cpu_min']:.3f}-{s['app_cpu_max']:.3f} over {len(s['app_cpu_rounds'])} rounds "
-              f"of {report['args']['window']:.0f} s with {info['runs']} runs")
+              f"of {report['args']['window']:.0f} s with {info['runs']} runs; app RSS median "
+              f"{s['app_rss_mb_median']:.0f} MB (rounds {s['app_rss_mb_min']:.0f}-{s['app_rss_mb_max']:.0f}, peak {s['app_rss_peak_mb']:.0f})")
     if "new_over_old" in summary:
         print(f"new / old (medians): {summary['new_over_old']:.2f}")
     machine = report["machine"]
@@ -393,7 +404,8 @@ def print_report(report: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="The web app's CPU, idle, with the Runs tab open on a long run history.")
+    parser = argparse.ArgumentParser(description="The web app's CPU and memory, idle, with the Runs tab open "
+                                                 "on a long run history.")
     parser.add_argument("--repo", default=str(REPO), help=f"the checkout to measure (default {REPO})")
     parser.add_argument("--compare", metavar="OLD_REPO", help="a second checkout, measured alternately ('old')")
     parser.add_argument("--runs", type=int, default=200, help="finished runs in the runs folder (default 200)")

@@ -160,8 +160,8 @@ def open_page(browser, url):
 @pytest.fixture
 def new_page(browser):
     """new_page(url): a page on the app at `url`, its Train tab loaded. Every page is closed after
-    the test: an open page keeps asking its app for updates every 2 seconds, and pages left open
-    by earlier tests would take CPU from every later one."""
+    the test: an open page keeps asking its app for updates every 0.5 to 2 seconds, and pages left
+    open by earlier tests would take CPU from every later one."""
     opened = []
 
     def new(url):

@@ -1,6 +1,7 @@
 """A trained run in a real browser: chatted with side by side with its base model, then
-unloaded; evaluated against its base (progress, scores, the rows where it got worse, the rows
-downloaded, bad input refused) and the evaluation listed in the Runs tab; exported with its
+unloaded, and served to the openai client from the Chat tab; evaluated against its base
+(progress, scores, the rows where it got worse, the rows downloaded, bad input refused) and the
+evaluation listed in the Runs tab, where the run was open meanwhile; exported with its
 card and pushed to a stand-in for the Hub, the typed token kept out of every file.
 
 The Doctor tab runs its checks for real on this machine.
@@ -150,6 +151,9 @@ def test_the_doctor_tab_checks_this_machine_as_the_cli_does(page):
 def test_evaluate_a_trained_run_against_its_base(page, app, sft_runs, tmp_path):
     run_id = full_run(app, sft_runs)
     evals = app.runs_dir / run_id / "eval"
+    page.get_by_role("tab", name="Runs").click()  # opened there before it is evaluated
+    pick(page, "open-run", run_id)
+    expect(page.locator("#run-evals")).to_contain_text("none yet")
     page.get_by_role("tab", name="Evaluate").click()
     pick(page, "eval-run", run_id)
     message, progress = page.locator("#eval-message"), page.locator("#eval-progress")
@@ -201,9 +205,9 @@ def test_evaluate_a_trained_run_against_its_base(page, app, sft_runs, tmp_path):
                                    for line in lines)
     [saved] = list(evals.iterdir())
 
-    # the Runs tab lists it; a fresh page shows it without running anything
+    # the Runs tab, where the run was open all along, lists it (its timer); a fresh page shows it
+    # without running anything
     page.get_by_role("tab", name="Runs").click()
-    pick(page, "open-run", run_id)
     listing = page.locator("#run-evals")
     expect(listing).to_contain_text("builtin:qa")
     tuned = json.loads((saved / "summary.json").read_text())["results"]["tuned"]["exact_match"]
