@@ -365,7 +365,9 @@ def test_a_run_holds_its_cores_until_nothing_of_it_is_left(manager):
     assert f"core 0 is held by run {first.id}" in str(refused.value)
     assert [p.name for p in run_folders(manager.runs_dir)] == [first.id]  # nothing half-made
 
-    second = manager.start(tiny(), cpu_hardware())  # "next free": core 1
+    # "next free": core 1; long enough that its progress (written a few steps at a time, at most
+    # 0.25 s late) still comes after the deletion below
+    second = manager.start(tiny("max_steps=300"), cpu_hardware())
     assert second.spec["studio"]["cores"] == "1"
     events_file = second.dir / "events.jsonl"
     manager.wait(second.id, lambda v: v.step >= 3 or v.live_state in FINAL_STATES)
