@@ -105,7 +105,7 @@ def serve_model(args) -> int:
             print("The chat process ended; the endpoint stops.", file=sys.stderr)
             return 1
     except KeyboardInterrupt:
-        pass
+        print("Stopped (Ctrl-C): the endpoint ends and the model's core is freed.", file=sys.stderr)
     finally:
         server.stop()
         chat.unload()
