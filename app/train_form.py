@@ -18,13 +18,12 @@ import yaml
 from studio_core import slurm, trainers
 from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.hardware import INSTANCES, Hardware, instance_hardware
-from studio_core.spec import Layout, RunSpec, SpecError, check_args
+from studio_core.spec import TRACKERS, Layout, RunSpec, SpecError, check_args
 from studio_core.trainers import FormField
 from studio_core.trl_schema import trainer_fields
 
 THIS_MACHINE = "this machine"
 RUN_ON = [("this machine", "local"), ("Slurm", "slurm")]
-TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the form offers (requirements.txt installs both)
 # The form's starting values suit the built-in tiny model: from random weights, it learns its
 # facts in seconds at this rate. Any other model starts at TRL's default for the trainer.
 TINY_LEARNING_RATE = 2e-3

@@ -16,7 +16,7 @@ from studio_core.runs import folder
 from studio_core.runs.events import ACTIVE_STATES
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView
-from studio_core.spec import RunSpec
+from studio_core.spec import RunSpec, trackers
 
 CHAT_TASK = "text-generation"  # a saved model that answers prompts (trainers.Trainer.task)
 SORTS = ("newest first", "oldest first", "final loss")
@@ -153,7 +153,7 @@ def tracking_hint(view: RunView) -> str | None:
     """How to open the run's experiment tracking (TRL's report_to), one markdown line per tracker,
     or None when it has none. The folders are named from where the run folder is now (it may have
     been moved); a run made before the studio put them in its folder is pointed where it wrote."""
-    names = plan.trackers(view.spec.get("report_to", "none"))
+    names = trackers(view.spec.get("report_to", "none"))
     env = view.launch().get("env", {})
     lines = []
     if "tensorboard" in names:

@@ -20,7 +20,7 @@ from studio_core.cores import format_cores, parse_cores
 from studio_core.device_env import RANK_CORES, REASONS, VISIBLE, describe_rank_cores, device_env, rank_cores
 from studio_core.hardware import Hardware
 from studio_core.layout import check_layout
-from studio_core.spec import RunSpec, resolved
+from studio_core.spec import RunSpec, resolved, trackers
 from studio_core.trainers import Default
 from studio_core.trl_schema import trainer_fields
 
@@ -29,7 +29,6 @@ WORKER_MODULE = "studio_core.worker"
 # history, its delete and its size count them; the export builds a clean folder without them.
 TENSORBOARD_DIR = "tensorboard"
 TRACKIO_DIR = "trackio"
-TRACKERS = ("tensorboard", "trackio")
 DYNAMIC_SHAPES_OFF = "torch._dynamo.config.automatic_dynamic_shapes"
 RECOMPILE_LIMITS = "torch._dynamo.config.recompile_limit, accumulated_recompile_limit"  # trainer_setup sets them
 
@@ -212,13 +211,6 @@ def _neuron_warnings(args: dict, trainer: trainers.Trainer) -> list[str]:
         warnings.append(f"model_init_kwargs.dtype: {dtype!r} with the static cache fails: the keys and values "
                         "end up in different dtypes (TRL issue 7664); use bfloat16")
     return warnings
-
-
-def trackers(report_to) -> list[str]:
-    """Which of TensorBoard and Trackio TRL's report_to (a name, a list, "all" or "none") logs to.
-    "all" is every integration installed, and the studio installs both."""
-    names = report_to if isinstance(report_to, list) else [report_to]
-    return list(TRACKERS) if "all" in names else [name for name in TRACKERS if name in names]
 
 
 def _tracker_defaults(args: dict, known, run_id: str, applied: list) -> None:

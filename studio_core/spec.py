@@ -41,6 +41,7 @@ TOKEN_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
 STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards", "eval_fraction", "eval_dataset", "precompile",
                "precompile_jobs"}
 MAX_PRECOMPILE_JOBS = 64
+TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the studio installs, offers and places
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -379,11 +380,17 @@ def _check_numbers(spec: RunSpec) -> list[str]:
     return problems
 
 
+def trackers(report_to) -> list[str]:
+    """Which of TensorBoard and Trackio TRL's report_to (a name, a list, "all" or "none") logs to.
+    "all" is every integration installed, and the studio installs both."""
+    names = report_to if isinstance(report_to, list) else [report_to]
+    return list(TRACKERS) if "all" in names else [name for name in TRACKERS if name in names]
+
+
 def _check_trackers(report_to) -> list[str]:
     """A tracker named in report_to that is not installed here fails the run inside Transformers;
     say so before launch. (The studio's requirements.txt installs TensorBoard and Trackio.)"""
-    names = report_to if isinstance(report_to, list) else [report_to]
-    missing = [name for name in ("tensorboard", "trackio") if name in names and importlib.util.find_spec(name) is None]
+    missing = [name for name in trackers(report_to) if importlib.util.find_spec(name) is None]
     return [f"report_to: {name} is not installed here: `pip install -r requirements.txt` in the studio's "
             "environment (or leave it out of report_to)" for name in missing]
 
