@@ -135,7 +135,7 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     argv = backend.launch_argv(spec.layout, WORKER_MODULE, str(run_dir))
     final = resolved(spec, args)
     if spec.precompile and spec.precompile_jobs is None:
-        final.precompile_jobs = precompile.default_jobs(hardware.backend, hardware.cores)
+        final.precompile_jobs = precompile.default_jobs(hardware.cores)
         applied.append(("studio.precompile_jobs", final.precompile_jobs,
                         "one precompile job per core of this machine, at most 8; a core busy at the start is "
                         "skipped"))

@@ -33,6 +33,8 @@ RLOO, whose shapes come from what the model generates; local runs only.
 
 from __future__ import annotations
 
+import math
+
 from studio_core.device_env import RANK_CORES, VISIBLE
 
 WORKER_MODULE = "studio_core.precompile_worker"
@@ -58,7 +60,7 @@ def problems(spec, trainer, args: dict) -> list[str]:
     return found
 
 
-def default_jobs(backend: str, free: int) -> int:
+def default_jobs(free: int) -> int:
     """Jobs when the spec names none: one per core the precompile can have (the run's and the
     free ones), at most 8."""
     return max(1, min(8, free))
@@ -83,6 +85,30 @@ def job_environment(backend: str, env: dict[str, str], core: int, port: int) -> 
 def signature(batch: dict) -> tuple:
     """What makes a batch compile graphs of its own: its tensors' names and shapes."""
     return tuple(sorted((key, tuple(value.shape)) for key, value in batch.items() if hasattr(value, "shape")))
+
+
+def first_batch_of_each_shape(trainer) -> list[dict]:
+    """The first batch of each distinct shape the run takes, in the order it meets them: the
+    run's own data loader (sampler, seed, collator), pass after pass as the run reads it, up to
+    the batches the run takes (at most MAX_BATCHES). A loader that yields nothing (a dataset
+    smaller than one batch under drop_last) has no shape to precompile."""
+    args = trainer.args
+    loader = trainer.get_train_dataloader()
+    wanted = args.max_steps * args.gradient_accumulation_steps if args.max_steps > 0 else math.ceil(
+        args.num_train_epochs * max(1, len(loader)))
+    wanted = min(wanted, MAX_BATCHES)
+    first: dict[tuple, dict] = {}
+    read = 0
+    while read < wanted:
+        before = read
+        for batch in loader:
+            first.setdefault(signature(batch), batch)
+            read += 1
+            if read >= wanted:
+                break
+        if read == before:  # a pass with no batch: the next would have none either
+            break
+    return list(first.values())
 
 
 def shape_of(batch: dict) -> list[int]:

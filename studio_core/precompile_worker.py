@@ -3,7 +3,8 @@ never imported (studio_core/precompile.py says what precompile is).
 
     python -m studio_core.precompile_worker RUN_DIR JOB JOBS
 
-Started by the run's supervisor before torchrun, on a core of its own. It builds the run's
+Started by the run's supervisor before torchrun, on a core of its own, with the kernel's
+parent-death signal set (it never outlives the supervisor). It builds the run's
 own trainer (studio_core/trainer_setup.py), walks the run's data loader for the first batch of
 every distinct shape, in the order the run meets them, takes shapes JOB, JOB+JOBS, ..., and
 trains one step on each: a forward and a backward, which compile them into the run's compile
@@ -14,22 +15,17 @@ a throwaway copy of the model in a temporary folder.
 
 from __future__ import annotations
 
-import math
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from studio_core.procs import die_with_parent
-
-die_with_parent()  # never outlives the supervisor that started it
-
-from studio_core.precompile import MAX_BATCHES, shape_of, signature  # noqa: E402
-from studio_core.runs import events  # noqa: E402
-from studio_core.runs.folder import EVENTS, SPEC  # noqa: E402
-from studio_core.spec import RunSpec  # noqa: E402
-from studio_core.train_data import load_checked_datasets  # noqa: E402
-from studio_core.trainer_setup import build_trainer  # noqa: E402
+from studio_core.precompile import first_batch_of_each_shape, shape_of
+from studio_core.runs import events
+from studio_core.runs.folder import EVENTS, SPEC
+from studio_core.spec import RunSpec
+from studio_core.train_data import load_checked_datasets
+from studio_core.trainer_setup import build_trainer
 
 # One step per shape, nothing saved, logged, evaluated or reported.
 ONE_STEP_EACH = {"save_strategy": "no", "eval_strategy": "no", "logging_strategy": "no", "report_to": "none",
@@ -70,26 +66,6 @@ def main(run_dir: Path, job: int, jobs: int) -> None:
                               changes={**ONE_STEP_EACH, "output_dir": scratch, "max_steps": len(mine)})
         built.trainer.get_train_dataloader = lambda: list(mine)  # these batches, in this order
         built.trainer.train()
-
-
-def first_batch_of_each_shape(trainer) -> list[dict]:
-    """The first batch of each distinct shape the run takes, in the order it meets them: the
-    run's own data loader (sampler, seed, collator), pass after pass as the run reads it."""
-    args = trainer.args
-    loader = trainer.get_train_dataloader()
-    per_epoch = max(1, len(loader))
-    wanted = args.max_steps * args.gradient_accumulation_steps if args.max_steps > 0 else math.ceil(
-        args.num_train_epochs * per_epoch)
-    wanted = min(wanted, MAX_BATCHES)
-    first: dict[tuple, dict] = {}
-    read = 0
-    while read < wanted:
-        for batch in loader:
-            first.setdefault(signature(batch), batch)
-            read += 1
-            if read >= wanted:
-                break
-    return list(first.values())
 
 
 def _cache_counts() -> tuple[int, int]:

@@ -39,7 +39,7 @@ from pathlib import Path
 from studio_core import children, leases, slurm
 from studio_core.backends.slurm import AUTO_RESUME_ENV, JOB
 from studio_core.checkpoints import RESUME_ENV, list_checkpoints
-from studio_core.hardware import pin_to_cpu_cores, studio_cpus
+from studio_core.hardware import Hardware, pin_to_cpu_cores, studio_cpus
 from studio_core.precompile import WORKER_MODULE as PRECOMPILE_MODULE
 from studio_core.precompile import job_environment
 from studio_core.spec import RunSpec
@@ -186,8 +186,7 @@ def precompile(run_dir: Path, launch: dict, wanted: int, cpus: list[int], stoppi
     backend, events = launch["hardware"]["backend"], run_dir / EVENTS
     own = list(launch["cores"])
     extra = []
-    for core in sorted(leases.free_cores(run_dir.parent, backend, launch["hardware"]["cpu_count"] if backend == "cpu"
-                                         else launch["hardware"]["devices"])):
+    for core in sorted(leases.free_cores(run_dir.parent, backend, Hardware(**launch["hardware"]).cores)):
         if len(own) + len(extra) >= wanted:
             break
         try:

@@ -132,3 +132,24 @@ def test_precompile_goes_through_the_train_form_unchanged(overrides):
     given = spec(*overrides)
     back = spec_from_form(form_values(given))
     assert (back.precompile, back.precompile_jobs) == (given.precompile, given.precompile_jobs)
+
+
+@pytest.mark.fast
+def test_the_walk_finds_each_shape_once_in_order_and_ends_on_an_empty_loader():
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from studio_core.precompile import first_batch_of_each_shape
+
+    def trainer(batches, max_steps):  # what the walk reads of a Trainer: its args and train loader
+        args = SimpleNamespace(max_steps=max_steps, gradient_accumulation_steps=1, num_train_epochs=1)
+        return SimpleNamespace(args=args, get_train_dataloader=lambda: batches)
+
+    lengths = [37, 34, 37, 33, 34]
+    batches = DataLoader([{"input_ids": torch.zeros(4, n, dtype=torch.long)} for n in lengths], batch_size=None)
+    found = first_batch_of_each_shape(trainer(batches, max_steps=12))  # more steps than batches: passes again
+    assert [list(b["input_ids"].shape) for b in found] == [[4, 37], [4, 34], [4, 33]]
+    empty = DataLoader([], batch_size=4, drop_last=True)  # fewer rows than one batch under drop_last
+    assert first_batch_of_each_shape(trainer(empty, max_steps=5)) == []

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `py
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("studio_core", "app", "cli")
 ENTRY_POINTS = {"studio_core.worker", "studio_core.supervisor", "studio_core.chat_worker", "studio_core.eval_worker",
-                "studio_core.doctor_child"}
+                "studio_core.doctor_child", "studio_core.precompile_worker"}
 # What the app may not reach into: run folders' files, leases, processes (the run manager does)
 NOT_FOR_THE_APP = ("studio_core.leases", "studio_core.checkpoints", "studio_core.runs.events",
                    "studio_core.runs.folder", "studio_core.procs", "studio_core.backends", *ENTRY_POINTS)
