@@ -12,7 +12,6 @@ them, so a metric the engine adds appears here without a change.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import threading
 from pathlib import Path
@@ -176,8 +175,7 @@ def download_folder(runs_dir: Path) -> Path:
 def download_copy(folder: Path, run_id: str, summary: dict, rows: list[dict]) -> str:
     """The rows as a JSONL file in `folder`, which the page may hand out."""
     folder.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_id).strip("-")
-    path = folder / f"{name}-eval-{Path(summary['dir']).name}.jsonl"
+    path = folder / f"{evaluation.file_safe(run_id)}-eval-{Path(summary['dir']).name}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
