@@ -29,13 +29,52 @@ def read_rows(path: Path, n: int = 5) -> list[dict]:
     return rows
 
 
+def check_folder(folder: Path) -> list[str]:
+    """What stops `datasets` from reading a folder as one dataset, each naming the file: a file of
+    a format the studio does not read (which `datasets` would read as something else, or skip), files
+    of more than one format (`datasets` reads only the most common one and skips the rest
+    silently), an unreadable file, or files whose columns differ (one table has one set of
+    columns). Hidden files and documentation (.md) are left out, as `datasets` leaves them out."""
+    files = sorted(f for f in Path(folder).rglob("*") if f.is_file() and not any(
+        part.startswith((".", "__")) for part in f.relative_to(folder).parts) and f.suffix.lower() != ".md")
+    kinds = {".jsonl": "JSON", ".json": "JSON", ".csv": "CSV", ".parquet": "Parquet"}
+    others = [f for f in files if f.suffix.lower() not in kinds]
+    if others:
+        return [f"{f}: {f.suffix or 'a file without a suffix'} is not a format the studio reads in a dataset "
+                f"folder; use .jsonl, .json, .csv or .parquet, or move it out of {folder}" for f in others[:5]]
+    if not files:
+        return [f"{folder} holds no .jsonl, .json, .csv or .parquet file; give a folder of such files, or a file"]
+    by_kind: dict[str, list[Path]] = {}
+    for f in files:
+        by_kind.setdefault(kinds[f.suffix.lower()], []).append(f)
+    if len(by_kind) > 1:
+        listed = "; ".join(f"{kind}: {', '.join(f.name for f in group[:3])}{', ...' if len(group) > 3 else ''}"
+                           for kind, group in by_kind.items())
+        return [f"{folder} holds files of more than one format ({listed}); `datasets` would read only the most "
+                "common format and skip the others without a word: keep files of one format in the folder"]
+    problems, first = [], None
+    for f in files:
+        try:
+            columns = list(dict.fromkeys(key for row in read_rows(f) for key in row))
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        if first is None:
+            first = (f, columns)
+        elif set(columns) != set(first[1]):
+            problems.append(f"{f} has the columns {', '.join(columns)} and {first[0]} has {', '.join(first[1])}; "
+                            "`datasets` reads the files of a folder as one table, so every file needs the same "
+                            "columns: rename them, or move the odd file out")
+    return problems
+
+
 def records(path: Path, batch_size: int = 1024, columns: list[str] | None = None):
     """Each record of the file in order, as (where, record), `where` being e.g. "line 7" or "row 7".
 
     A record that cannot be read comes as (where, ValueError), and the next ones follow; a file
     that cannot be read on raises ValueError. `columns`: the only ones read from Parquet."""
     if path.stat().st_size == 0:
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{path} is empty (0 bytes): it holds no records; give a file that does")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         yield from _parquet_records(path, batch_size, columns)
@@ -142,7 +181,7 @@ def _json_records(path: Path):
             seen = True
             yield f"line {number}", _record(record, path, f"line {number}")
     if not seen:
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{path} is empty (blank lines only): it holds no records; give a file that does")
 
 
 def _objects(text: str, path: Path):

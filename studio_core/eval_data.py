@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from studio_core import sources
+from studio_core import data_check, data_scan, sources
+from studio_core.data_files import read_rows
 
 FRACTION, DATASET, SPLIT = "fraction", "dataset", "split"
 TRL_TEST_SPLIT = "test"  # TRL's ScriptArguments.dataset_test_split default
@@ -67,9 +68,11 @@ def held_out_rows(rows: int, fraction: float) -> tuple[int, int]:
     return rows - held, held
 
 
-def check(spec, train_rows: int | None = None) -> list[str]:
+def check(spec, train_rows: int | None = None, warnings: list[str] | None = None) -> list[str]:
     """What stops this evaluation set, each saying what to change; `train_rows`: the training
-    split's row count when known (a local file)."""
+    split's row count when known (a local file). A local eval_dataset file gets the checks of a
+    training file (readable, not empty, the columns and format the trainer needs, every record);
+    its warnings go to `warnings`."""
     fraction, other = spec.eval_fraction, spec.eval_dataset
     if fraction is not None and other is not None:
         return ["studio.eval_fraction and studio.eval_dataset: choose one evaluation set (a held-out fraction of "
@@ -88,13 +91,37 @@ def check(spec, train_rows: int | None = None) -> list[str]:
         if not isinstance(other, str) or not other:
             return [f"studio.eval_dataset: {other!r} is not a dataset; give a file path, a built-in sample or a "
                     "Hub id, in quotes"]
-        return [p.replace("dataset_name:", "studio.eval_dataset:", 1) for p in sources.check_dataset(other)]
+        problems = [p.replace("dataset_name:", "studio.eval_dataset:", 1) for p in sources.check_dataset(other)]
+        path = sources.dataset_file(other)
+        return problems if problems or path is None else _check_file(spec, path, warnings)
     source = eval_source(spec)
     if source is not None and sources.dataset_file(str(spec.dataset_name)) is not None and source.split != "train":
         return [f"eval_strategy: {spec.args['eval_strategy']!r} evaluates the dataset's {source.split!r} split "
                 f"(dataset_test_split), and a file has one split, train: hold out part of it with "
                 "studio.eval_fraction (e.g. 0.1) or give a separate file with studio.eval_dataset"]
     return []
+
+
+def _check_file(spec, path, warnings: list[str] | None) -> list[str]:
+    """An eval_dataset file as the trainer will evaluate on it, as spec.check_rows and
+    data_scan check a training file (its reward functions aside: they run on the training rows)."""
+    what = "studio.eval_dataset"
+    try:
+        rows = read_rows(path, 5)
+    except ValueError as error:
+        return [f"{what}: {error}"]
+    mapping = data_check.check_mapping(list(rows[0]), spec.column_map, spec.keep_columns)
+    if mapping:  # the same column map applies to both sets
+        return [f"{what} {path}: {p}" for p in mapping]
+    kind = data_check.detect(data_check.apply_column_map(rows, spec.column_map, spec.keep_columns),
+                             spec.args.get("dataset_text_field", "text"))
+    problems = data_check.fit_problems(kind, spec.trainer)
+    if problems:
+        return [f"{what} {path}: {p.removeprefix('dataset: ')}" for p in problems]
+    scan = data_scan.check_spec_file(spec, path, what)
+    if warnings is not None:
+        warnings += scan.warnings
+    return list(scan)
 
 
 def warnings(spec) -> list[str]:

@@ -144,7 +144,7 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
 
     model_path = str(ensure_tiny_model()) if spec.model_name_or_path == BUILTIN_MODEL else spec.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(spec.args.get("trust_remote_code")))
-    dataset, eval_dataset = load_datasets(spec)
+    dataset, eval_dataset = load_datasets(spec, shapes_only=True)
     entry = trainers.get(spec.trainer)
     model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)} | {
         f.name for f in dataclasses.fields(trl.ScriptArguments)}

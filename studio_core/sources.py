@@ -16,6 +16,7 @@ from pathlib import Path
 from huggingface_hub import constants, try_to_load_from_cache
 
 from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL, TINY_ARCHITECTURE
+from studio_core.data_files import check_folder
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -167,7 +168,8 @@ def check_dataset(name: str) -> list[str]:
             if folder.is_file():
                 return [f"dataset_name: {folder.suffix or 'this'} files are not read; use "
                         f"{', '.join(FILE_FORMATS)}"]
-            return []  # a dataset folder: the worker loads it with datasets.load_dataset
+            # a dataset folder: the worker loads it with datasets.load_dataset, once its files fit
+            return [f"dataset_name: {p}" for p in check_folder(folder)]
         if not HUB_ID.match(name):
             return [f"dataset_name: {name!r} is neither an existing file nor a Hub id like trl-lib/Capybara"]
         cached = Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}"

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from studio_core import eval_data, sources
+from studio_core import data_scan, eval_data, sources
+from studio_core.runs import events as ev
 from studio_core.data_check import prepare_dataset
 from studio_core.downloads import download_dataset_split
 from studio_core.spec import RunSpec, SpecError, check_rows
+
+# characters a token at most, as far as cutting for the forecast goes: far more than any
+# tokenizer's characters a token on real text, so a text cut there is still longer than max_length
+CHARS_PER_TOKEN = 64
 
 
 def load_checked_datasets(spec: RunSpec, events: Path | None):
@@ -22,19 +27,64 @@ def load_checked_datasets(spec: RunSpec, events: Path | None):
     return load_datasets(spec, events, checked=True)
 
 
-def load_datasets(spec: RunSpec, events: Path | None = None, checked: bool = False):
+def load_datasets(spec: RunSpec, events: Path | None = None, checked: bool = False, shapes_only: bool = False):
     """(training set, evaluation set or None) as the run trains and evaluates on them, prepared
     (column map, keep-columns): the training split less the held-out rows, if any. `checked`:
-    each one's first rows through spec.check_rows first (SpecError)."""
+    each one's first rows through spec.check_rows first (SpecError). `shapes_only` (the shape
+    forecast): each text cut to what max_length can keep (cut_texts)."""
     train, held = split_off_eval(spec, load_train_dataset(spec, events), events)
+    limit = data_scan.max_length(spec) if shapes_only else None
+    packing = spec.args.get("packing") and spec.args.get("packing_strategy") == "wrapped"  # splits, keeps all
+    if limit and not packing:
+        train, held = (cut_texts(d, limit * CHARS_PER_TOKEN) if d is not None else None for d in (train, held))
     for dataset, what in ((train, ""), (held, "evaluation set: ")):
         problems = check_rows(spec, dataset.select(range(min(5, len(dataset)))).to_list()) \
             if checked and dataset is not None else []
         if problems:
             raise SpecError([what + p for p in problems])
+        if checked and dataset is not None:
+            _scan(spec, dataset, what, events)
     prepared = [prepare_dataset(d, spec.column_map, spec.keep_columns) if d is not None else None
                 for d in (train, held)]
     return prepared[0], prepared[1]
+
+
+def cut_texts(dataset, chars: int):
+    """The dataset with every text (a string, a message's content) cut to `chars` characters.
+    The forecast tokenizes every record whole, through TRL, several times: a 20 MB record took
+    minutes and gigabytes, for a sample TRL cuts to max_length tokens anyway. Cut at
+    CHARS_PER_TOKEN characters a token, it is still cut at max_length, so the shapes and the
+    count of truncated samples are the same (its length shows as the cut one's)."""
+    def cut(value):
+        if isinstance(value, str):
+            return value[:chars]
+        if isinstance(value, list):
+            return [{**m, "content": m["content"][:chars]} if isinstance(m, dict) and isinstance(m.get("content"), str)
+                    else m for m in value]
+        return value
+
+    def long(value) -> bool:
+        return len(value) > chars if isinstance(value, str) else isinstance(value, list) and any(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and len(m["content"]) > chars for m in value)
+
+    if not any(long(v) for row in dataset for v in row.values()):
+        return dataset
+    return dataset.map(lambda row: {k: cut(v) for k, v in row.items()})
+
+
+def _scan(spec: RunSpec, dataset, what: str, events: Path | None) -> None:
+    """Every record of a dataset read only here (a Hub dataset, a folder) through the checks a
+    local file gets before launch (data_scan): its bad records stop the run before the model
+    loads (SpecError), its warnings go to the run's log (`events`: rank 0's)."""
+    name = spec.dataset_name if not what or spec.eval_dataset is None else spec.eval_dataset
+    if sources.dataset_file(str(name)) is not None:
+        return  # a local file: checked before launch, the same way
+    scan = data_scan.scan_dataset(dataset, spec.column_map, spec.args.get("dataset_text_field", "text"),
+                                  what=f"{what}dataset: {name}")
+    if scan:
+        raise SpecError(list(scan))
+    if events is not None:
+        ev.append_all(events, [ev.log(f"warning: {w}") for w in scan.warnings])
 
 
 def split_off_eval(spec: RunSpec, dataset, events: Path | None = None):

@@ -604,15 +604,16 @@ def test_roles_are_checked_in_every_conversational_column_and_file_kind(tmp_path
     assert scan_file(path) == [] and scan_file(path).warnings == []
 
 
-# (messages, the warning after "`messages`: "): turns that train, but likely not as meant
+# (messages, the warning): turns that train, but likely not as meant, counted by kind
 OUT_OF_ORDER = [
-    ([GOOD, USER, GOOD], "the conversation starts with an `assistant` turn (message 1), before any user turn; put "
-     "the user's message first"),
-    ([SYSTEM, GOOD, USER], "the conversation starts with an `assistant` turn (message 2)"),
-    ([USER, USER, GOOD], "messages 1 and 2 are both `user` turns; merge them or put the assistant's answer between "
-     "them"),
-    ([SYSTEM, USER, GOOD, GOOD], "messages 3 and 4 are both `assistant` turns; merge them or put the user's message "
-     "between them"),
+    ([GOOD, USER, GOOD], "1 record of the first 20 starts with an `assistant` turn, before any user turn (line 4; "
+     "the first, line 4, in `messages`: message 1); put the user's message first"),
+    ([SYSTEM, GOOD, USER], "1 record of the first 20 starts with an `assistant` turn, before any user turn (line 4; "
+     "the first, line 4, in `messages`: message 2)"),
+    ([USER, USER, GOOD], "1 record of the first 20 has two `user` turns in a row (line 4; the first, line 4, in "
+     "`messages`: messages 1 and 2); merge them or put the assistant's answer between them"),
+    ([SYSTEM, USER, GOOD, GOOD], "1 record of the first 20 has two `assistant` turns in a row (line 4; the first, "
+     "line 4, in `messages`: messages 3 and 4); merge them or put the user's message between them"),
 ]
 
 
@@ -622,7 +623,7 @@ def test_turns_out_of_order_are_a_warning_not_a_refusal(tmp_path, messages, warn
     scan = scan_file(path)
     assert scan == [] and not scan  # the refusals: none, so Start goes ahead
     (found,) = scan.warnings
-    assert found.startswith(f"dataset: {path}: line 4: `messages`: {warning}")
+    assert found.startswith(f"dataset: {path}: {warning}")
     assert found.endswith("(this trains, but likely not as meant)")
 
 
@@ -630,12 +631,14 @@ def test_order_is_checked_on_the_conversation_trl_builds(tmp_path):
     # prompt + completion (and prompt + chosen / rejected) is one conversation
     rows = [RECORDS["prompt_completion"][0]] * 3 + [{"prompt": [USER], "completion": [USER]}]
     path = write(tmp_path / "pc.jsonl", rows)
-    assert scan_file(path).warnings == [f"dataset: {path}: line 4: `prompt` then `completion`: messages 1 and 2 are "
-                                        "both `user` turns; merge them or put the assistant's answer between them "
+    assert scan_file(path).warnings == [f"dataset: {path}: 1 record of the first 4 has two `user` turns in a row "
+                                        "(line 4; the first, line 4, in `prompt` then `completion`: messages 1 and 2); "
+                                        "merge them or put the assistant's answer between them "
                                         "(this trains, but likely not as meant)"]
     rows = [RECORDS["preference_implicit"][0]] * 3 + [{"chosen": [USER, GOOD], "rejected": [GOOD]}]
     path = write(tmp_path / "implicit.jsonl", rows)
-    assert [w.split(": ")[2:4] for w in scan_file(path).warnings] == [["line 4", "`rejected`"]]
+    (warning,) = scan_file(path).warnings
+    assert "starts with an `assistant` turn" in warning and "line 4, in `rejected`: message 1" in warning
     # a bad record is refused, and not warned about as well; standard data has no turns
     path = write(tmp_path / "both.jsonl", chats(6, {2: [GOOD, {"role": "bot", "content": "x"}]}))
     scan = scan_file(path)
@@ -643,12 +646,13 @@ def test_order_is_checked_on_the_conversation_trl_builds(tmp_path):
     assert scan_file(write(tmp_path / "text.jsonl", [{"text": "x"}] * 5)).warnings == []
 
 
-def test_the_first_few_warnings_then_how_many_more(tmp_path):
+def test_the_first_few_places_then_how_many_in_all(tmp_path):
     path = write(tmp_path / "data.jsonl", chats(40, {i: [GOOD, USER] for i in range(11, 31)}))
     scan = scan_file(path, most=3)
     assert scan == []
-    assert [w.split(": ")[2] for w in scan.warnings[:3]] == ["line 11", "line 12", "line 13"]
-    assert scan.warnings[3] == f"dataset: {path}: 17 more records with turns out of order in the first 40"
+    (warning,) = scan.warnings
+    assert warning.startswith(f"dataset: {path}: 20 records of the first 40 start with an `assistant` turn, before "
+                              "any user turn (line 11, line 12, line 13, ...; the first, line 11, in `messages`")
 
 
 # --- unpaired preference data for a trainer of pairs ---------------------------------------------
