@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from studio_core import slurm as slurm_values
 from studio_core.cores import parse_cores
 from studio_core.hardware import Hardware, cpu_hardware, detect_hardware, instance_hardware
 from studio_core.runs.manager import default_runs_dir
@@ -48,6 +49,11 @@ def load_spec(args) -> RunSpec:
     slurm = {key: value for key, value in (("partition", args.partition), ("time", args.time),
                                            ("account", args.account)) if value is not None}
     slurm |= {"sbatch_args": args.sbatch_arg} if args.sbatch_arg else {}
+    problems = check_slurm_options(slurm)
+    if problems:
+        raise SpecError(problems)
+    if args.sbatch_arg:  # as sbatch gets them: ["--qos high"] is saved as ["--qos=high"]
+        slurm["sbatch_args"] = slurm_values.sbatch_words(args.sbatch_arg)[0]
     slurm |= {"auto_resume": True} if args.auto_resume else {}
     if args.slurm or spec.layout.run_on == "slurm":  # the flag, or a recipe written for Slurm
         spec.layout.run_on = "slurm"
@@ -62,6 +68,27 @@ def load_spec(args) -> RunSpec:
         if given:
             raise SpecError([f"{', '.join(given)}: these are for a run on Slurm: add --slurm"])
     return spec
+
+
+# The Slurm options as the command line names them, for its messages.
+SLURM_OPTIONS = {"partition": "--partition", "time": "--time", "account": "--account", "sbatch_args": "--sbatch-arg"}
+
+
+def check_slurm_options(given: dict) -> list[str]:
+    """The Slurm options given on the command line, by the one rule for Slurm values
+    (slurm.check_options), each problem under the option's name."""
+    return slurm_values.check_options(given, SLURM_OPTIONS)
+
+
+def sbatch_args_joined(argv: list[str]) -> list[str]:
+    """`--sbatch-arg --qos=high` as `--sbatch-arg=--qos=high`: argparse takes a value that starts
+    with - for an option of its own, so an sbatch option written after --sbatch-arg (as README
+    writes it) would be refused. The word after --sbatch-arg is its value, whatever it is."""
+    out, words = [], iter(argv)
+    for word in words:
+        following = next(words, None) if word == "--sbatch-arg" else None
+        out.append(word if following is None else f"--sbatch-arg={following}")
+    return out
 
 
 def yaml_problem(item: str) -> list[str]:

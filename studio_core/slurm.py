@@ -1,5 +1,7 @@
 """Talking to Slurm: its commands (sinfo, sbatch, squeue, scontrol, scancel), what they print,
-and the checks of what a user types for it (time limits, extra sbatch options).
+and the checks of what a user types for it (partition and account names, time limits, extra
+sbatch options): one rule, which the recipe's check, the command line, the form and the
+Slurm backend all apply, so that no value can add a line to a batch script or a word to sbatch's.
 
 Only Slurm's own command-line tools are used, found on PATH; they find the cluster the
 usual way (slurm.conf, or $SLURM_CONF). The parsing functions are pure.
@@ -12,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import time
+import unicodedata
 from dataclasses import dataclass
 
 COMMAND_TIMEOUT_S = 20
@@ -37,10 +40,14 @@ OWNED = {
     "--array": "one run is one job; start several runs for a sweep",
     "--export": "every node's supervisor needs the environment the job was submitted with",
     "--requeue": "a requeued job starts over from step 0 in the same run folder; Resume goes on from a checkpoint",
+    "--ntasks-per-core": "the studio starts one task per node, the node's supervisor",
+    "--ntasks-per-socket": "the studio starts one task per node, the node's supervisor",
+    "--ntasks-per-gpu": "the studio starts one task per node, the node's supervisor",
+    "--ntasks-per-tres": "the studio starts one task per node, the node's supervisor",
 }
 SHORT = {"-o": "--output", "-e": "--error", "-i": "--input", "-D": "--chdir", "-N": "--nodes", "-n": "--ntasks",
          "-J": "--job-name", "-p": "--partition", "-t": "--time", "-A": "--account", "-a": "--array"}
-TIME = re.compile(r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
+TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}", re.ASCII)
 
 
 class SlurmError(RuntimeError):
@@ -63,27 +70,155 @@ def _run(*argv: str, timeout: float = COMMAND_TIMEOUT_S, cwd: str | None = None)
 
 
 # --- checks of what the user types (pure) ------------------------------------------------
-def check_time(text: str) -> str | None:
-    """A problem with a Slurm time limit, or None. Slurm's forms: minutes, minutes:seconds,
-    hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds."""
-    if TIME.match(text.strip()) or text.strip().upper() in ("UNLIMITED", "INFINITE"):
+# One rule for every Slurm value, used by the recipe's check (spec.validate), the command line,
+# the form and the backend itself: a value that passes cannot change the batch script's lines
+# or sbatch's arguments beyond the one setting it is for.
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # partition, account: as Slurm lists them
+OPTION = re.compile(r"(--[a-z][a-z0-9-]*)(?:(?:=| +)(\S(?:.*\S)?))?")  # --name, --name=value, --name value
+VALUE = re.compile(r"[A-Za-z0-9_.,:/@%+=~^*&|!\[\]() -]+")  # nodes n[1-4], features a&b|c, mail a@b, ...
+VALUE_CHARS = "letters, digits, spaces and _ . , : / @ % + = ~ ^ * & | ! [ ] ( ) -"
+# Options that make sbatch submit nothing, or not return until the job ends.
+REFUSED = {
+    "--wait": "sbatch would not return until the job ends; the studio follows the job itself",
+    "--test-only": "sbatch would submit nothing; Preview shows the batch script without submitting",
+    "--help": "sbatch would print its help and submit nothing",
+    "--usage": "sbatch would print its usage and submit nothing",
+    "--version": "sbatch would print its version and submit nothing",
+    "--export-file": "every node's supervisor needs the environment the job was submitted with",
+}
+EXAMPLES = "e.g. --exclusive, --gres=neuron:16 or --qos=high"
+
+
+def _odd_character(text: str) -> str | None:
+    """The first character of `text` that is a control or format character (a line break, a
+    tab, an escape...), named, or None."""
+    for char in text:
+        if unicodedata.category(char).startswith("C"):
+            return {"\n": "a line break", "\r": "a carriage return", "\t": "a tab"}.get(
+                char, f"the control character {char!r}")
+    return None
+
+
+def _named(chars: set[str]) -> str:
+    """Characters as a message names them: ' ' and ';'."""
+    listed = [repr(c) for c in sorted(chars)]
+    return " and ".join([", ".join(listed[:-1]), listed[-1]] if len(listed) > 1 else listed)
+
+
+def check_name(label: str, value, what: str, example: str) -> str | None:
+    """A problem with a partition's or an account's name, or None."""
+    if not isinstance(value, str):
+        return f"{label}: {value!r} is not text; write it in quotes"
+    if NAME.fullmatch(value):
         return None
-    return (f"Slurm time limit {text!r} is not one Slurm reads: write minutes (90), hours:minutes:seconds "
-            "(1:30:00) or days-hours:minutes:seconds (2-00:00:00)")
+    odd = _odd_character(value)
+    bad = {c for c in value if not re.fullmatch(r"[A-Za-z0-9_.-]", c)}
+    why = (f"it holds {odd}" if odd else "it is empty" if not value else "it is longer than 64 characters"
+           if len(value) > 64 else f"it holds {_named(bad)}" if bad else "it starts with . or -")
+    return (f"{label}: {value!r} is not a Slurm {what} name ({why}): write the name as Slurm lists it, "
+            f"letters, digits, '_', '.' and '-' (e.g. {example})")
 
 
-def check_sbatch_args(args: list[str]) -> list[str]:
-    """Problems with extra sbatch options: ones the studio owns, and words that are no option."""
-    problems = []
+def check_time(text) -> str | None:
+    """A problem with a Slurm time limit, or None. Slurm's forms: minutes, minutes:seconds,
+    hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds, UNLIMITED."""
+    if isinstance(text, str) and (TIME.fullmatch(text) or text.upper() in ("UNLIMITED", "INFINITE")):
+        return None
+    odd = _odd_character(text) if isinstance(text, str) else None
+    return (f"Slurm time limit {text!r}{f' holds {odd} and' if odd else ''} is not one Slurm reads: write minutes "
+            "(90), hours:minutes:seconds (1:30:00) or days-hours:minutes:seconds (2-00:00:00)")
+
+
+def check_nodes(nodes, label: str = "studio.nodes") -> str | None:
+    if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1:
+        return None
+    return f"{label}: {nodes!r} must be a whole number of nodes, 1 or more"
+
+
+def _owner(name: str) -> str | None:
+    """Why the studio refuses this option name (one it owns, or one that submits nothing), or
+    None. sbatch reads a shortened long name (--out) as the option it begins, so a beginning of
+    one of them is refused as that one."""
+    if name in OWNED:
+        return f"the studio owns {name} ({OWNED[name]})"
+    if name in REFUSED:
+        return f"{name} is refused: {REFUSED[name]}"
+    begun = next((full for full in (*OWNED, *REFUSED) if full.startswith(name)), None)
+    if begun:
+        return f"sbatch reads {name} as {begun}, the option it begins: {_owner(begun)}"
+    return None
+
+
+def sbatch_words(args: list) -> tuple[list[str], list[str]]:
+    """The extra sbatch options as sbatch gets them (each one word: --name or --name=value) and
+    the problems with them. A word that is no option, after an option without a value, is that
+    option's value (["--qos", "high"]: the form's line split, or a recipe's list)."""
+    items: list[str] = []
     for arg in args:
-        if not arg.startswith("-"):
-            problems.append(f"extra sbatch option {arg!r} is not an option: each starts with - or --, e.g. "
-                            "--exclusive, --gres=neuron:16 or --qos=high (write a value as --name=value)")
+        if (isinstance(arg, str) and items and not arg.startswith("-") and items[-1].startswith("-")
+                and not re.search(r"[= ]", items[-1])):
+            items[-1] = f"{items[-1]} {arg}"
+        else:
+            items.append(arg)
+    words, problems = [], []
+    for item in items:
+        if not isinstance(item, str):
+            problems.append(f"extra sbatch option {item!r} is not text; write it in quotes")
             continue
-        name = arg.split("=", 1)[0]
-        name = SHORT.get(name[:2], name) if not name.startswith("--") else name
-        if name in OWNED:
-            problems.append(f"extra sbatch option {arg!r}: the studio owns {name} ({OWNED[name]})")
+        odd = _odd_character(item)
+        if odd:
+            problems.append(f"extra sbatch option {item!r} holds {odd}: write each option on one line as "
+                            f"--name=value ({EXAMPLES})")
+            continue
+        if item.startswith("-") and not item.startswith("--"):
+            short = SHORT.get(item[:2])
+            problems.append(f"extra sbatch option {item!r}: " + (
+                f"the studio owns {short} ({OWNED[short]})" if short in OWNED else
+                "write the option's long name (sbatch --help lists them), e.g. --qos=high for -q high"))
+            continue
+        match = OPTION.fullmatch(item)
+        if not match:
+            problems.append(f"extra sbatch option {item!r} is not an option: write each as --name or --name=value, "
+                            f"{EXAMPLES}")
+            continue
+        name, value = match.groups()
+        owner = _owner(name)
+        if owner:
+            problems.append(f"extra sbatch option {item!r}: {owner}")
+        elif value is not None and not VALUE.fullmatch(value):
+            bad = _named({c for c in value if not VALUE.fullmatch(c)})
+            problems.append(f"extra sbatch option {item!r}: its value holds {bad}, which no sbatch option needs; "
+                            f"write the value with {VALUE_CHARS}")
+        else:
+            words.append(name if value is None else f"{name}={value}")
+    return words, problems
+
+
+def check_sbatch_args(args: list) -> list[str]:
+    """Problems with extra sbatch options: ones the studio owns, and words that are no option."""
+    return sbatch_words(args)[1]
+
+
+def check_options(options: dict, labels: dict | None = None) -> list[str]:
+    """Every problem with a studio.slurm block's values (partition, time, account, sbatch_args),
+    each under its label: `labels` maps a key to what the user typed it in (--account, Account);
+    the recipe's key by default."""
+    def label(key: str) -> str:
+        return (labels or {}).get(key, f"studio.slurm.{key}")
+
+    problems = []
+    for key, what, example in (("partition", "partition", "trn"), ("account", "account", "ml-team")):
+        if key in options:
+            problems += [p for p in [check_name(label(key), options[key], what, example)] if p]
+    if "time" in options:
+        value = options["time"]
+        problem = check_time(value) if isinstance(value, str) else f"{value!r} is not text; write it in quotes"
+        problems += [f"{label('time')}: {problem}"] if problem else []
+    extra = options.get("sbatch_args", [])
+    if not isinstance(extra, list):
+        problems.append(f"{label('sbatch_args')}: write a list of options, e.g. [--qos=high, --exclusive]")
+    else:
+        problems += [f"{label('sbatch_args')}: {problem}" for problem in check_sbatch_args(extra)]
     return problems
 
 

@@ -234,6 +234,19 @@ def test_a_two_node_run_from_the_page_waits_for_a_node_that_dies_then_finishes(c
         cluster.wait_idle(120)
 
 
+def test_a_node_whose_supervisor_dies_is_named_as_the_one_that_failed_first(cluster, tmp_path):
+    manager = RunManager(tmp_path / "runs")
+    run = manager.start(slurm_spec(*LONG), NODE)
+    manager.wait(run.id, until=lambda v: v.step >= 1 or not v.active, timeout=180)
+    [supervisor] = [p for p in cluster.processes("n2") if "studio_core.supervisor" in " ".join(p.cmdline())]
+    supervisor.kill()  # the other node's ranks then see only gloo's "Connection reset by peer"
+    ended = manager.wait(run.id, timeout=180)
+    assert ended.live_state == "failed"
+    assert f"Slurm job {job_of(ended.dir)}: node n2 (host " in ended.error_text, ended.error_text
+    assert "failed first: its supervisor ended without recording its end" in ended.error_text
+    nothing_left(run.id)
+
+
 def test_stop_now_a_job_cancelled_outside_and_one_that_met_its_time_limit(cluster, timed_run, tmp_path):
     # last in the file: the timed run's minute has passed meanwhile
     runs = tmp_path / "runs"

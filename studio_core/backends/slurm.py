@@ -4,7 +4,9 @@ The studio writes a batch script into the run folder (slurm.sh) and submits it w
 `sbatch`; the job id goes to slurm.json. The script's `srun` starts one supervisor per node
 (`python -m studio_core.supervisor RUN_DIR`, as a local run has), which runs that node's
 torchrun with a c10d rendezvous on the first node, samples that node's hardware, and, on
-the first node, writes the run's final status. So a Slurm run needs nothing of the app: the
+the first node, writes the run's final status. Each node's supervisor also records its own
+start and end (slurm-nodes/), so that a failed job says which node failed first, not only the
+knock-on errors the other nodes saw. So a Slurm run needs nothing of the app: the
 run folder (and this repository, and the compile cache) must be on storage every node sees.
 
 Slurm owns the job's nodes: the studio leases no core of this machine for a Slurm run. The
@@ -16,9 +18,12 @@ so the reason stays after Slurm has forgotten the job.
 
 from __future__ import annotations
 
+import re
 import shlex
+import socket
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import psutil
@@ -30,6 +35,7 @@ from studio_core.runs import events
 from studio_core.runs.folder import EVENTS, LOG, read_json, write_json
 
 SCRIPT = "slurm.sh"
+NODES = "slurm-nodes"  # a record per job and node (record_node): node, host, job_id, started, ended, exit_code, stopped
 JOB = "slurm.json"  # {"job_id": the current attempt's, "job_ids": every attempt's, "submitted": time}
 STARTING_GRACE_S = 30
 CANCEL_WAIT_S = 60  # after scancel: Slurm's KillWait (30 s by default) and the steps' ending
@@ -100,11 +106,20 @@ class SlurmBackend(RunBackend):
         return applied, warnings
 
     def describe_launch(self, plan) -> list[str]:
-        return ["", f"Batch script (the run folder's {SCRIPT}):", batch_script(plan), "Submitted with:",
+        try:
+            script = batch_script(plan)
+        except ValueError as error:
+            script = f"(none: {error})"
+        return ["", f"Batch script (the run folder's {SCRIPT}):", script, "Submitted with:",
                 "  " + shlex.join(sbatch_argv(plan.spec.layout))]
 
     def check(self, layout) -> list[str]:
-        """The cluster's answer to the layout: is Slurm there, is the partition, are there nodes enough."""
+        """The layout's Slurm values (the rule spec.validate applies, applied here too: this
+        backend writes nothing it would refuse, however it is called), then the cluster's answer
+        to the layout: is Slurm there, is the partition, are there nodes enough."""
+        problems = refusals(layout)
+        if problems:
+            return problems
         try:
             found = slurm.partitions()
         except slurm.SlurmError as error:
@@ -129,10 +144,14 @@ class SlurmBackend(RunBackend):
         return []
 
     def submit(self, run_dir: Path, launch, backend: str) -> None:
-        (run_dir / SCRIPT).write_text(batch_script(launch))
+        problems = refusals(launch.spec.layout)
+        if problems:
+            raise SubmitError("; ".join(problems))
         try:
-            job_id = slurm.submit(str(run_dir / SCRIPT), cwd=str(run_dir),
-                                  extra=launch.spec.layout.slurm.get("sbatch_args", []))
+            (run_dir / SCRIPT).write_text(batch_script(launch))
+            job_id = slurm.submit(str(run_dir / SCRIPT), cwd=str(run_dir), extra=sbatch_argv(launch.spec.layout)[2:-1])
+        except ValueError as error:
+            raise SubmitError(str(error)) from error
         except slurm.SlurmError as error:
             raise SubmitError(str(error)) from error
         before = read_json(run_dir / JOB).get("job_ids", [])
@@ -201,10 +220,15 @@ class SlurmBackend(RunBackend):
             return ending
         job_state = (fields or {}).get("JobState")
         down = _down_nodes(fields) if job_state in (*RUN_FAILED, "NODE_FAIL") else {}
+        first = first_failed_node(node_records(run_dir, job_id)) if job_id and job_state in RUN_FAILED else None
         if down:  # a task that died with its node fails the job before Slurm calls it NODE_FAIL
             ending = Ending("failed", f"node {', '.join(down)} of Slurm job {job_id} went down while the run "
                             f"trained ({'; '.join(f'{kind}: {why}' for kind, why in down.values())}); resume from "
                             "the last checkpoint")
+        elif first:  # the other nodes' errors (gloo's "Connection closed by peer") follow from this one
+            after = f" (the last: {run.errors[-1].get('message', '')})" if run.errors else ""
+            ending = Ending("failed", f"Slurm job {job_id}: {first}; the other nodes' errors follow from it{after}; "
+                            "resume from the last checkpoint")
         elif job_state in RUN_FAILED and run.errors and run.errors[-1]["time"] > _submitted(run_dir):
             events.append(run_dir / EVENTS, events.status("failed"))  # the run's own error says it all
             return Ending("failed", run.errors[-1].get("message", ""))
@@ -221,6 +245,53 @@ def _down_nodes(fields: dict | None) -> dict[str, tuple[str, str]]:
         return slurm.failed_nodes((fields or {}).get("NodeList", ""))
     except slurm.SlurmError:
         return {}
+
+
+def record_node(run_dir: Path, job_id: str, node: str, **fields) -> None:
+    """A node supervisor's record of its start (started=time) or its end (ended=time, exit_code,
+    stopped): one file per job and node, so that a supervisor killed, or on a node that died,
+    leaves a start without an end, and the backend can name the node whose failure came first.
+    A record that cannot be written is said in the node's log; the run goes on without it."""
+    path = Path(run_dir) / NODES / f"{job_id}.{re.sub(r'[^A-Za-z0-9_.-]', '_', node)}.json"
+    try:
+        path.parent.mkdir(exist_ok=True)
+        before = {} if "started" in fields else read_json(path)  # a restarted step (auto-resume) starts anew
+        write_json(path, {**before, "node": node, "host": socket.gethostname(), "job_id": str(job_id), **fields})
+    except OSError as error:
+        print(f"studio: node {node}'s record ({path}) not written: {error}", file=sys.stderr, flush=True)
+
+
+def node_records(run_dir: Path, job_id: str) -> list[dict]:
+    """The node supervisors' records of this job (record_node), first started first."""
+    found = [read_json(path) for path in sorted((Path(run_dir) / NODES).glob(f"{job_id}.*.json"))]
+    return sorted((r for r in found if r.get("job_id") == str(job_id)), key=lambda r: r.get("started", 0))
+
+
+def first_failed_node(records: list[dict]) -> str | None:
+    """Which node's failure came first, from the node supervisors' records of a failed job of
+    several nodes, in words (None when they cannot tell). A supervisor that never recorded its
+    end was killed or lost its node: it went first, since the others' ends (a torchrun whose
+    ranks lost their peers) follow from it; when every node ended, the first that failed (a
+    non-zero exit without a stop asked) did."""
+    if len(records) < 2:
+        return None
+
+    def name(record: dict) -> str:
+        node, host = record.get("node", "?"), record.get("host")
+        return f"node {node}" + (f" (host {host})" if host and host != node else "")
+
+    silent = [r for r in records if "ended" not in r]
+    if silent and len(silent) < len(records):
+        nodes = ", ".join(name(r) for r in silent)
+        return (f"{nodes} failed first: its supervisor ended without recording its end (it crashed, was killed, "
+                "or its node went down) while the other nodes' supervisors went on")
+    if silent:
+        return None  # every supervisor was ended at once: nothing tells which went first
+    failed = sorted((r for r in records if r.get("exit_code") not in (0, None) and not r.get("stopped")),
+                    key=lambda r: r["ended"])
+    if not failed:
+        return None
+    return f"{name(failed[0])} failed first: its torchrun exited with code {failed[0]['exit_code']}"
 
 
 AUTO_RESUME_ENV = "STUDIO_AUTO_RESUME"  # "1": the job's srun restarts its step after a node failure (HyperPod)
@@ -251,31 +322,56 @@ def _final(run_dir: Path) -> bool:
     return events.fold(events.read(run_dir / EVENTS)).state in events.FINAL_STATES
 
 
+def refusals(layout) -> list[str]:
+    """What is wrong with the layout's Slurm values: slurm.check_options, the one rule for them."""
+    if not isinstance(layout.slurm, dict):
+        return ["studio.slurm: must be a mapping of partition, time, account, sbatch_args, auto_resume"]
+    return [p for p in [slurm.check_nodes(layout.nodes)] if p] + slurm.check_options(layout.slurm)
+
+
 def sbatch_argv(layout) -> list[str]:
-    return ["sbatch", "--parsable", *layout.slurm.get("sbatch_args", []), SCRIPT]
+    """The sbatch command: the user's options as sbatch gets them (--name=value; a refused one is left out)."""
+    extra = layout.slurm.get("sbatch_args", []) if isinstance(layout.slurm, dict) else []
+    return ["sbatch", "--parsable", *slurm.sbatch_words(extra if isinstance(extra, list) else [])[0], SCRIPT]
+
+
+def _one_line(text: str) -> str:
+    """Text for a comment line of the script: a control character (a line break) shown as '?'."""
+    return "".join("?" if unicodedata.category(c).startswith("C") else c for c in str(text))
 
 
 def batch_script(plan) -> str:
-    """The batch script of a planned Slurm run: one node supervisor per node, on the run folder."""
+    """The batch script of a planned Slurm run: one node supervisor per node, on the run folder.
+    Every word is quoted for the shell (sbatch reads #SBATCH lines with the same quotes); a run
+    folder whose path holds a line break is refused (ValueError): no quoting keeps it in a
+    #SBATCH line, which bash reads as a comment up to the line's end."""
     layout, run_dir = plan.spec.layout, plan.argv[-1]
-    options = layout.slurm
-    sbatch = [f"--job-name={plan.spec.display_name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
+    if _one_line(run_dir) != str(run_dir):
+        raise ValueError(f"the run folder {str(run_dir)!r} holds a control character (a line break?): give the "
+                         "runs folder a path without one")
+    options = layout.slurm if isinstance(layout.slurm, dict) else {}
+    job_name = re.sub(r"[^A-Za-z0-9_.-]", "_", plan.spec.display_name)[:64]  # a label in squeue, nothing more
+    sbatch = [f"--job-name={job_name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
               "--exclusive", "--no-requeue",
               *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
               f"--output={run_dir}/{LOG}", "--open-mode=append", f"--chdir={run_dir}"]
     env = dict(plan.env)
     python_path = env.pop("PYTHONPATH")
+    bad_keys = [key for key in env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)]
+    if bad_keys:
+        raise ValueError(f"environment variable names the shell cannot export: {bad_keys}")
     srun = ["srun", "--label", "--kill-on-bad-exit=1", *(["--auto-resume=1"] if options.get("auto_resume") else []),
             plan.argv[0], "-m", "studio_core.supervisor", run_dir]
     return "\n".join([
         "#!/usr/bin/env bash",
-        *[f"#SBATCH {option}" for option in sbatch],
-        f"# {plan.spec.display_name}: {layout.nodes} node(s) x {layout.nproc} process(es), written by the studio.",
+        *[f"#SBATCH {shlex.quote(_one_line(option))}" for option in sbatch],
+        f"# {_one_line(plan.spec.display_name)}: {layout.nodes} node(s) x {layout.nproc} process(es), written by "
+        "the studio.",
         "# Every node must see the run folder, the compile cache and the studio's repository",
-        f"# ({REPO_ROOT}): shared storage, e.g. FSx for Lustre or NFS.",
+        f"# ({_one_line(REPO_ROOT)}): shared storage, e.g. FSx for Lustre or NFS.",
         "set -euo pipefail",
         f"export PYTHONPATH={shlex.quote(python_path)}${{PYTHONPATH:+:$PYTHONPATH}}",
-        *[f"export {key}={shlex.quote(value)}" for key, value in env.items()],
+        *[f"export {key}={shlex.quote(str(value))}" for key, value in env.items()],
         "# one supervisor per node: it runs the node's torchrun (rendezvous on the first node), samples",
         "# the node's hardware, and on the first node writes the run's final status",
         shlex.join(srun),
