@@ -23,6 +23,18 @@ ALL_LINEAR = "all-linear"  # PEFT's shorthand for every linear layer but the out
 TOP_LEVEL_MODULES = ("lm_head", "score", "embed_out")
 
 
+# Typed int by TRL's ModelConfig and PEFT's LoraConfig, but only ever divided by the rank
+# (tuners/lora/layer.py: scaling = lora_alpha / r, or / sqrt(r) with rslora): a float is as good.
+FLOAT_SCALES = ("lora_alpha",)
+
+
+def accepted(key: str, field: dict) -> dict:
+    """TRL's field description (trl_schema) with the kinds of value PEFT takes for it."""
+    if key in FLOAT_SCALES and "float" not in field["types"]:
+        return {**field, "types": [*field["types"], "float"]}
+    return field
+
+
 def peft_problems(args: dict) -> list[str]:
     """One message per LoRA setting PEFT would refuse, fail on, or run otherwise than written,
     each saying what to write; [] when `use_peft` is off (they are not read then)."""

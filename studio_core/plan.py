@@ -22,7 +22,7 @@ from studio_core.hardware import Hardware
 from studio_core.layout import check_layout
 from studio_core.spec import RunSpec, resolved, trackers
 from studio_core.trainers import Default
-from studio_core.trl_schema import trainer_fields
+from studio_core.trl_schema import config_problems, trainer_fields
 
 WORKER_MODULE = "studio_core.worker"
 # Where TensorBoard and Trackio (TRL's report_to) write: folders of the run folder, so the run's
@@ -142,6 +142,24 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     if cores is not None:
         final.layout.cores = format_cores(cores)
     return Plan(argv, env, final, applied, warnings, errors, backend.name, cores)
+
+
+def trl_problems(spec: RunSpec, hardware: Hardware) -> list[str]:
+    """What TRL, Transformers and PEFT refuse in the run's config, built from the TRL arguments
+    the planner hands the worker on this hardware (its defaults applied): report_to names, step
+    counts, strategies, TRL's own rules. Not pure: it asks a child process (trl_schema), so the
+    manager calls it with the spec's other checks, before any lock."""
+    return configs_problems([(spec, hardware)])[0]
+
+
+def configs_problems(pairs: list[tuple[RunSpec, Hardware]]) -> list[list[str]]:
+    """trl_problems of several specs, in one question to the child."""
+    requests = []
+    for spec, hardware in pairs:
+        final = plan(spec, hardware).spec
+        requests.append({"trainer": spec.trainer, "args": final.args, "given": sorted(spec.args),
+                         "run_name": spec.run_name or "run", "world_size": spec.layout.nproc * spec.layout.nodes})
+    return config_problems(requests)
 
 
 def _spec_cores(spec: RunSpec) -> list[int] | None:

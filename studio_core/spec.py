@@ -12,7 +12,7 @@ problems as messages that say what to change; `SpecError` carries them.
 from __future__ import annotations
 
 import difflib
-import importlib.util
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -172,13 +172,20 @@ class RunSpec:
     @classmethod
     def load(cls, path: str | Path) -> RunSpec:
         path = Path(path)
+        if path.is_dir():
+            raise SpecError([f"recipe {path} is a folder, give a YAML file (e.g. recipes/tiny-sft.yaml)"])
+        if path.exists() and not path.is_file():
+            raise SpecError([f"recipe {path} is not a regular file (a device or a pipe): give a YAML file"])
         if not path.is_file():
             raise SpecError([f"recipe {path} not found: give the path of a .yaml file"])
         try:
             data = read_yaml(path.read_text())
         except yaml.YAMLError as error:
             raise SpecError([f"recipe {path} is not valid YAML: {error}"]) from error
-        return cls.from_dict(data or {})
+        if data is None:  # an empty file would otherwise train every default, unasked
+            raise SpecError([f"recipe {path} is empty: write at least the trainer, model and dataset (e.g. "
+                             "studio: {trainer: sft}, model_name_or_path, dataset_name; see recipes/)"])
+        return cls.from_dict(data)
 
     def to_yaml(self) -> str:
         return yaml.dump(self.to_dict(), Dumper=_RecipeDumper, sort_keys=False)
@@ -221,11 +228,13 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
         trainers.get(spec.trainer)
     except KeyError as error:
         return [str(error).strip("'\"")]
+    secrets = secret_problems(spec)
+    if secrets:  # alone: other messages would show the value
+        return secrets
     problems += check_args(spec.trainer, spec.args)
     seen = {p.split(":", 1)[0] for p in problems}  # a LoRA value of the wrong type is already named
     problems += [p for p in peft_check.peft_problems(spec.args) if p.split(":", 1)[0] not in seen]
     problems += _check_numbers(spec)
-    problems += _check_trackers(spec.args.get("report_to"))
     problems += _check_layout(spec.layout)
     # YAML reads `run_name: 2024-06-01` as a date and `dataset_name: 7` as a number.
     names = {"model_name_or_path": spec.model_name_or_path, "dataset_name": spec.dataset_name,
@@ -246,7 +255,7 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
         found, train_rows = _check_data(spec, run_user_code, warnings,
                                         here=not any(s.startswith("dataset ") for s in skipped))
         problems += found
-    problems += eval_data.check(spec, train_rows)
+    problems += eval_data.check(spec, train_rows, warnings)
     warnings += eval_data.warnings(spec)
     return problems
 
@@ -254,6 +263,32 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
 def names_of(spec: RunSpec) -> tuple[str, str]:
     """The run's model and dataset, as the recipe names them."""
     return spec.model_name_or_path, spec.dataset_name
+
+
+def secret_problems(spec: RunSpec) -> list[str]:
+    """The token rule (check_args': a secret field, or a value that looks like a token) over
+    every value of the spec: the run's and dataset's names, the studio block, TRL's settings."""
+    data = spec.to_dict()
+    named = {f"studio.{key}": value for key, value in data.pop("studio").items()} | data
+    return [_secret_message(key) for key, value in named.items()
+            if key.rpartition(".")[2] in SECRET_FIELDS or holds_token(value)]
+
+
+def _secret_message(key: str) -> str:
+    return (f"{key}: a secret does not belong in a recipe or the form (it would be written to the run folder and "
+            f"the model card); remove it and {TOKEN_WAYS}")
+
+
+def finite_problems(value, name: str) -> list[str]:
+    """inf, -inf or nan anywhere in `value` (YAML reads 1e999 as inf): TRL takes them and trains
+    to NaN, or forever."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{name}: {value} is not a finite number; write a number (e.g. 2e-5 for a learning rate)"]
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in finite_problems(item, f"{name}.{key}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, item in enumerate(value) for p in finite_problems(item, f"{name}[{i}]")]
+    return []
 
 
 def check_args(trainer: str, args: dict) -> list[str]:
@@ -264,15 +299,14 @@ def check_args(trainer: str, args: dict) -> list[str]:
         if key in STUDIO_OWNED:
             problems.append(f"{key}: set by the studio ({STUDIO_OWNED[key]}); remove it")
         elif key in SECRET_FIELDS or holds_token(value):
-            problems.append(f"{key}: a secret does not belong in a recipe or the form (it would be written to "
-                            f"the run folder and the model card); remove it and {TOKEN_WAYS}")
+            problems.append(_secret_message(key))
         elif key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
             config = trainers.get(trainer).config_class
             hint = f"; did you mean {close[0]}?" if close else f"; see {config}'s fields"
             problems.append(f"{key}: not a setting of TRL's {config}{hint}")
         else:
-            message = check_value(key, value, allowed[key])
+            message = check_value(key, value, peft_check.accepted(key, allowed[key]))
             if message:
                 problems.append(message)
     return problems
@@ -321,8 +355,7 @@ def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str],
             return [f"dataset_name: {error}"], None
         problems = check_rows(spec, rows, check_rewards=_reward_check(spec, run_user_code))
         if not problems:
-            scan = data_scan.scan_file(path, spec.column_map, spec.keep_columns,
-                                        spec.args.get("dataset_text_field", "text"))
+            scan = data_scan.check_spec_file(spec, path)
             problems, warnings[:], train_rows = list(scan), [*warnings, *scan.warnings], scan.rows
     if not takes_rewards and spec.rewards:
         using = ", ".join(t.key for t in trainers.TRAINERS.values() if t.rewards)
@@ -358,11 +391,14 @@ def validated(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | 
 
 
 def _check_numbers(spec: RunSpec) -> list[str]:
-    args, problems = spec.args, []
+    data = spec.to_dict()
+    problems = [p for key, value in data.pop("studio").items() for p in finite_problems(value, f"studio.{key}")]
+    problems += [p for key, value in data.items() for p in finite_problems(value, key)]
+    args = spec.args
     positive = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps")
     for key in positive:
         value = args.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and -math.inf < value <= 0:
             problems.append(f"{key}: must be above 0, got {value}")
     steps, epochs = args.get("max_steps", -1), args.get("num_train_epochs", 3.0)
     if isinstance(steps, int) and isinstance(epochs, (int, float)) and steps <= 0 and epochs <= 0:
@@ -385,14 +421,6 @@ def trackers(report_to) -> list[str]:
     "all" is every integration installed, and the studio installs both."""
     names = report_to if isinstance(report_to, list) else [report_to]
     return list(TRACKERS) if "all" in names else [name for name in TRACKERS if name in names]
-
-
-def _check_trackers(report_to) -> list[str]:
-    """A tracker named in report_to that is not installed here fails the run inside Transformers;
-    say so before launch. (The studio's requirements.txt installs TensorBoard and Trackio.)"""
-    missing = [name for name in trackers(report_to) if importlib.util.find_spec(name) is None]
-    return [f"report_to: {name} is not installed here: `pip install -r requirements.txt` in the studio's "
-            "environment (or leave it out of report_to)" for name in missing]
 
 
 def _check_layout(layout: Layout) -> list[str]:
@@ -419,16 +447,7 @@ def _check_slurm(layout: Layout) -> list[str]:
     problems = [f"studio.slurm.{key}: unknown key; it takes " + "; ".join(f"{k} ({why})" for k, why in
                                                                             SLURM_KEYS.items())
                 for key in options if key not in SLURM_KEYS]
-    for key in ("partition", "time", "account"):
-        if key in options and not isinstance(options[key], str):
-            problems.append(f"studio.slurm.{key}: {options[key]!r} is not text; write it in quotes")
-    if isinstance(options.get("time"), str):
-        problems += [p for p in [slurm.check_time(options["time"])] if p]
-    extra = options.get("sbatch_args", [])
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        problems.append("studio.slurm.sbatch_args: write a list of options, e.g. [--qos=high, --exclusive]")
-    else:
-        problems += slurm.check_sbatch_args(extra)
+    problems += slurm.check_options(options)  # the one rule for Slurm values: the CLI, form and backend's too
     if not isinstance(options.get("auto_resume", False), bool):
         problems.append("studio.slurm.auto_resume: write true or false")
     if layout.run_on == "slurm" and layout.cores:

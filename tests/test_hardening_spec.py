@@ -1,0 +1,166 @@
+"""What the check before launch refuses (issue 29): values TRL, Transformers or PEFT would
+refuse only after the model loaded, numbers that are not finite, a token anywhere in a spec,
+and recipes that are empty or not files; and what it must not refuse: every recipe, a float
+lora_alpha. Each refusal says which value to change, and nothing is made in the runs folder.
+
+    .venv/bin/python -m pytest -q tests/test_hardening_spec.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from cli.main import main as cli_main
+from conftest import RECIPES
+from studio_core.hardware import cpu_hardware, instance_hardware
+from studio_core import plan
+from studio_core.spec import RunSpec, SpecError, validate
+
+TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
+SFT = RunSpec.load(RECIPES / "tiny-sft.yaml")
+GRPO = RunSpec.load(RECIPES / "tiny-grpo.yaml")
+
+
+def refused(manager, spec, hardware=None) -> list[str]:
+    """The problems both Preview/`launch.py plan` and Start give; neither makes anything."""
+    found = []
+    for act in (manager.plan, manager.start):
+        with pytest.raises(SpecError) as error:
+            act(spec, hardware or cpu_hardware())
+        found.append(error.value.problems)
+    assert found[0] == found[1] and list(manager.runs_dir.iterdir()) == []
+    return found[0]
+
+
+# --- item 1: what the libraries refuse, asked of them before launch ------------------------
+@pytest.mark.fast
+@pytest.mark.parametrize("setting, says", [
+    ("report_to=garbage", "report_to: 'garbage': Transformers (its report_to trackers) refuses it (ValueError: "
+                          "garbage is not supported, only azure_ml"),
+    ("logging_steps=0", "logging_steps: 0: TRL's SFTConfig refuses it (ValueError: logging strategy "
+                        "IntervalStrategy.STEPS requires non-zero --logging_steps): change it, or leave it out for "
+                        "TRL's default (10)"),
+    ("save_steps=2.5", "save_steps: 2.5: TRL's SFTConfig refuses it (ValueError: --save_steps must be an integer"),
+    ("load_best_model_at_end=true", "load_best_model_at_end: True: TRL's SFTConfig refuses it"),
+])
+def test_a_value_trl_or_transformers_refuses_is_refused_before_launch(setting, says, manager):
+    spec = SFT.with_overrides(["save_strategy=steps", setting])
+    (problem,) = refused(manager, spec)
+    assert problem.startswith(says)
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_a_tracker_that_is_not_installed_is_refused_with_what_to_install(manager):
+    (problem,) = refused(manager, SFT.with_overrides(["report_to=[tensorboard, wandb]"]))
+    assert problem.startswith("report_to: ['tensorboard', 'wandb']: Transformers (its report_to trackers) refuses it "
+                              "(RuntimeError: WandbCallback requires wandb to be installed. Run `pip install wandb`.)")
+    assert problem.endswith("install it in the studio's environment, or leave it out of report_to")
+
+
+@pytest.mark.fast
+def test_grpo_batch_rules_count_the_runs_processes():
+    """GRPOConfig checks the batch against the number of processes: 3 completions per step do not
+    split into groups of 4 on one process, nor 3 x 2 = 6 on two; 2 x 2 = 4 do."""
+    one = GRPO.with_overrides(["per_device_train_batch_size=3"])
+    two = GRPO.with_overrides(["per_device_train_batch_size=2", "studio.nproc=2"])
+    three = GRPO.with_overrides(["per_device_train_batch_size=3", "studio.nproc=2"])
+    found = plan.configs_problems([(one, cpu_hardware()), (two, cpu_hardware()), (three, cpu_hardware())])
+    assert found[0][0].startswith("per_device_train_batch_size: 3: TRL's GRPOConfig refuses it")
+    assert found[1] == []
+    assert "generation_batch_size (6) must be divisible by num_generations (4)" in found[2][0]
+
+
+@pytest.mark.fast
+def test_every_recipe_builds_its_config_as_the_planner_hands_it_on_every_backend():
+    """The planner's defaults (CPU: use_cpu, bf16 off, gloo; Neuron: bf16, pad_to_multiple_of
+    auto, torch_compile...) are in what is checked, so no recipe is refused on any machine."""
+    machines = [cpu_hardware(), instance_hardware("trn2.3xlarge"), instance_hardware("trn2.48xlarge")]
+    pairs = [(RunSpec.load(recipe), hardware) for recipe in sorted(RECIPES.glob("*.yaml")) for hardware in machines]
+    found = plan.configs_problems(pairs)
+    assert {f"{spec.display_name} on {hardware.backend}": p for (spec, hardware), p in zip(pairs, found) if p} == {}
+
+
+# --- item 2: numbers that are not finite -----------------------------------------------------
+@pytest.mark.fast
+@pytest.mark.parametrize("setting, field, shown", [
+    ("learning_rate=1e999", "learning_rate", "inf"),
+    ("learning_rate=-.inf", "learning_rate", "-inf"),
+    ("weight_decay=.nan", "weight_decay", "nan"),
+    ("model_init_kwargs={scale: [1, .inf]}", "model_init_kwargs.scale[1]", "inf"),
+    ("studio.eval_fraction=.nan", "studio.eval_fraction", "nan"),
+])
+def test_a_number_that_is_not_finite_is_refused_naming_its_field(setting, field, shown, manager):
+    problems = refused(manager, SFT.with_overrides([setting]))
+    assert f"{field}: {shown} is not a finite number; write a number (e.g. 2e-5 for a learning rate)" in problems
+
+
+@pytest.mark.fast
+def test_a_reward_weight_that_is_not_finite_is_refused():
+    spec = SFT.with_overrides(["studio.rewards=[{name: length, target: 40, weight: 1e999}]"])
+    assert "studio.rewards[0].weight: inf is not a finite number" in validate(spec)[0]
+
+
+# --- item 3: the token rule over every value a user gives ------------------------------------
+@pytest.mark.fast
+@pytest.mark.parametrize("setting, field", [
+    (f"run_name={TOKEN}", "run_name"),
+    (f"dataset_name={TOKEN}", "dataset_name"),
+    (f"model_name_or_path=me/{TOKEN}", "model_name_or_path"),
+    (f"dataset_config=cfg-{TOKEN}", "dataset_config"),
+    (f"studio.column_map={{{TOKEN}: text}}", "studio.column_map"),
+    (f"studio.keep_columns=[text, {TOKEN}]", "studio.keep_columns"),
+    (f"studio.eval_dataset={TOKEN}", "studio.eval_dataset"),
+    (f"hub_model_id=me/{TOKEN}", "hub_model_id"),
+])
+def test_a_token_anywhere_in_a_spec_is_refused_and_never_shown(setting, field, manager):
+    (problem,) = refused(manager, SFT.with_overrides([setting]))
+    assert problem.startswith(f"{field}: a secret does not belong in a recipe or the form")
+    assert "HF_TOKEN" in problem and TOKEN not in problem
+
+
+@pytest.mark.fast
+def test_a_token_in_a_reward_entry_is_refused():
+    (problem,) = validate(GRPO.with_overrides([f"studio.rewards=[{{name: length, target: 40, note: {TOKEN}}}]"]))
+    assert problem.startswith("studio.rewards: a secret does not belong") and TOKEN not in problem
+
+
+@pytest.mark.fast
+def test_a_token_as_run_name_on_the_command_line_is_refused_and_not_echoed(tmp_path, capsys):
+    code = cli_main(["train", str(RECIPES / "tiny-sft.yaml"), "--set", f"run_name={TOKEN}", "--backend", "cpu",
+                     "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2 and "run_name: a secret does not belong" in err and TOKEN not in err
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+# --- item 4: lora_alpha as PEFT takes it ------------------------------------------------------
+@pytest.mark.fast
+def test_a_float_lora_alpha_is_accepted_as_peft_accepts_it():
+    spec = RunSpec.load(RECIPES / "tiny-sft-lora.yaml").with_overrides(["lora_alpha=16.5"])
+    assert validate(spec) == []
+    assert plan.trl_problems(spec, cpu_hardware()) == []  # TRL's ModelConfig and PEFT's LoraConfig build with it
+    wrong = spec.with_overrides(["lora_alpha=[16]"])
+    assert validate(wrong) == ["lora_alpha: expected int or float, got list [16]"]
+
+
+# --- item 5: recipes that are empty or not files ----------------------------------------------
+@pytest.mark.fast
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n"])
+def test_an_empty_recipe_is_refused(text, tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as error:
+        RunSpec.load(path)
+    assert error.value.problems[0].startswith(f"recipe {path} is empty: write at least the trainer, model and dataset")
+
+
+@pytest.mark.fast
+def test_a_recipe_that_is_a_folder_or_a_device_says_what_it_is(tmp_path):
+    for path, says in ((tmp_path, "is a folder, give a YAML file"), ("/dev/null", "is not a regular file")):
+        with pytest.raises(SpecError) as error:
+            RunSpec.load(path)
+        (problem,) = error.value.problems
+        assert problem.startswith(f"recipe {path} {says}") and "not found" not in problem
