@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shlex
 
+from studio_core import slurm
 from studio_core.children import REPO_ROOT
 from studio_core.plan import WORKER_MODULE, Plan
 
@@ -55,7 +56,7 @@ def launch_script(plan: Plan, run_dir: str = "./studio-run") -> str:
     nproc = plan.spec.layout.nproc
     return "\n".join([
         "#!/usr/bin/env bash",
-        f"# Exported from the studio: {plan.spec.display_name}, {nproc} process(es) on one machine.",
+        f"# Exported from the studio: {slurm.job_name(plan.spec.display_name)}, {nproc} process(es) on one machine.",
         *_header(plan, run_dir),
         f"exec {_python(plan)} -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node={nproc} \\",
         f'  -m {WORKER_MODULE} "$RUN_DIR"',
@@ -70,7 +71,7 @@ def slurm_script(plan: Plan, nodes: int, run_dir: str = "./studio-run") -> str:
     nproc = plan.spec.layout.nproc
     return "\n".join([
         "#!/usr/bin/env bash",
-        f"#SBATCH --job-name={shlex.quote(plan.spec.display_name)}",
+        f"#SBATCH --job-name={slurm.job_name(plan.spec.display_name)}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
         "#SBATCH --exclusive",

@@ -350,8 +350,7 @@ def batch_script(plan) -> str:
         raise ValueError(f"the run folder {str(run_dir)!r} holds a control character (a line break?): give the "
                          "runs folder a path without one")
     options = layout.slurm if isinstance(layout.slurm, dict) else {}
-    job_name = re.sub(r"[^A-Za-z0-9_.-]", "_", plan.spec.display_name)[:64]  # a label in squeue, nothing more
-    sbatch = [f"--job-name={job_name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
+    sbatch = [f"--job-name={slurm.job_name(plan.spec.display_name)}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
               "--exclusive", "--no-requeue",
               *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
               f"--output={run_dir}/{LOG}", "--open-mode=append", f"--chdir={run_dir}"]
