@@ -42,7 +42,7 @@ STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards", "eval_fractio
                "precompile_jobs"}
 MAX_PRECOMPILE_JOBS = 64
 TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the studio installs, offers and places
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 # YAML 1.1 (PyYAML's default) reads `save_strategy: no` as False and `learning_rate: 1e-5`
@@ -242,7 +242,7 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
     names |= {k: v for k, v in (("dataset_config", spec.dataset_config), ("run_name", spec.run_name)) if v is not None}
     not_text = [name for name, value in names.items() if not isinstance(value, str)]
     problems += [f"{name}: {names[name]!r} is not text; write it in quotes" for name in not_text]
-    if isinstance(spec.run_name, str) and not RUN_NAME.match(spec.run_name):
+    if isinstance(spec.run_name, str) and not RUN_NAME.fullmatch(spec.run_name):
         problems.append(f"run_name: {spec.run_name!r} must be 1-64 letters, digits, '.', '_' or '-'")
     skipped = sources.not_here(*names_of(spec)) if elsewhere and not not_text else []
     if skipped:

@@ -164,3 +164,12 @@ def test_a_recipe_that_is_a_folder_or_a_device_says_what_it_is(tmp_path):
             RunSpec.load(path)
         (problem,) = error.value.problems
         assert problem.startswith(f"recipe {path} {says}") and "not found" not in problem
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", ["tiny\n", "tiny\ntouch x", "a" * 65])
+def test_a_run_name_with_a_line_break_or_too_long_is_refused(name):
+    """The run name becomes part of the run folder and the Slurm job's label: `$` in a pattern
+    also matches before a final line break, so the whole name must match."""
+    problems = validate(RunSpec.from_dict({**SFT.to_dict(), "run_name": name}))
+    assert any(p.startswith("run_name") for p in problems), problems
