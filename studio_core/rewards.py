@@ -40,6 +40,7 @@ import importlib.util
 import inspect
 import itertools
 import json
+import math
 import numbers
 import os
 import re
@@ -310,6 +311,13 @@ def _call_problem(func, batch: dict, file: str | None) -> str | None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             return (f"returned {_kind(value)} at position {position}; each reward must be a float, "
                     "or None where this reward does not apply")
+        if value is not None and math.isinf(value):  # one is enough: the group's advantages become NaN
+            return (f"returned {value} at position {position}; each reward must be a finite float, "
+                    "or None where this reward does not apply")
+    if all(value is None or math.isnan(value) for value in result):
+        # TRL sums a NaN (None) reward away: the run would go on, learning nothing from this function
+        return (f"returned no usable reward for any of the {expected} sample completions (all None or NaN); "
+                "return a finite float for each completion (None or NaN only where this reward does not apply)")
     return None
 
 
@@ -329,6 +337,22 @@ def check_rewards(rewards: list[dict], sample_rows: list[dict] | None, on_entry=
             not sample_rows or not all(isinstance(row, dict) and "prompt" in row for row in sample_rows)):
         return ["studio.rewards: the dataset has no rows with a 'prompt' column to try the rewards on; "
                 "GRPO needs a prompt-only dataset with a 'prompt' column"]
+    with hub_token_hidden():  # in the worker too, which checks them on the first rows it loaded
+        return _check(rewards, sample_rows, on_entry, user_code)
+
+
+@contextlib.contextmanager
+def hub_token_hidden():
+    """The Hub token out of os.environ while a user's reward code runs in this process (imported or
+    called), put back after: the worker still needs it for its own downloads."""
+    saved = {name: os.environ.pop(name) for name in HUB_TOKENS if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _check(rewards: list[dict], sample_rows: list[dict] | None, on_entry, user_code: bool) -> list[str]:
     batch, problems, funcs = None, [], []
     for index, entry in enumerate(rewards):
         label = _label(index, entry)

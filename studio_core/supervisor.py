@@ -21,13 +21,22 @@ it), should torchrun itself be killed. torchrun also holds copies of the lease's
 SIGKILLed the cores stay held until torchrun, after its ranks, has ended too.
 The final `status` event is written here, not by the workers, so it is there even when
 a rank is killed or dies in native code. SIGTERM (the manager's stop) is passed on to
-torchrun; whatever of the run is still alive after a grace period is killed.
+torchrun; whatever of the run is still alive after a grace period is killed. A stop the user
+asked for is recorded as such: "stopped", exit code 0 (torchrun's own code, which its SIGTERM
+makes 1, goes to a log line), unless the run had to be killed after the grace period.
+
+A full disk must not cost the run its final status: the supervisor holds a small reserve file
+(RESERVE) in the run folder from its start, writes events without dying when the disk is full,
+and when torchrun has ended deletes the reserve, so the final status, `ended.json` (written
+first: it is tiny) and an error saying which disk is full fit. After every attempt it removes
+checkpoint folders a failed save left partial (checkpoints.remove_incomplete).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,8 +46,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from studio_core import children, leases, slurm
-from studio_core.backends.slurm import AUTO_RESUME_ENV, JOB
-from studio_core.checkpoints import RESUME_ENV, list_checkpoints
+from studio_core.backends.slurm import AUTO_RESUME_ENV, JOB, record_node
+from studio_core.checkpoints import (
+    DISK_FULL_ERRNOS,
+    DISK_FULL_WORDS,
+    RESUME_ENV,
+    disk_full_text,
+    list_checkpoints,
+    remove_incomplete,
+)
 from studio_core.hardware import Hardware, pin_to_cpu_cores, studio_cpus
 from studio_core.precompile import WORKER_MODULE as PRECOMPILE_MODULE
 from studio_core.precompile import job_environment
@@ -53,6 +69,42 @@ GRACE_S = 10
 SLURM_TASK = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")  # what this node's task's processes share
 RDZV_BASE_PORT = 29500  # a Slurm job's rendezvous port: this plus its job id modulo 1000
 LOG_TAIL_LINES = 60
+LOG_TAIL_BYTES = 64 << 10
+RESERVE = ".disk-reserve"  # room kept for the final status, released when torchrun has ended
+RESERVE_BYTES = 256 << 10
+disk_full_seen = False  # a write of this supervisor failed for want of space
+
+
+def write(path: Path, event: dict) -> None:
+    """Append an event; on a full disk note it (disk_full_seen) and go on: the supervisor must live
+    to write the final status."""
+    global disk_full_seen
+    try:
+        ev.append(path, event)
+    except OSError as error:
+        if error.errno not in DISK_FULL_ERRNOS:
+            raise
+        disk_full_seen = True
+
+
+def hold_reserve(run_dir: Path) -> None:
+    """The reserve file: RESERVE_BYTES really written (not sparse), so that deleting it frees them."""
+    try:
+        (run_dir / RESERVE).write_bytes(bytes(RESERVE_BYTES))
+    except OSError as error:
+        if error.errno not in DISK_FULL_ERRNOS:
+            raise
+        (run_dir / RESERVE).unlink(missing_ok=True)  # no room even for it: the run will say so soon
+
+
+def release_reserve(run_dir: Path) -> bool:
+    """Delete the reserve; whether the disk was full then (less free than the reserve, or a write failed)."""
+    try:
+        full = disk_full_seen or shutil.disk_usage(run_dir).free < RESERVE_BYTES
+    except OSError:
+        full = disk_full_seen
+    (run_dir / RESERVE).unlink(missing_ok=True)
+    return full
 
 
 def main(run_dir: Path) -> int:
@@ -71,30 +123,33 @@ def main(run_dir: Path) -> int:
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
+    hold_reserve(run_dir)
     backend, cores = launch["hardware"]["backend"], launch["cores"]
     node = on_slurm(launch)
     argv = launch["argv"]
     if node is not None:
+        record_node(run_dir, node.job_id, node.name, started=time.time())  # which node failed first
         os.environ.update(slurm_rendezvous(node))
         argv = [os.path.expandvars(arg) for arg in argv]  # $HEAD_ADDR, $RDZV_PORT, $SLURM_JOB_ID
         nproc = next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--nproc-per-node="))
         cores, lease = list(range(nproc)), None  # the node is the job's: its first nproc cores
         if node.first:
-            ev.append(events, ev.log(f"Slurm job {node.job_id} runs on {node.names}; rendezvous at "
+            write(events, ev.log(f"Slurm job {node.job_id} runs on {node.names}; rendezvous at "
                                      f"{os.environ['HEAD_ADDR']}:{os.environ['RDZV_PORT']}"))
         restart_from = auto_resumed(run_dir, launch["env"])
         if restart_from is not None:  # every node goes on from it; the first says so in the events
             launch["env"][RESUME_ENV] = restart_from["path"]
             if node.first:
-                ev.append(events, ev.resume(restart_from["step"], restart_from["path"]))
+                write(events, ev.resume(restart_from["step"], restart_from["path"]))
     else:
         try:  # held until this process ends, after every process of the run has
             lease = leases.acquire(run_dir.parent, backend, cores, holder=run_dir.name, kind="run")
         except leases.CoresBusy as busy:  # taken between the manager's check and now
-            ev.append(events, ev.error(str(busy)))
+            write(events, ev.error(str(busy)))
+            release_reserve(run_dir)
             ended(run_dir, "failed", None)
             return 1
-        ev.append(events, ev.log(f"holding {backend} cores {cores}"))
+        write(events, ev.log(f"holding {backend} cores {cores}"))
         cpus = studio_cpus()  # before the pinning below narrows what this process may use
         if backend == "cpu":
             pin_to_cpu_cores(cores)  # torchrun and every rank inherit the pinning
@@ -102,6 +157,7 @@ def main(run_dir: Path) -> int:
         if jobs:
             precompile(run_dir, launch, jobs, cpus, lambda: stop_requested_at is not None)
             if stop_requested_at is not None:
+                release_reserve(run_dir)
                 ended(run_dir, "stopped", None)
                 return 0
 
@@ -109,10 +165,10 @@ def main(run_dir: Path) -> int:
                                 pass_fds=lease.descriptors() if lease else (),
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     where = f" on node {node.name}" if node else ""
-    ev.append(events, ev.log(f"torchrun started{where} (pid {torchrun.pid})"))
+    write(events, ev.log(f"torchrun started{where} (pid {torchrun.pid})"))
     monitor: RunMonitor | None = RunMonitor(backend, cores, torchrun.pid)  # hardware events, every ~2 s
     if node is None or node.first:
-        ev.append(events, ev.log(monitor.describe()))
+        write(events, ev.log(monitor.describe()))
     next_sample = time.monotonic() + SAMPLE_EVERY_S
 
     if stop_requested_at is not None:  # asked before torchrun was there to pass it to
@@ -129,43 +185,58 @@ def main(run_dir: Path) -> int:
             try:
                 sample = monitor.sample()
                 if sample["processes"]:  # none: torchrun ended just after the wait above; its status follows
-                    ev.append(events, ev.hardware({**sample, **({"node": node.name} if node else {})}))
+                    write(events, ev.hardware({**sample, **({"node": node.name} if node else {})}))
             except Exception as failed:  # sampling must never cost the run its final status
-                ev.append(events, ev.log(f"hardware sampling stopped: {failed!r}"))
+                write(events, ev.log(f"hardware sampling stopped: {failed!r}"))
                 monitor.stop()
                 monitor = None
     if monitor is not None:
         monitor.stop()  # before the leftover check below: neuron-monitor carries the run's marker too
     stop_requested = stop_requested_at is not None
+    if node is not None:
+        record_node(run_dir, node.job_id, node.name, ended=time.time(), exit_code=code, stopped=stop_requested)
     left = kill_run_processes(os.environ["STUDIO_RUN_ID"], SLURM_TASK if node else ())  # ranks torchrun left
     if left:
-        ev.append(events, ev.log(f"processes that survived SIGKILL: {[p.pid for p in left]}"))
+        write(events, ev.log(f"processes that survived SIGKILL: {[p.pid for p in left]}"))
 
+    disk_was_full = release_reserve(run_dir)
     if lease is not None:
         lease.release()
     if node is not None and not node.first:
         return 0  # the first node says how the run ended
+    removed = remove_incomplete(run_dir)  # nothing of the run writes any more
+    if removed:
+        write(events, ev.log(f"removed {', '.join(removed)}: a save that did not complete (resume never picks it)"))
     if node is not None and stop_requested:
-        ev.append(events, ev.log(f"Slurm asked job {node.job_id} to end (SIGTERM): torchrun exited with {code}"))
+        write(events, ev.log(f"Slurm asked job {node.job_id} to end (SIGTERM): torchrun exited with {code}"))
         return 0  # the Slurm backend writes the final status, with Slurm's reason, once the job is gone
     attempt = this_attempt.read_new()
     saved_stop = any(e["type"] == "saved_stop" for e in attempt)
+    if stop_requested and code not in (0, -signal.SIGKILL):  # SIGTERM makes torchrun exit 1: an ordered stop
+        write(events, ev.log(f"torchrun ended on the stop (SIGTERM to it and its ranks) with its code {code}"))
     if stop_requested or (code == 0 and saved_stop):  # stopped, by signal or with a checkpoint as asked
-        ended(run_dir, "stopped", code)
+        ended(run_dir, "stopped", code if code == -signal.SIGKILL else 0)  # killed after the grace: says so
     elif code == 0:
         ended(run_dir, "finished", 0)
     else:
         tail = _log_tail(run_dir / LOG)
         cause = root_cause(tail)
         worker_error = any(e["type"] == "error" for e in attempt)
+        said_full = any(e["type"] == "error" and "the disk is full" in e.get("message", "") for e in attempt)
+        if not said_full and (disk_was_full or any(word in tail.lower() for word in DISK_FULL_WORDS)):
+            # the ranks could not say it (their writes failed too): the last error is the one shown
+            reason = disk_full_text(run_dir) + (f" (the partial {', '.join(removed)} was removed)" if removed else "")
+            write(events, ev.error(reason, traceback=tail[-4000:]))
+            ended(run_dir, "failed", code, reason)
+            return 0
         if cause and "killed" in cause:
             # A killed rank leaves only the others' knock-on errors ("connection reset"):
             # say what really happened, as the last error, which is the one shown.
-            ev.append(events, ev.error(cause, traceback=tail))
+            write(events, ev.error(cause, traceback=tail))
         elif not worker_error:
-            ev.append(events, ev.error(cause or f"torchrun exited with code {code}", traceback=tail))
+            write(events, ev.error(cause or f"torchrun exited with code {code}", traceback=tail))
         if node is not None:  # a failed node may be the cause: Slurm says so once the job has ended
-            ev.append(events, ev.log(f"torchrun exited with code {code}; the final status comes when Slurm has "
+            write(events, ev.log(f"torchrun exited with code {code}; the final status comes when Slurm has "
                                      f"ended job {node.job_id}"))
             return 0
         ended(run_dir, "failed", code)
@@ -195,7 +266,7 @@ def precompile(run_dir: Path, launch: dict, wanted: int, cpus: list[int], stoppi
             continue  # taken meanwhile
     cores = own + [lease.cores[0] for lease in extra]
     jobs = min(wanted, len(cores))
-    ev.append(events, ev.log(f"precompile: {jobs} job(s) on {backend} cores {cores[:jobs]}"
+    write(events, ev.log(f"precompile: {jobs} job(s) on {backend} cores {cores[:jobs]}"
                              + (f" ({wanted} asked; the other cores are busy)" if jobs < wanted else "")))
     began = time.monotonic()
     procs = []
@@ -223,9 +294,9 @@ def precompile(run_dir: Path, launch: dict, wanted: int, cpus: list[int], stoppi
             lease.release()
     failed = [job for job, p in enumerate(procs) if p.returncode != 0]
     if failed and not stopping():
-        ev.append(events, ev.log(f"precompile job(s) {failed} failed (train.log has their output): the run "
+        write(events, ev.log(f"precompile job(s) {failed} failed (train.log has their output): the run "
                                  "compiles their shapes at their first step"))
-    ev.append(events, ev.precompile_end(round(time.monotonic() - began, 3), failed))
+    write(events, ev.precompile_end(round(time.monotonic() - began, 3), failed))
 
 
 def _free_port() -> int:
@@ -241,11 +312,18 @@ def _job_start(cpu: int | None) -> None:
         os.sched_setaffinity(0, [cpu])
 
 
-def ended(run_dir: Path, state: str, code: int | None) -> None:
-    """The final status: an event, and the supervisor's own record (ENDED), which still says how
-    the run ended if its events file was deleted or damaged meanwhile."""
-    ev.append(run_dir / EVENTS, ev.status(state, **({} if code is None else {"exit_code": code})))
-    write_json(run_dir / ENDED, {"state": state, "exit_code": code, "time": time.time()})
+def ended(run_dir: Path, state: str, code: int | None, reason: str | None = None) -> None:
+    """The final status: the supervisor's own record (ENDED), which still says how the run ended if
+    its events file was deleted or damaged meanwhile (or the disk had room for this tiny file
+    only: it goes first), and the event. `reason`: why, for ENDED, when the events may lack it."""
+    try:
+        write_json(run_dir / ENDED, {"state": state, "exit_code": code, "time": time.time(),
+                                     **({"reason": reason} if reason else {})})
+    except OSError as error:
+        if error.errno not in DISK_FULL_ERRNOS:
+            raise
+        (run_dir / f".{ENDED}.tmp").unlink(missing_ok=True)  # the event below may still fit
+    write(run_dir / EVENTS, ev.status(state, exit_code=code, reason=reason))
 
 
 @dataclass(frozen=True)
@@ -298,10 +376,12 @@ def root_cause(log_text: str) -> str | None:
 
 def _log_tail(path: Path) -> str:
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        with path.open("rb") as handle:  # the end only: progress bars make lines of megabytes (\r, no \n)
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - LOG_TAIL_BYTES))
+            lines = handle.read().decode(errors="replace").splitlines()
     except FileNotFoundError:
         return ""
-    return "\n".join(lines[-LOG_TAIL_LINES:])
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in lines[-LOG_TAIL_LINES:])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,12 @@ precompile jobs compile (studio_core/precompile_worker.py), so both build the sa
 same config and the same compiled graphs.
 
 Imports TRL when called; only processes that train import it (the worker, the precompile jobs).
+
+A run with a reward file of the user's hides the Hub token from that code, as the before-launch
+check does: the dataset is loaded before, and a Hub model is resolved to its local folder (the
+download, on every rank a cache hit after rank 0's), then the token leaves os.environ, before
+the reward file is imported. Pushing to the Hub during such a run (push_to_hub) then has no
+token from the environment.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from studio_core import sources, trainers
 from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
 from studio_core.downloads import download_with_progress
 from studio_core.layout import mesh_sizes
-from studio_core.rewards import reward_functions
+from studio_core.rewards import HUB_TOKENS, reward_functions
+from studio_core.runs import events
 from studio_core.runs.folder import OUTPUT
 from studio_core.spec import RunSpec
 
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]  # what download_with_progress fetches
 RECOMPILE_LIMIT = 1 << 14  # per frame (Dynamo's default: 8); see build_trainer
 ACCUMULATED_RECOMPILE_LIMIT = 1 << 20  # in all (Dynamo's default: 256)
 
@@ -55,6 +63,14 @@ def build_trainer(spec: RunSpec, run_dir: Path, dataset, eval_dataset, callbacks
         model_path = str(ensure_tiny_model())
     elif log is not None and sources.HUB_ID.match(model_path) and not Path(model_path).exists():
         download_with_progress(model_path, log)
+    user_code = trainer_spec.rewards and any(isinstance(e, dict) and "file" in e for e in spec.rewards or [])
+    if user_code:
+        model_path = _local_model(model_path, args.get("model_revision"))
+        hidden = [name for name in HUB_TOKENS if os.environ.pop(name, None) is not None]
+        if hidden and log is not None:
+            events.append(log, events.log(f"{', '.join(hidden)} removed from the run's environment before your reward "
+                                          "code is imported (the model and dataset are loaded)"
+                                          + ("; push_to_hub has no token now" if args.get("push_to_hub") else "")))
     model_args = trl.ModelConfig(model_name_or_path=model_path,
                                  **{k: v for k, v in args.items() if k in model_fields})
     config_args = {k: v for k, v in args.items() if k not in model_fields | script_fields}
@@ -78,3 +94,13 @@ def build_trainer(spec: RunSpec, run_dir: Path, dataset, eval_dataset, callbacks
         model=model_path, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
         peft_config=trl.get_peft_config(model_args), callbacks=callbacks, **trainer_kwargs)
     return Built(trainer, config, model_args, model_path)
+
+
+def _local_model(model_path: str, revision: str | None) -> str:
+    """A Hub model's local folder (downloaded now if it is not in the cache), so that loading it
+    needs no token; a local path as it is."""
+    if not sources.HUB_ID.match(model_path) or Path(model_path).exists():
+        return model_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_path, revision=revision, allow_patterns=MODEL_FILES)

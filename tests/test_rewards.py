@@ -4,6 +4,7 @@ Broken user files are real files in tmp_path; the last test trains GRPO for 2 st
 with the built-in tiny model and all three kinds of reward.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -174,6 +175,13 @@ BROKEN_FILES = {  # source, then two parts of the expected message
                      "returned 1 rewards for 2 completions; return one per completion", ""),
     "wrong element": (DEF + "    return ['good' for c in completions]\n",
                       "returned 'good' (str) at position 0; each reward must be a float", ""),
+    "all NaN": (DEF + "    return [float('nan')] * len(completions)\n",
+                "returned no usable reward for any of the 2 sample completions (all None or NaN); return a finite "
+                "float for each completion", ""),
+    "all None": (DEF + "    return [None for c in completions]\n",
+                 "returned no usable reward for any of the 2 sample completions", ""),
+    "an infinite reward": (DEF + "    return [1.0, float('-inf')]\n",
+                           "returned -inf at position 1; each reward must be a finite float", ""),
     "missing function": ("def other(completions, **kwargs):\n    return [1.0]\n",
                          "my_rewards.py has no 'my_reward'; it defines: other; set function: to one of them", ""),
     "not callable": ("my_reward = 0.5\n", "'my_reward' in my_rewards.py is 0.5 (float), not a function", ""),
@@ -286,3 +294,21 @@ def test_grpo_trains_with_the_rewards(tmp_path):
         assert -1.0 < log["rewards/length/mean"] <= 0.0
         weighted = log["rewards/length/mean"] + 2.0 * log["rewards/exact_match/mean"] + 0.5
         assert log["reward"] == pytest.approx(weighted, abs=1e-5)
+
+
+@pytest.mark.fast
+def test_reward_code_checked_in_this_process_never_sees_the_hub_token(tmp_path, monkeypatch):
+    # the worker checks a Hub dataset's first rows in its own process, the token still in its environment
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_test")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
+    path = user_file(tmp_path, """\
+        import os
+        from huggingface_hub import get_token
+        AT_IMPORT = (os.environ.get("HF_TOKEN"), get_token())
+
+        def my_reward(completions, **kwargs):
+            assert AT_IMPORT == (None, None) and (os.environ.get("HF_TOKEN"), get_token()) == (None, None)
+            return [1.0] * len(completions)
+        """)
+    assert check_rewards([{"file": path, "function": "my_reward"}], STANDARD_ROWS) == []
+    assert os.environ["HF_TOKEN"] == "hf_fake_token_for_the_test"  # back for the worker's own downloads

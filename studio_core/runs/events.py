@@ -49,7 +49,9 @@ def status(state: str, exit_code: int | None = None, world_size: int | None = No
            max_steps: int | None = None, num_train_epochs: float | None = None, reason: str | None = None) -> dict:
     """The run's state changed. `state`: one of STATES. `exit_code`: torchrun's, when it ended.
     When training begins (running): `world_size` (processes), `max_steps`, `num_train_epochs`.
-    `reason`: why it ended, when the run itself could not say (Slurm ended the job)."""
+    `reason`: why it ended, when the run itself could not say (Slurm ended the job; a full disk
+    that kept the ranks from writing their error). A stop the user asked for is "stopped" with
+    exit code 0 (torchrun's own code after SIGTERM goes to a log event), unless it was killed."""
     return _event("status", state=state, exit_code=exit_code, world_size=world_size, max_steps=max_steps,
                   num_train_epochs=num_train_epochs, reason=reason)
 
