@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import ipaddress
 import signal
+import stat
 import sys
-import time
+import threading
 from pathlib import Path
 
 from cli.options import CommandLineError, runs_folder
@@ -16,7 +17,7 @@ def cmd_serve(args) -> int:
     if args.target is not None:
         return serve_model(args)
     given = [flag for flag, value in (("--api-key-file", args.api_key_file), ("--cores", args.cores),
-                                      ("--backend", args.backend)) if value]
+                                      ("--backend", args.backend), ("--max-cache-len", args.max_cache_len)) if value]
     if given:
         raise CommandLineError(f"{', '.join(given)}: these go with a model to serve (launch.py serve RUN_OR_MODEL)")
     args.port = args.port or 7860
@@ -30,9 +31,11 @@ def cmd_serve(args) -> int:
     from app.main import build_app, launch_settings, queued
 
     demo = build_app(runs_dir)
+    # launch() returns once the port answers; the line says so only then, for whoever reads it to connect
+    queued(demo).launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True, quiet=True,
+                        footer_links=["gradio", "settings"], prevent_thread_lock=True, **launch_settings(runs_dir))
     print(f"Studio on http://{args.host}:{args.port}", flush=True)
-    queued(demo).launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True,
-                        quiet=True, footer_links=["gradio", "settings"], **launch_settings(runs_dir))
+    demo.block_thread()
     return 0
 
 
@@ -70,7 +73,7 @@ def serve_model(args) -> int:
     """An OpenAI-compatible endpoint for a run's model, in a chat process on a core of its own,
     until Ctrl-C."""
     from cli.options import check_one_core, hardware_for
-    from studio_core.chat import ChatError, ChatProcess
+    from studio_core.chat import MAX_CACHE_LEN, ChatError, ChatProcess
     from studio_core.openai_api import ApiServer
 
     if args.auth or args.auth_file:
@@ -85,30 +88,38 @@ def serve_model(args) -> int:
     hardware = hardware_for(args)
     check_one_core(args.cores, hardware)
     try:
-        chat = ChatProcess.start(args.target, runs_dir, hardware, cores=args.cores)
+        chat = ChatProcess.start(args.target, runs_dir, hardware, cores=args.cores,
+                                 max_cache_len=args.max_cache_len or MAX_CACHE_LEN)
     except ChatError as error:
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
     try:
-        server = ApiServer(chat, args.target, args.host, args.port or 8000, key, args.max_queue).start()
+        server = ApiServer(chat, args.target, args.host, args.port or 8000, key, args.max_queue,
+                           setting="launch.py serve --max-cache-len").start()
     except OSError as error:
         chat.unload()
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
     print(f"Serving {args.target} at {server.url} (OpenAI's API; key {'required' if key else 'not required'}); "
           "Ctrl-C ends it", flush=True)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    # SIGTERM only sets a flag: the ending below (requests cut, server, chat process) runs once, whole
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
     try:
-        while server.thread.is_alive() and chat.alive:
-            time.sleep(0.5)
+        while not terminated.wait(0.5) and server.thread.is_alive() and chat.alive:
+            continue
         if not chat.alive:
             print("The chat process ended; the endpoint stops.", file=sys.stderr)
             return 1
+        if terminated.is_set():
+            print("Stopped (SIGTERM): the requests in progress got an error, the endpoint ends and the model's "
+                  "core is freed.", file=sys.stderr)
     except KeyboardInterrupt:
-        print("Stopped (Ctrl-C): the endpoint ends and the model's core is freed.", file=sys.stderr)
+        print("Stopped (Ctrl-C): the requests in progress got an error, the endpoint ends and the model's core is "
+              "freed.", file=sys.stderr)
     finally:
-        server.stop()
-        chat.unload()
+        server.stop()  # every request ends first (the one answering after its current token): nothing to wait for
+        chat.unload(timeout=10)
     return 0
 
 
@@ -123,4 +134,8 @@ def read_api_key(path: str) -> str:
     key = lines[0].strip()
     if len(key) < 8:
         raise CommandLineError(f"--api-key-file {path}: its first line must hold a key of at least 8 characters")
+    mode = stat.S_IMODE(Path(path).stat().st_mode)
+    if mode & 0o077:  # as ssh warns of a private key others can read
+        print(f"Warning: --api-key-file {path} is open to other users of this machine (mode {mode:04o}): they can "
+              f"read the key (or change it). Run chmod 600 {path}", file=sys.stderr)
     return key

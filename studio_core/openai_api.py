@@ -13,9 +13,17 @@ Requests are answered one at a time, in arrival order: batching them would add a
 size and bucket. At most `max_queue` wait; one more gets 503 at once. A client that disconnects
 from a stream ends its generation after the current token and gives up its place.
 
+A request is checked whole before it takes its place (`parse`: a strict pydantic model of OpenAI's
+fields, then their ranges), so no bad field fails once it holds a turn, and a turn is given back
+however its answer ends. OpenAI's fields that this server does not implement (tools, logprobs,
+penalties, response_format...) are refused unless they hold their default: never ignored.
+`Answering.close` (the server's stop: SIGTERM, Unload) ends every request at once: the one being
+answered after its current token, the waiting ones with 503.
+
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a request the
 model cannot take (and what to change), 401 without the right key when one is set, 404 for another
-model's name, 503 when the queue is full. The key is compared in constant time and never logged.
+model's name, 503 when the queue is full or the server is ending. The key is compared in constant
+time and never logged.
 
 Built on FastAPI and uvicorn, which Gradio brings. No torch here: this runs in the app's process.
 """
@@ -25,22 +33,26 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import threading
 import time
 import uuid
 from collections import deque
+from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from studio_core.chat import ChatError
-from studio_core.generation import buckets_for
+from studio_core.generation import BUCKETS, buckets_for
 
 DEFAULT_MAX_TOKENS = 128
 MAX_QUEUE = 32
 ROLES = ("system", "user", "assistant")
 MAX_STOP = 4  # as OpenAI allows
+SEEDS = (-2**63, 2**64 - 1)  # what torch.manual_seed takes
+CACHE_SETTING = "MAX_CACHE_LEN in studio_core/chat.py"  # what sets the cache, hence the largest bucket
 
 
 class ApiError(Exception):
@@ -53,17 +65,28 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down: ask again once it is back", code="server_shutting_down",
+                    kind="server_error")
+
+
 class Turns:
-    """Requests take turns at the model in arrival order; at most `limit` wait (Full beyond)."""
+    """Requests take turns at the model in arrival order; at most `limit` wait (Full beyond).
+    Once closed, no one enters and every waiter gets Closed."""
 
     class Full(Exception):
         pass
 
+    class Closed(Exception):
+        pass
+
     def __init__(self, limit: int):
-        self.limit, self.waiting, self.cond = limit, deque(), threading.Condition()
+        self.limit, self.waiting, self.cond, self.closed = limit, deque(), threading.Condition(), False
 
     def enter(self) -> object:
         with self.cond:
+            if self.closed:
+                raise Turns.Closed()
             if len(self.waiting) > self.limit:  # the one answering now is not waiting
                 raise Turns.Full()
             ticket = object()
@@ -72,11 +95,18 @@ class Turns:
 
     def wait(self, ticket: object) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: self.waiting[0] is ticket)
+            self.cond.wait_for(lambda: self.closed or self.waiting[0] is ticket)
+            if self.closed:
+                raise Turns.Closed()
 
     def leave(self, ticket: object) -> None:
         with self.cond:
             self.waiting.remove(ticket)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
             self.cond.notify_all()
 
     @property
@@ -85,6 +115,124 @@ class Turns:
 
 
 # --- what a request asks for ----------------------------------------------------------------
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+    include_obfuscation: bool = True  # nothing is obfuscated here; a client may still say it
+
+
+class _Request(BaseModel):
+    """OpenAI's fields, typed strictly ("yes" is no boolean, 1.0 no whole number, no unknown
+    field). Those given as Any are checked below, with messages that say which part is wrong."""
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model: str
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Any = None
+    n: Any = None
+    # how a client labels its requests: taken, no effect on the answer
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # not implemented: refused unless default (UNSUPPORTED)
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+
+
+class _ChatRequest(_Request):
+    messages: Any
+    max_completion_tokens: int | None = None
+    parallel_tool_calls: bool | None = None  # means nothing without tools
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+
+class _TextRequest(_Request):
+    prompt: Any
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+
+# field: (its values this server takes, what it would ask for)
+_NO_TOOLS = ((None, []), "tool calls")
+UNSUPPORTED = {
+    "tools": _NO_TOOLS, "functions": _NO_TOOLS, "tool_choice": ((None, "none", "auto"), "tool calls"),
+    "function_call": ((None, "none", "auto"), "tool calls"),
+    "response_format": ((None, {"type": "text"}), "structured output (only plain text)"),
+    "logprobs": ((None, False), "log probabilities"), "top_logprobs": ((None, 0), "log probabilities"),
+    "frequency_penalty": ((None, 0, 0.0), "penalties"), "presence_penalty": ((None, 0, 0.0), "penalties"),
+    "logit_bias": ((None, {}), "logit biases"), "best_of": ((None, 1), "several answers to pick from"),
+    "echo": ((None, False), "the prompt echoed back"), "suffix": ((None, ""), "a suffix (insertion)"),
+    "modalities": ((None, ["text"]), "audio"), "audio": ((None,), "audio"),
+    "prediction": ((None,), "predicted outputs"), "reasoning_effort": ((None,), "reasoning settings"),
+    "verbosity": ((None,), "verbosity settings"), "web_search_options": ((None,), "web search"),
+}
+_EXPECTED = {"bool_type": "true or false", "int_type": "a whole number", "float_type": "a number",
+             "string_type": "a string", "model_type": "an object", "dict_type": "an object",
+             "finite_number": "a finite number"}
+
+
+def parse(body: dict, kind: str, model: str, max_cache_len: int) -> tuple[dict, bool, bool]:
+    """The whole request checked, before it takes a turn: (the chat process's fields, stream,
+    usage wanted at a stream's end). Raises ApiError saying what to change."""
+    try:
+        request = (_ChatRequest if kind == "chat" else _TextRequest).model_validate(body)
+    except ValidationError as invalid:
+        raise _refusal(invalid.errors()[0], model) from None
+    if request.model != model:
+        raise ApiError(404, f"model {request.model!r} is not served here; this server serves {model!r} "
+                       "(GET /v1/models)", "model", "model_not_found")
+    for name, (defaults, what) in UNSUPPORTED.items():
+        value = getattr(request, name, None)
+        if not any(value == ok and type(value) is type(ok) for ok in defaults):
+            raise ApiError(400, f"{name} {json.dumps(value)[:80]}: this server does not do {what}; it writes one "
+                           f"plain-text answer per request. Leave {name} out", name, "unsupported_parameter")
+    if request.stream_options is not None and not request.stream:
+        raise ApiError(400, "stream_options goes with \"stream\": true; leave it out of a request that is not "
+                       "streamed", "stream_options")
+    fields = sampling(body, max_cache_len)
+    if kind == "chat":
+        fields |= {"messages": chat_messages(body)}
+    else:
+        fields |= {"messages": None, "text": completion_prompt(body)}
+    usage = bool(request.stream_options and request.stream_options.include_usage)
+    return fields, bool(request.stream), usage
+
+
+def _refusal(error: dict, model: str) -> ApiError:
+    param = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "missing":
+        return ApiError(400, f"{param} is required" + (f": this server serves {model!r} (GET /v1/models)"
+                                                       if param == "model" else ""), param)
+    if error["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown field {param!r}: OpenAI's API has no such field here; leave it out", param,
+                        "unknown_parameter")
+    expected = _EXPECTED.get(error["type"])
+    if expected is None:
+        return ApiError(400, f"{param}: {error['msg']}", param)
+    return ApiError(400, f"{param} must be {expected}, got {json.dumps(error['input'])[:80]}", param)
+
+
 def sampling(body: dict, max_cache_len: int) -> dict:
     """max_tokens, temperature, top_p, seed, stop and n, checked; the chat process's fields."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -101,12 +249,13 @@ def sampling(body: dict, max_cache_len: int) -> dict:
     if not _number(top_p) or not 0 < top_p <= 1:
         raise ApiError(400, f"top_p must be above 0 and at most 1, got {top_p!r}", "top_p")
     seed = body.get("seed")
-    if seed is not None and not _whole(seed):
-        raise ApiError(400, f"seed must be a whole number, got {seed!r}", "seed")
-    if body.get("n", 1) not in (1, None):
-        raise ApiError(400, f"n must be 1: this server writes one answer per request, got {body['n']!r}", "n")
+    if seed is not None and not (_whole(seed) and SEEDS[0] <= seed <= SEEDS[1]):
+        raise ApiError(400, f"seed must be a whole number from {SEEDS[0]} to {SEEDS[1]}, got {seed!r}", "seed")
+    n = body.get("n")
+    if n is not None and not (_whole(n) and n == 1):
+        raise ApiError(400, f"n must be 1: this server writes one answer per request, got {n!r}", "n")
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
+    stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} non-empty strings", "stop")
     return {"max_new_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
@@ -120,6 +269,7 @@ def chat_messages(body: dict) -> list[dict]:
     found = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
+        role = "system" if role == "developer" else role  # OpenAI's newer name for the system prompt
         if role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}",
                            f"messages[{i}].role")
@@ -157,35 +307,83 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+def too_long(message: str, max_cache_len: int, max_tokens: int, setting: str = CACHE_SETTING) -> str:
+    """What to change for a prompt that does not fit: fewer tokens only when that helps, else the
+    largest prompt there is (the largest bucket the cache leaves room in) and the setting that
+    raises it. `message`: the chat process's, which counts the prompt's tokens."""
+    longest = buckets_for(max_cache_len, 1)[-1]
+    counted = re.search(r"the prompt is (\d+) tokens", message)
+    tokens = int(counted.group(1)) if counted else None
+    said = f"the prompt is {tokens} tokens" if tokens is not None else "the prompt does not fit"
+    if tokens is not None and tokens <= longest:
+        bucket = next(b for b in buckets_for(max_cache_len, 1) if b >= tokens)
+        return (f"{said}, padded to {bucket}; with the answer's max_tokens {max_tokens} they do not fit the "
+                f"model's {max_cache_len}-token cache: ask for at most {max_cache_len - bucket} tokens, or "
+                "shorten the prompt")
+    bucket = next((b for b in BUCKETS if tokens is not None and b >= tokens), None)
+    raise_it = (f"or serve with a cache of at least {bucket + max_tokens} tokens ({setting})" if bucket
+                else f"the largest prompt bucket there is holds {BUCKETS[-1]}")
+    return (f"{said}; the longest prompt this server takes is {longest} tokens, whatever max_tokens (its largest "
+            f"prompt bucket that leaves room for an answer in its {max_cache_len}-token cache, set by {setting}): "
+            f"shorten the prompt, {raise_it}")
+
+
 # --- answering ----------------------------------------------------------------------------
 class Answering:
-    """The model's side: turns, generation through the chat process, stop strings, counts."""
+    """The model's side: turns, generation through the chat process, stop strings, counts.
+    `setting`: what the user changes to serve a longer cache (for the too-long message)."""
 
-    def __init__(self, chat, model: str, max_queue: int = MAX_QUEUE):
-        self.chat, self.model, self.turns = chat, model, Turns(max_queue)
+    def __init__(self, chat, model: str, max_queue: int = MAX_QUEUE, setting: str = CACHE_SETTING):
+        self.chat, self.model, self.turns, self.setting = chat, model, Turns(max_queue), setting
         self.max_cache_len = chat.info["max_cache_len"]
         self.shapes: list = []
         self.counts = {"requests": 0, "completed": 0, "stopped": 0, "failed": 0}
+        self.cancels: set[threading.Event] = set()  # one per request in progress, set by close()
+
+    def enter(self) -> tuple[object, threading.Event]:
+        """A turn in the queue and the event that cancels its answer; ApiError 503 if full or closed."""
+        try:
+            ticket = self.turns.enter()
+        except Turns.Closed:
+            raise shutting_down() from None
+        except Turns.Full:
+            raise ApiError(503, f"the server is busy: {self.turns.limit} requests are waiting; try again "
+                           "shortly", code="queue_full", kind="server_error") from None
+        cancel = threading.Event()
+        self.cancels.add(cancel)
+        self.counts["requests"] += 1
+        return ticket, cancel
+
+    def close(self) -> None:
+        """End every request now: the answer being written after its current token, the waiting ones."""
+        self.turns.close()
+        for cancel in list(self.cancels):
+            cancel.set()
 
     def run(self, ticket, request: dict, pieces=None, cancel: threading.Event | None = None) -> dict:
         """In a worker thread: wait for the turn, generate, hand each new piece of the answer to
         `pieces` (a callable) as it comes, return {text, finish_reason, usage}. Raises ApiError.
-        With stop strings, the last characters that could begin one are held back until the
-        next piece shows whether they do. `cancel` set (the client left): the generation is
-        stopped after its current token, or never started."""
-        stop_strings = request.pop("stop")
-        hold = max((len(s) for s in stop_strings), default=1) - 1
+        The turn is given back however this ends. With stop strings, the last characters that
+        could begin one are held back until the next piece shows whether they do. `cancel` set
+        (the client left, the server ends): the generation is stopped after its current token,
+        or never started."""
+        cancel = cancel or threading.Event()
         cut, text, sent, done = None, "", 0, {}
         try:
-            self.turns.wait(ticket)
-            if cancel is not None and cancel.is_set():
+            stop_strings = request.pop("stop")
+            hold = max((len(s) for s in stop_strings), default=1) - 1
+            try:
+                self.turns.wait(ticket)
+            except Turns.Closed:
+                raise shutting_down() from None
+            if cancel.is_set():
                 self.counts["stopped"] += 1
-                return {}
+                raise shutting_down() if self.turns.closed else ApiError(499, "the client left", kind="server_error")
             for event in self.chat.generate(**request, whole=True):
                 if event["type"] != "token":
                     done = event
                     continue
-                if cancel is not None and cancel.is_set() and cut is None:
+                if cancel.is_set() and cut is None:
                     cut = len(text)
                     self.chat.stop_generation()
                 if cut is not None:
@@ -199,20 +397,25 @@ class Answering:
                 if pieces is not None and ready > sent:
                     pieces(text[sent:ready])
                     sent = ready
-            if pieces is not None and len(text) > sent:
+            if pieces is not None and len(text) > sent and not cancel.is_set():
                 pieces(text[sent:])
         except ChatError as error:
             self.counts["failed"] += 1
             if error.code == "context_length_exceeded":
-                raise ApiError(400, str(error), "messages", "context_length_exceeded") from None
+                message = too_long(str(error), self.max_cache_len, request["max_new_tokens"], self.setting)
+                raise ApiError(400, message, "messages", "context_length_exceeded") from None
             raise ApiError(500, f"the model failed: {error}", kind="server_error") from None
         finally:
             self.turns.leave(ticket)
+            self.cancels.discard(cancel)
         self.shapes = done.get("shapes", self.shapes)
         new_tokens = done.get("new_tokens", 0)
-        if cancel is not None and cancel.is_set():
+        if cancel.is_set():
             self.counts["stopped"] += 1
             self.counts["stopped_after_tokens"] = new_tokens  # how far the last abandoned answer got
+            if self.turns.closed:
+                raise ApiError(503, f"the server is shutting down: the answer was cut after {new_tokens} tokens; "
+                               "ask again once it is back", code="server_shutting_down", kind="server_error")
         else:
             self.counts["completed"] += 1
         finish = "stop" if cut is not None or new_tokens < request["max_new_tokens"] else "length"
@@ -222,39 +425,69 @@ class Answering:
                           "total_tokens": prompt_tokens + new_tokens}}
 
 
+def _answer_in_thread(answering: Answering, ticket, fields: dict, cancel: threading.Event, streamed: bool,
+                      rid: str) -> asyncio.Queue:
+    """Start the answer's worker thread, which owns the turn from here on: it gives it back however
+    the answer ends. The queue gets the pieces (when `streamed`), then the result or an ApiError."""
+    loop, items = asyncio.get_running_loop(), asyncio.Queue()
+
+    def put(item) -> None:
+        try:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+        except RuntimeError:  # the server's loop has ended (shutdown): nobody is left to read it
+            cancel.set()
+
+    def work() -> None:
+        try:
+            put(answering.run(ticket, fields, put if streamed else None, cancel))
+        except ApiError as error:
+            put(error)
+        except Exception as error:  # a bug here must still answer the client and free the turn (run did)
+            put(ApiError(500, f"the server failed: {type(error).__name__}: {error}", kind="server_error"))
+
+    try:
+        threading.Thread(target=work, name=f"answer-{rid}", daemon=True).start()
+    except BaseException:
+        answering.turns.leave(ticket)
+        answering.cancels.discard(cancel)
+        raise
+    return items
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer whose generation is cancelled however the response ends early (the client
+    left, even before the first byte; the server stopped)."""
+
+    def __init__(self, content, cancel: threading.Event):
+        super().__init__(content, media_type="text/event-stream")
+        self.cancel = cancel
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cancel.set()  # after a whole answer this changes nothing: its run has returned
+
+
 # --- the web app --------------------------------------------------------------------------
 def build_api(answering: Answering, api_key: str | None = None):
     """The FastAPI app of the routes above."""
-    api = FastAPI(title="trn-studio OpenAI-compatible endpoint", docs_url=None, redoc_url=None)
 
-    @api.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @api.middleware("http")
-    async def check_key(request: Request, call_next):
+    async def check_key(request: Request) -> None:
         if api_key is not None:
             given = request.headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), api_key.encode()):
                 what = "no API key was given" if not token else "the API key is not this server's"
-                error = ApiError(401, f"{what}: send it as 'Authorization: Bearer KEY' (the openai client's "
-                                 "api_key)", code="invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+                raise ApiError(401, f"{what}: send it as 'Authorization: Bearer KEY' (the openai client's "
+                               "api_key)", code="invalid_api_key")
 
-    async def body_of(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body must be JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if model != answering.model:
-            raise ApiError(404, f"model {model!r} is not served here; this server serves {answering.model!r} "
-                           "(GET /v1/models)", "model", "model_not_found")
-        return body
+    api = FastAPI(title="trn-studio OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(check_key)])
+
+    @api.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
 
     @api.get("/v1/models")
     async def models():
@@ -267,25 +500,22 @@ def build_api(answering: Answering, api_key: str | None = None):
                 "buckets": buckets_for(answering.max_cache_len, 1), "max_cache_len": answering.max_cache_len}
 
     async def answer(request: Request, kind: str):
-        body = await body_of(request)
-        fields = sampling(body, answering.max_cache_len)
-        if kind == "chat":
-            fields |= {"messages": chat_messages(body)}
-        else:
-            fields |= {"messages": None, "text": completion_prompt(body)}
         try:
-            ticket = answering.turns.enter()
-        except Turns.Full:
-            raise ApiError(503, f"the server is busy: {answering.turns.limit} requests are waiting; try again "
-                           "shortly", code="queue_full", kind="server_error") from None
-        answering.counts["requests"] += 1
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body must be JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        fields, stream, usage_wanted = parse(body, kind, answering.model, answering.max_cache_len)
+        ticket, cancel = answering.enter()
         made, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if not body.get("stream"):
-            result = await run_in_threadpool(answering.run, ticket, fields)
-            return _whole_response(kind, rid, made, answering.model, result)
-        usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream(answering, ticket, fields, kind, rid, made, usage_wanted),
-                                 media_type="text/event-stream")
+        items = _answer_in_thread(answering, ticket, fields, cancel, stream, rid)
+        if stream:
+            return _Stream(_stream(items, kind, rid, made, answering.model, usage_wanted), cancel)
+        result = await items.get()
+        if isinstance(result, ApiError):
+            raise result
+        return _whole_response(kind, rid, made, answering.model, result)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -319,61 +549,39 @@ def _chunk(kind: str, rid: str, made: int, model: str, text: str | None, finish:
     return {"id": rid, "object": "text_completion", "created": made, "model": model, "choices": [choice]}
 
 
-async def _stream(answering: Answering, ticket, fields: dict, kind: str, rid: str, made: int, usage_wanted: bool):
-    """Server-sent events: the pieces as the model writes them, the finish reason, [DONE]. If the
-    client goes away, the generation is stopped (the turn is given up when it has ended)."""
-    loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
-    model = answering.model
-
-    def work():
-        try:
-            result = answering.run(ticket, fields, lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece),
-                                   cancel)
-            loop.call_soon_threadsafe(pieces.put_nowait, result)
-        except ApiError as error:
-            loop.call_soon_threadsafe(pieces.put_nowait, error)
+async def _stream(items: asyncio.Queue, kind: str, rid: str, made: int, model: str, usage_wanted: bool):
+    """Server-sent events: the pieces as the model writes them, the finish reason, [DONE]; an error
+    after the headers are sent goes in the stream, in OpenAI's shape."""
 
     def sse(data) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
-    cancel = threading.Event()
-    worker = threading.Thread(target=work, name=f"answer-{rid}", daemon=True)
-    worker.start()
-    finished = False
-    try:
-        if kind == "chat":
-            yield sse(_chunk(kind, rid, made, model, None, None, first=True))
-        while True:
-            item = await pieces.get()
-            if isinstance(item, str):
-                yield sse(_chunk(kind, rid, made, model, item, None))
-                continue
-            finished = True
-            if isinstance(item, ApiError):  # the headers are sent: the error goes in the stream
-                yield sse(item.body())
-            else:
-                yield sse(_chunk(kind, rid, made, model, None, item["finish_reason"]))
-                if usage_wanted:
-                    yield sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                               "created": made, "model": model, "choices": [], "usage": item["usage"]})
-            yield "data: [DONE]\n\n"
-            return
-    finally:
-        if not finished:  # the client went away mid-answer: its generation ends, its turn is given up
-            cancel.set()
+    if kind == "chat":
+        yield sse(_chunk(kind, rid, made, model, None, None, first=True))
+    while isinstance(item := await items.get(), str):
+        yield sse(_chunk(kind, rid, made, model, item, None))
+    if isinstance(item, ApiError):
+        yield sse(item.body())
+    else:
+        yield sse(_chunk(kind, rid, made, model, None, item["finish_reason"]))
+        if usage_wanted:
+            yield sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                       "created": made, "model": model, "choices": [], "usage": item["usage"]})
+    yield "data: [DONE]\n\n"
 
 
 class ApiServer:
     """uvicorn serving build_api() in a thread of this process, until stop()."""
 
     def __init__(self, chat, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 max_queue: int = MAX_QUEUE):
+                 max_queue: int = MAX_QUEUE, setting: str = CACHE_SETTING):
         import uvicorn
 
-        self.answering = Answering(chat, model, max_queue)
+        self.answering = Answering(chat, model, max_queue, setting)
         self.host, self.port = host, port
+        # requests are ended by Answering.close first; the grace only covers a client slow to read the last bytes
         config = uvicorn.Config(build_api(self.answering, api_key), host=host, port=port, log_level="warning",
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=3)
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
 
@@ -393,6 +601,9 @@ class ApiServer:
         return self
 
     def stop(self) -> None:
+        """End every request (503 to the waiting ones, the one answering cut after its token), then
+        the server."""
+        self.answering.close()
         self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout=10)

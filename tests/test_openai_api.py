@@ -205,8 +205,10 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation_and_frees_its_turn
     (dict(messages=[{"role": "robot", "content": "hi"}]), 400, None, "role must be one of system, user, assistant"),
     (dict(max_tokens=0), 400, None, "max_tokens must be a whole number from 1 to"),
     (dict(max_tokens=5000), 400, None, "the model's cache holds"),
-    (dict(messages=[{"role": "user", "content": "Zorbia " * 700}], max_tokens=400), 400,
-     "context_length_exceeded", "shorten it or ask for fewer tokens"),
+    (dict(messages=[{"role": "user", "content": "Zorbia " * 700}], max_tokens=200), 400,
+     "context_length_exceeded", "the longest prompt this server takes is 512 tokens, whatever max_tokens"),
+    (dict(messages=[{"role": "user", "content": "Zorbia " * 30}], max_tokens=900), 400,
+     "context_length_exceeded", "ask for at most 768 tokens, or shorten the prompt"),
     (dict(model="gpt-4o"), 404, "model_not_found", "is not served here"),
 ])
 def test_bad_requests_get_openai_errors_that_say_what_to_change(server, call, status, code, says):
