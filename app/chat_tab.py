@@ -5,7 +5,9 @@ The model lives in the chat process (studio_core.chat), never in this one; the a
 one chat at a time, shared by its pages, and Unload ends the process and frees its core.
 Each page keeps what the model wrote (a State) apart from what its chatbots show: a reasoning
 block as a collapsed "Reasoning" part, the answer without tags or runs of blank lines, a
-placeholder for an empty answer; the next prompt carries only the earlier answers.
+placeholder for an empty answer; the next prompt carries only the earlier answers. The page
+says that the model sees the whole conversation (a second, unrelated question is answered in
+the light of the first) and offers Single-turn, where each message is asked alone.
 """
 
 from __future__ import annotations
@@ -97,6 +99,18 @@ def for_model(conversation: list[dict], thinking: bool) -> list[dict]:
             if m["role"] == "assistant" else m for m in conversation]
 
 
+HISTORY_NOTE = "The model sees the whole conversation; **Clear** to start over."
+SINGLE_TURN_NOTE = "Single-turn: the model sees only your latest message (and the system prompt)."
+
+
+def asked(conversation: list[dict], text: str, system_prompt: str, thinking: bool, single_turn: bool) -> list[dict]:
+    """The messages sent for a new message `text`: the system prompt, the earlier turns (none when
+    `single_turn`), then the message."""
+    system_turn = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    earlier = [] if single_turn else for_model(conversation, thinking)
+    return [*system_turn, *earlier, {"role": "user", "content": text}]
+
+
 def for_chatbot(conversation: list[dict], thinking: bool, answering: bool = False) -> list[dict]:
     """The conversation as a chatbot shows it: a reasoning block as a collapsed "Reasoning" part
     (open while the model is still in it), the answer without tags or runs of blank lines, and
@@ -146,6 +160,9 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
     conversations = gr.State({"tuned": [], "base": []})  # what the model was asked and wrote, as written
     message = gr.Textbox(label="Message", placeholder="Ask something, then Enter", elem_id="chat-input")
     with gr.Row():
+        history_note = gr.Markdown(HISTORY_NOTE, elem_id="chat-history-note")
+        single_turn = gr.Checkbox(False, label="Single-turn: answer each message alone", elem_id="chat-single-turn")
+    with gr.Row():
         send = gr.Button("Send", variant="primary", elem_id="chat-send")
         stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
         clear = gr.Button("Clear", elem_id="chat-clear")
@@ -166,7 +183,7 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
         untrained = "base" in holder.chat.target.untrained
         return loaded, gr.update(label="Base (untrained: random weights)" if untrained else "Base")
 
-    def on_send(text, kept, side_by_side, system_prompt, temp, p, max_new):
+    def on_send(text, kept, side_by_side, system_prompt, temp, p, max_new, alone):
         chat = holder.chat
         if chat is None or not chat.alive:
             yield gr.skip(), gr.skip(), kept, text, "**Load a run or a model first.**"
@@ -174,7 +191,6 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
         if not (text or "").strip():
             yield gr.skip(), gr.skip(), kept, "", ""
             return
-        system_turn = [{"role": "system", "content": system_prompt}] if system_prompt else []
         kept = {which: list(conversation) for which, conversation in kept.items()}
         note = ""
 
@@ -183,10 +199,10 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
 
         for which in ("tuned", "base") if side_by_side else ("tuned",):
             conversation = kept[which]
-            asked = [*system_turn, *for_model(conversation, chat.thinking), {"role": "user", "content": text}]
+            messages = asked(conversation, text, system_prompt, chat.thinking, alone)
             conversation += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
             try:
-                for event in chat.generate(asked, which=which, temperature=temp, top_p=p,
+                for event in chat.generate(messages, which=which, temperature=temp, top_p=p,
                                            max_new_tokens=int(max_new)):
                     if event["type"] == "token":
                         conversation[-1]["content"] += event["text"]
@@ -201,7 +217,7 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
         if holder.chat is not None:
             holder.chat.stop_generation()
 
-    inputs = [message, conversations, compare, system, temperature, top_p, max_new_tokens]
+    inputs = [message, conversations, compare, system, temperature, top_p, max_new_tokens, single_turn]
     outputs = [tuned, base, conversations, message, shapes]
     load.click(on_load, target, [status, base]).then(lambda: (False, "Not served.", ""), None,
                                                       [serving, served, snippet])
@@ -213,5 +229,6 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
     stop.click(on_stop, None, None)
     clear.click(lambda: ([], [], {"tuned": [], "base": []}, ""), None, [tuned, base, conversations, shapes])
     compare.change(lambda on: gr.update(visible=on), compare, base)
+    single_turn.change(lambda on: SINGLE_TURN_NOTE if on else HISTORY_NOTE, single_turn, history_note)
     target.focus(lambda: gr.update(choices=chat_targets(manager)), None, target)
     page.load(lambda: gr.update(choices=chat_targets(manager)), None, target)  # after a login, not before

@@ -88,6 +88,8 @@ def about(summary: dict) -> str:
              f"**{len(shapes)} distinct input shapes** (on Neuron, each one is a compilation): "
              + ", ".join("x".join(map(str, s)) for s in shapes)
              + f"; prompt buckets: {', '.join(map(str, summary.get('buckets') or [])) or '-'}."]
+    if summary.get("skipped"):
+        lines.append(f"**Skipped:** {summary['skipped']['message']}.")
     if summary.get("exact_match_compares"):
         lines.append(f"exact_match compares: {summary['exact_match_compares']}.")
     if summary.get("note"):
@@ -219,6 +221,8 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
                           info="the first N rows; empty or 0: all")
         max_new = gr.Number(evaluation.MAX_NEW_TOKENS, label="Max new tokens", precision=0, scale=1,
                             elem_id="eval-max-new-tokens", info="per answer, 1 to 512")
+        cache_len = gr.Number(evaluation.MAX_CACHE_LEN, label="Cache length", precision=0, scale=1,
+                              elem_id="eval-max-cache-len", info="tokens: prompt + answer; a longer prompt is skipped")
     gr.Markdown("**Metrics** (none checked: every one that applies to the data and the run)",
                 elem_classes="field-help")
     with gr.Row():
@@ -290,11 +294,12 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
         picked = next((s for s in summaries_of(run_id) if Path(s["dir"]).name == name), None)
         return {message: ""} | (showing(run_id, picked, only_worse, metric) if picked else cleared())
 
-    def request_from(run_id, data_, split_, limit_, max_new_, chosen) -> EvalRequest:
+    def request_from(run_id, data_, split_, limit_, max_new_, cache_, chosen) -> EvalRequest:
         metrics = tuple(name for name, on in zip(evaluation.METRICS, chosen) if on) or None  # None: all that apply
         return EvalRequest(run_id, data=(data_ or "").strip() or None, split=(split_ or "").strip() or None,
                            metrics=metrics, limit=int(limit_) if limit_ else None,
-                           max_new_tokens=int(max_new_) if max_new_ is not None else evaluation.MAX_NEW_TOKENS)
+                           max_new_tokens=int(max_new_) if max_new_ is not None else evaluation.MAX_NEW_TOKENS,
+                           max_cache_len=int(cache_) if cache_ is not None else evaluation.MAX_CACHE_LEN)
 
     def going(on: bool) -> dict:
         """The buttons and the run picker while an evaluation runs (on) and after."""
@@ -302,12 +307,12 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
                 run: gr.update(interactive=not on)}
 
     # the request first: Gradio passes it by its annotation, which it does not find after *chosen
-    def on_start(request: gr.Request, run_id, data_, split_, limit_, max_new_, only_worse, metric, *chosen):
+    def on_start(request: gr.Request, run_id, data_, split_, limit_, max_new_, cache_, only_worse, metric, *chosen):
         if not run_id:
             yield {message: "**Pick a finished run.**"}
             return
         try:
-            process = EvalProcess.start(request_from(run_id, data_, split_, limit_, max_new_, chosen),
+            process = EvalProcess.start(request_from(run_id, data_, split_, limit_, max_new_, cache_, chosen),
                                         manager.runs_dir, hardware)
         except EvalError as error:
             yield {message: f"**Not started:**\n\n{error}", progress: ""}
@@ -316,13 +321,15 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
         running.put(session, process)
         line = f"Loading the tuned model (and its base) on {hardware.backend} core {format_cores(process.cores)} ..."
         yield {message: "", progress: line, **going(True)}
+        skipped = ""
         try:
             for event in process.events():
                 if event["type"] == "loaded":
-                    line = f"0 of {event['rows'] * len(event['sides'])} answers"
+                    skipped = f"; {event['skipped']} prompts too long, skipped" if event.get("skipped") else ""
+                    line = f"0 of {event['rows'] * len(event['sides'])} answers{skipped}"
                     yield {progress: line}
                 elif event["type"] == "progress":
-                    line = f"{event['done']} of {event['total']} answers ({event['side']})"
+                    line = f"{event['done']} of {event['total']} answers ({event['side']}){skipped}"
                     yield {progress: line}
                 elif event["type"] == "done":
                     summary = {**event["summary"], "dir": event["dir"]}
@@ -347,7 +354,7 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
         process.stop()
         return "Stopping after the answer in progress; what is done is saved."
 
-    start_inputs = [run, data, split, limit, max_new, worse, worse_metric, *metric_boxes]
+    start_inputs = [run, data, split, limit, max_new, cache_len, worse, worse_metric, *metric_boxes]
     result_outputs = [summary_table, info, shown, table, count, download, worse_metric, message]
     start.click(on_start, start_inputs, [*result_outputs, progress, earlier, start, stop, run],
                 show_progress="hidden")

@@ -30,6 +30,9 @@ def cmd_chat(args) -> int:
     history: list[dict] = []
     settings = {"temperature": args.temperature, "top_p": args.top_p, "max_new_tokens": args.max_new_tokens}
     print(f"Chatting with {args.target} on {chat.info['backend']} core {format_cores(chat.cores)}.", file=sys.stderr)
+    if args.prompt is None:
+        print("The model sees the whole conversation; /clear starts over." if not args.single_turn else
+              "Single-turn: each message is answered alone.", file=sys.stderr)
     for which in chat.target.untrained:
         if which == "tuned" or args.base:
             print(f"The {'base ' if which == 'base' else ''}model is {UNTRAINED}.", file=sys.stderr)
@@ -41,6 +44,8 @@ def cmd_chat(args) -> int:
             if text.strip() == "/clear":
                 history = []
                 continue
+            if args.single_turn:
+                history = []
             history.append({"role": "user", "content": text})
             for which in ("tuned", "base") if args.base else ("tuned",):
                 if args.base:

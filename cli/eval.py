@@ -7,6 +7,7 @@ import json
 import sys
 
 from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
+from studio_core.chat import MAX_CACHE_LEN
 from studio_core.evaluation import METRICS, EvalError, EvalProcess, EvalRequest, check_request, format_summary
 
 
@@ -21,7 +22,7 @@ def cmd_eval(args) -> int:
     request = EvalRequest(args.target, data=args.data, split=args.split, config=args.config, metrics=metrics,
                           limit=args.limit, max_new_tokens=args.max_new_tokens, column_map=column_map,
                           tasks=tuple(t.strip() for t in (args.lm_eval_tasks or "").split(",") if t.strip()),
-                          task_include=args.lm_eval_include)
+                          task_include=args.lm_eval_include, max_cache_len=args.max_cache_len)
     runs_dir = runs_folder(args, write=True)  # the evaluation holds a core there and saves into the run
     source, problems = check_request(request, runs_dir)  # before the hardware probe (a child Python, seconds)
     if problems:
@@ -40,7 +41,8 @@ def cmd_eval(args) -> int:
     try:
         for event in evaluation.events():
             if event["type"] == "loaded":
-                print(f"Evaluating {args.target} ({' and '.join(event['sides'])}) on {event['rows']} prompts.",
+                skipped = f" ({event['skipped']} too long, skipped: see the summary)" if event.get("skipped") else ""
+                print(f"Evaluating {args.target} ({' and '.join(event['sides'])}) on {event['rows']} prompts{skipped}.",
                       file=sys.stderr)
                 bar = tqdm(total=event["rows"] * len(event["sides"]), unit="answer", dynamic_ncols=True,
                            file=sys.stderr)
@@ -70,6 +72,8 @@ def cmd_eval(args) -> int:
         results["tuned"] |= {f"lm_eval/{task}/{metric}": value for task, scores in summary.get("harness", {}).items()
                              for metric, value in scores.items()}
         print(json.dumps(results))
+        if summary.get("skipped"):  # stdout is the scores alone, for scripts
+            print(f"Skipped: {summary['skipped']['message']}.", file=sys.stderr)
     else:
         if summary["note"]:
             print(f"Evaluated on {summary['note']}.")
@@ -80,6 +84,8 @@ def cmd_eval(args) -> int:
         print(f"{summary['rows']} prompts, greedy, at most {summary['max_new_tokens']} new tokens; "
               f"{len(summary['shapes'])} distinct input shapes (buckets {summary['buckets']}), each a compilation "
               "on Neuron.")
+        if summary.get("skipped"):
+            print(f"Skipped: {summary['skipped']['message']}.")
     print(f"Saved in {done['dir']} (rows.jsonl: every answer and its scores).", file=sys.stderr)
     return 0
 
@@ -96,6 +102,8 @@ def add_parser(command) -> None:
                      "included)")
     sub.add_argument("--limit", type=int, help="evaluate the first N rows only")
     sub.add_argument("--max-new-tokens", type=int, default=64, help="each answer's length limit (default 64)")
+    sub.add_argument("--max-cache-len", type=int, default=MAX_CACHE_LEN, help="the static cache's length in tokens: "
+                     f"a prompt's bucket plus the answer (default {MAX_CACHE_LEN}); a longer prompt is skipped")
     sub.add_argument("--column-map", action="append", default=[], metavar="OLD=NEW",
                      help="rename a column of the evaluation set, e.g. answer=completion")
     sub.add_argument("--lm-eval-tasks", metavar="TASK,...", help="lm-evaluation-harness tasks to run on the tuned "

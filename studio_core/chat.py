@@ -79,6 +79,10 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
         raise ChatError(f"{name} is a run folder, not a run id of {runs_dir}: give its id {outside.name} with its "
                         f"runs folder (--runs-dir {outside.parent}), or its model folder {outside / folder.OUTPUT}")
     if folder.is_run_id(name) and folder.is_run(run_dir):
+        try:
+            folder.read_spec(run_dir)  # a damaged run folder is named the way every command names it
+        except folder.DamagedRun as error:
+            raise ChatError(str(error)) from None
         output = run_dir / folder.OUTPUT
         info = folder.output_info(run_dir)
         if info is None:

@@ -4,13 +4,15 @@
 
 The first stdin line is its setup (JSON: the target, as studio_core.chat.ChatTarget, the
 request, the data source, the results folder, runs folder, backend, cores). It takes its core
-through the same leases as chat (kind "eval"), reads the evaluation set and checks it before
-loading the model, then answers every prompt with each model through the chat's generation
-path (studio_core.generation: static cache, prompt buckets, greedy) and scores the answers
+through the same leases as chat (kind "eval"), reads the evaluation set and checks it, and
+measures its prompts with the tokenizer before loading the model: a prompt longer than the
+largest bucket of the request's cache is skipped (`too_long`; none left: an error, and no model
+is loaded). Then it answers every prompt with each model through the chat's generation path
+(studio_core.generation: static cache, prompt buckets, greedy) and scores the answers
 (studio_core.evaluation). A stdin line {"op": "stop"}, or the end of stdin (the parent is
 gone), stops it after the answer in progress; what is done is saved either way. Each stdout
-line is a JSON event: loaded {rows, sides}, progress {done, total, side}, done {summary, dir},
-error {message}.
+line is a JSON event: loaded {rows, sides, skipped}, progress {done, total, side}, done
+{summary, dir}, error {message}.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import time
 from pathlib import Path
 
 from studio_core import evaluation, leases
-from studio_core.chat import MAX_CACHE_LEN, shown, split_reasoning
+from studio_core.chat import MAX_CACHE_LEN, shown, split_reasoning, template_kwargs
 from studio_core.data_check import apply_column_map
-from studio_core.generation import Generator, on_leased_cores
+from studio_core.generation import BUCKETS, Generator, buckets_for, cache_for, load_tokenizer, on_leased_cores, render
 from studio_core.train_data import held_out, load_split
 
 
@@ -52,6 +54,33 @@ def eval_items(source: dict, request: dict) -> tuple[list[dict], tuple]:
     return items, metrics
 
 
+def too_long(items: list[dict], tokenizer, max_cache_len: int, max_new: int) -> tuple[list[dict], dict | None]:
+    """(the items whose prompt fits the cache whole, what was skipped: None if nothing). Skipped:
+    {count, of, prompts: [{index, prompt_tokens}], largest_bucket, max_cache_len, message}, the
+    message saying how long they are against the largest bucket and the setting that lets them in."""
+    kwargs = template_kwargs(tokenizer)
+    room = buckets_for(max_cache_len, max_new)[-1]
+    lengths = [len(render(tokenizer, kwargs, i["prompt"])) for i in items]
+    over = [(index, n) for index, n in enumerate(lengths) if n > room]
+    if not over:
+        return items, None
+    sizes = sorted({n for _, n in over})
+    cache = cache_for(sizes[-1], max_new)
+    fix = (f"raise the cache length to {cache} or more (--max-cache-len; the Evaluate tab's Cache length), or "
+           "shorten them" if cache is not None else
+           f"shorten them: a prompt over {BUCKETS[-1]} tokens (the largest bucket there is) cannot be evaluated")
+    which = ", ".join(f"#{index + 1}" for index, _ in over[:8]) + (", ..." if len(over) > 8 else "")
+    long = " and ".join(map(str, sizes)) if len(sizes) <= 2 else f"{sizes[0]} to {sizes[-1]}"
+    reason = (f"they are {long} tokens long, over the largest prompt bucket, {room} tokens (a cache of "
+              f"{max_cache_len} tokens less {max_new} for the answer); {fix}")
+    message = (f"every prompt ({which}) is too long: {reason}" if len(over) == len(items) else
+               f"{len(over)} of {len(items)} prompts ({which}) were not scored: {reason}")
+    skipped = {"count": len(over), "of": len(items), "prompts": [{"index": i, "prompt_tokens": n} for i, n in over],
+               "largest_bucket": room, "max_cache_len": max_cache_len, "message": message}
+    keep = {index for index, n in enumerate(lengths) if n <= room}
+    return [i for index, i in enumerate(items) if index in keep], skipped
+
+
 def evaluate(model: Generator, items: list[dict], metrics, max_new: int, stop: threading.Event) -> tuple[list, list]:
     """Each model's answer and scores per item, in item order; (rows, sides)."""
     sides = ["tuned", "base"] if model.has_base else ["tuned"]
@@ -61,7 +90,7 @@ def evaluate(model: Generator, items: list[dict], metrics, max_new: int, stop: t
         for row, one in zip(rows, items):
             if stop.is_set():
                 return [r for r in rows if sides[0] in r], sides
-            answer = model.generate(row["prompt"], which=side, max_new_tokens=max_new)
+            answer = model.generate(row["prompt"], which=side, max_new_tokens=max_new, whole=True)
             entry = {"answer": shown(split_reasoning(answer["text"], model.thinking)[1]),
                      "answer_tokens": answer["new_tokens"], "bucket": answer["bucket"]}
             if "eval_loss" in metrics and row["reference"] is not None:
@@ -119,17 +148,28 @@ def main() -> int:
     threading.Thread(target=listen, name="listen", daemon=True).start()
     try:
         with on_leased_cores(setup):
+            max_cache_len = request.get("max_cache_len") or MAX_CACHE_LEN
             try:
                 items, metrics = eval_items(source, request)
             except ValueError as error:
                 emit("error", message=str(error))
                 return 2
             try:
-                model = Generator(target, setup["backend"], MAX_CACHE_LEN)
+                tokenizer = load_tokenizer(target)
+            except Exception as error:
+                emit("error", message=f"cannot load {target['label']}'s tokenizer: {type(error).__name__}: {error}")
+                return 1
+            items, skipped = too_long(items, tokenizer, max_cache_len, request["max_new_tokens"])
+            if not items:  # said before the model is loaded: nothing would be scored
+                emit("error", message=f"nothing to evaluate: {skipped['message']}")
+                return 2
+            try:
+                model = Generator(target, setup["backend"], max_cache_len, tokenizer=tokenizer)
             except Exception as error:
                 emit("error", message=f"cannot load {target['label']}: {type(error).__name__}: {error}")
                 return 1
-            emit("loaded", rows=len(items), sides=["tuned", "base"] if model.has_base else ["tuned"])
+            emit("loaded", rows=len(items), sides=["tuned", "base"] if model.has_base else ["tuned"],
+                 skipped=skipped and skipped["count"])
             started = time.time()
             rows, sides = evaluate(model, items, metrics, request["max_new_tokens"], stop)
             if "mean_reward" in metrics and rows:
@@ -145,7 +185,8 @@ def main() -> int:
     summary = {"target": target["label"], "data": source["name"], "split": source["split"],
                "note": source.get("note", ""), "rows": len(rows), "of_rows": len(items),
                "stopped": len(rows) < len(items) or any(s not in r for r in rows for s in sides),
-               "metrics": list(metrics), "max_new_tokens": request["max_new_tokens"], "greedy": True,
+               "skipped": skipped, "metrics": list(metrics), "max_new_tokens": request["max_new_tokens"],
+               "max_cache_len": max_cache_len, "greedy": True,
                "exact_match_compares": evaluation.NORMALISE,
                "buckets": sorted({r[s]["bucket"] for r in rows for s in sides if s in r}),
                "shapes": sorted(list(s) for s in model.shapes), "seconds": round(time.time() - started, 2),

@@ -27,6 +27,10 @@ data and the run is taken.
 A run's default evaluation set is the one it held out (studio_core.eval_data), else its
 training data, which the summary then says.
 
+A prompt is answered whole or not at all (a cut one is another question): one over the largest
+bucket of the static cache (`max_cache_len`) is skipped, and the summary's `skipped` says so;
+when every prompt is, the evaluation process refuses before it loads the model.
+
 No torch import here: this module runs in the web app's process.
 """
 
@@ -41,12 +45,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from studio_core import eval_data, sources
-from studio_core.chat import ChatError, ChatProcess, kill, resolve
+from studio_core.chat import MAX_CACHE_LEN, ChatError, ChatProcess, kill, resolve
 from studio_core.data_files import read_rows
 from studio_core.hardware import Hardware
 from studio_core.rewards import HUB_TOKENS
 from studio_core.runs import folder
-from studio_core.spec import RunSpec
 
 # metric -> (what it says, what it needs: a reference answer, the run's rewards, or preference pairs)
 REFERENCE, REWARDS, PAIRS = "reference", "rewards", "pairs"
@@ -60,6 +63,7 @@ METRICS = {
     "preference_accuracy": ("the chosen answer is more likely under the model than the rejected one", PAIRS),
 }
 MAX_NEW_TOKENS = 64
+LONGEST_CACHE = 16384  # the static cache's largest length asked for (tokens)
 EVAL_DIR = "eval"  # in a run folder
 MODEL_EVALS = "evals"  # in the runs folder, for a model that is not a run
 ROWS, SUMMARY = "rows.jsonl", "summary.json"
@@ -82,6 +86,7 @@ class EvalRequest:
     column_map: dict = field(default_factory=dict)
     tasks: tuple[str, ...] = ()  # lm-evaluation-harness tasks, run on the tuned model (studio_core.harness)
     task_include: str | None = None  # a folder of the user's own lm-eval task YAML files
+    max_cache_len: int = MAX_CACHE_LEN  # the static cache: a prompt's bucket + the answer; longer prompts are skipped
 
 
 def normalise(text: str) -> str:
@@ -280,7 +285,7 @@ def data_source(request: EvalRequest, runs_dir: Path) -> dict:
     run_dir = runs_dir / request.target
     spec = None
     if folder.is_run_id(request.target) and folder.is_run(run_dir):
-        spec = RunSpec.load(run_dir / folder.SPEC)
+        spec = folder.load_spec(run_dir)  # DamagedRun names a damaged spec.yaml
     rewards = spec.rewards if spec is not None else []
     if request.data:
         return {"name": request.data, "split": request.split or "train", "config": request.config,
@@ -308,6 +313,9 @@ def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]
         problems.append(f"limit {request.limit}: evaluate at least 1 row (or no limit)")
     if not 1 <= request.max_new_tokens <= 512:
         problems.append(f"max_new_tokens {request.max_new_tokens}: use 1 to 512")
+    elif not request.max_new_tokens + 64 <= request.max_cache_len <= LONGEST_CACHE:
+        problems.append(f"max_cache_len {request.max_cache_len}: use {request.max_new_tokens + 64} (the smallest "
+                        f"prompt bucket, 64 tokens, and max_new_tokens) to {LONGEST_CACHE}")
     if request.tasks or request.task_include:
         from studio_core import harness
 
@@ -315,7 +323,7 @@ def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]
     try:
         resolve(request.target, runs_dir)
         source = data_source(request, runs_dir)
-    except (ChatError, EvalError) as error:
+    except (ChatError, EvalError, folder.DamagedRun) as error:
         return {}, problems + [str(error)]
     path = sources.dataset_file(source["name"])
     missing = [p.replace("dataset_name: ", "evaluation set: ", 1) for p in sources.check_dataset(source["name"])]

@@ -7,7 +7,13 @@ model on `device_map="neuron"` in bf16 there. A conversation then reaches the mo
 most one prefill shape per bucket plus the one-token decode shape. Scoring an answer (its
 tokens' loss given the prompt) pads prompt + answer to a bucket the same way, so it adds at
 most one shape per bucket. The shapes seen so far are kept in `shapes` (on Neuron each new
-one is a compilation). The Neuron loading path cannot run on this CPU build machine.
+one is a compilation), counted on the Transformers model itself, under a LoRA run's PEFT
+wrapper: PeftModel.generate calls the inner model's generate, which never goes through the
+wrapper's own forward (a hook there saw only the scoring passes). The Neuron loading path
+cannot run on this CPU build machine.
+
+A prompt's length in tokens (`render`) needs only the tokenizer (`load_tokenizer`), so an
+evaluation measures its prompts against the largest bucket before it loads the model.
 """
 
 from __future__ import annotations
@@ -28,6 +34,27 @@ def buckets_for(max_cache_len: int, max_new_tokens: int) -> list[int]:
     """The prompt buckets that leave room for the answer in the cache (at least one)."""
     room = max_cache_len - max_new_tokens
     return [b for b in BUCKETS if b <= room] or [max(1, room)]
+
+
+def cache_for(prompt_tokens: int, max_new_tokens: int) -> int | None:
+    """The shortest static cache that holds a prompt of this length whole (its bucket) with the
+    answer; None when it is longer than the largest bucket there is."""
+    bucket = next((b for b in BUCKETS if b >= prompt_tokens), None)
+    return None if bucket is None else bucket + max_new_tokens
+
+
+def load_tokenizer(target: dict):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target["tokenizer"])
+
+
+def render(tokenizer, kwargs: dict, messages: list[dict], answer: str | None = None) -> list[int]:
+    """The token ids of a conversation up to the answer's start (with `answer`: to its end),
+    rendered with the chat template's arguments `kwargs` (template_kwargs: as training rendered it)."""
+    turns = messages + ([{"role": "assistant", "content": answer}] if answer is not None else [])
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=answer is None, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @contextlib.contextmanager
@@ -55,17 +82,18 @@ class TooLong(ValueError):
 
 class Generator:
     """`target`: a ChatTarget's fields (model, tokenizer, adapter: a LoRA run's, base: a full
-    run's base model, trust_remote_code); `backend`; `max_cache_len`: the static cache's length."""
+    run's base model, trust_remote_code); `backend`; `max_cache_len`: the static cache's length;
+    `tokenizer`: the target's, when the caller has it loaded already."""
 
-    def __init__(self, target: dict, backend: str, max_cache_len: int):
+    def __init__(self, target: dict, backend: str, max_cache_len: int, tokenizer=None):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.setup, self.backend, self.max_cache_len = target, backend, max_cache_len
         load = {"dtype": torch.bfloat16, "device_map": "neuron"} if self.backend == "neuron" else (
             {"device_map": {"": 0}} if self.backend == "cuda" else {})
         self.load_kwargs = {**load, "trust_remote_code": bool(target.get("trust_remote_code"))}
-        self.tokenizer = AutoTokenizer.from_pretrained(target["tokenizer"])
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
         self.model = AutoModelForCausalLM.from_pretrained(target["model"], **self.load_kwargs)
         if target.get("adapter"):
             from peft import PeftModel
@@ -76,7 +104,7 @@ class Generator:
         self.thinking = opens_thinking(self.tokenizer, self.template_kwargs)
         self.base = None  # a full run's base model, loaded on first use
         self.shapes: set[tuple[int, ...]] = set()
-        self.model.register_forward_pre_hook(self._record_shape, with_kwargs=True)
+        self._count_shapes(self.model)
         self.stop = threading.Event()
         tokenizer = self.tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -84,6 +112,12 @@ class Generator:
     @property
     def has_base(self) -> bool:
         return bool(self.setup.get("adapter") or self.setup.get("base"))
+
+    def _count_shapes(self, model) -> None:
+        """Count the input shapes that reach `model`: on the Transformers model, which both
+        generate() and a forward call reach, also under a PEFT wrapper (see the module's doc)."""
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner.register_forward_pre_hook(self._record_shape, with_kwargs=True)
 
     def _record_shape(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -102,16 +136,13 @@ class Generator:
             from transformers import AutoModelForCausalLM
 
             self.base = AutoModelForCausalLM.from_pretrained(self.setup["base"], **self.load_kwargs).eval()
-            self.base.register_forward_pre_hook(self._record_shape, with_kwargs=True)
+            self._count_shapes(self.base)
         return self.base, contextlib.nullcontext()
 
     def render(self, messages: list[dict], answer: str | None = None) -> list[int]:
         """The token ids of a conversation up to the answer's start (with `answer`: to its end),
         rendered as training rendered it (template_kwargs)."""
-        turns = messages + ([{"role": "assistant", "content": answer}] if answer is not None else [])
-        ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=answer is None, tokenize=True,
-                                                 **self.template_kwargs)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return render(self.tokenizer, self.template_kwargs, messages, answer)
 
     def prompt(self, messages: list[dict], max_new_tokens: int) -> tuple[list[int], int, int]:
         """The prompt's token ids, fitted into the cache: the oldest turns are dropped first

@@ -66,6 +66,7 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
     page.locator("#chat-load").click()
     page.locator("#chat-status").get_by_text(re.compile(r"^Loaded ")).wait_for(timeout=120_000)
     expect(page.locator("#chat-status")).to_contain_text("The base model is untrained")  # the random built-in
+    expect(page.locator("#chat-history-note")).to_contain_text("The model sees the whole conversation; Clear to")
     page.locator("#chat-compare input").check()
     box = page.locator("#chat-input textarea").first
     box.fill("What is the name of the studio cat?")
