@@ -9,16 +9,22 @@ from huggingface_hub.utils import validate_repo_id
 
 from cli.options import CommandLineError, check_new_folder, check_one_core, runs_folder
 from studio_core import hub
-from studio_core.export import ExportError, export_run
+from studio_core.export import ExportError, check_out, export_run
 from studio_core.hardware import detect_hardware
 from studio_core.runs.manager import RunManager
 
 
 def cmd_export(args) -> int:
     check_push_options(args)
+    if not args.out.strip():
+        raise CommandLineError("--out is empty: give a folder (a new or empty one) for the export")
     manager = RunManager(runs_folder(args, write=True))
     run_dir = manager.view(args.run_id).dir  # a run of that id, before anything slow
     out = check_new_folder("--out", args.out)
+    try:
+        check_out(run_dir, out)
+    except ExportError as error:
+        raise CommandLineError(f"--out {error}") from None
     try:
         token, source = hub.resolve_token(None, can_type=False) if args.push else (None, None)
         hardware = detect_hardware()

@@ -5,19 +5,21 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from pathlib import Path
 
 from cli.cache import cmd_cache
 from cli.chat import cmd_chat
 from cli.doctor import cmd_doctor
 from cli.eval import add_parser as add_eval_parser
 from cli.export import cmd_export
-from cli.options import CommandLineError, whole_number
+from cli.options import CommandLineError, sbatch_args_joined, whole_number
 from cli.serve import cmd_serve
 from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
 from studio_core import compile_cache
 from studio_core.chat import MAX_CACHE_LEN
 from studio_core.hardware import INSTANCES, CpuCoresError
-from studio_core.runs.manager import RunNotFound
+from studio_core.runs import folder
+from studio_core.runs.manager import RunNotFound, default_runs_dir
 from studio_core.spec import SpecError
 
 USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
@@ -48,8 +50,9 @@ def main(argv: list[str]) -> int:
     # serve is the default command: `launch.py --port 8000` is `launch.py serve --port 8000`
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["serve", *argv]
-    args = parser().parse_args(argv)
+    args = parser().parse_args(sbatch_args_joined(argv))  # --sbatch-arg --qos=high
     try:
+        run_ids(args)
         return args.func(args)
     except SpecError as error:
         print(f"Cannot launch: fix these and try again:\n{error}", file=sys.stderr)
@@ -58,9 +61,32 @@ def main(argv: list[str]) -> int:
         print(f"{error.args[0]}: `launch.py runs` lists the runs (add --runs-dir for another runs folder)",
               file=sys.stderr)
         return 2
+    except folder.DamagedRun as error:
+        print(error, file=sys.stderr)
+        return 2
     except (CommandLineError, CpuCoresError) as error:
         print(error, file=sys.stderr)
         return 2
+
+
+def run_ids(args) -> None:
+    """A run given as the path of its folder, when that folder is (symlinks resolved) in the runs
+    folder, becomes its run id, for every command that takes one; any other path is left as
+    given, for the command to refuse (or, for chat, eval and serve, to take as a model folder).
+
+    Then the run's spec.yaml is read by the one rule (folder.read_spec): a damaged one is refused
+    (DamagedRun, naming the file, the run and what is wrong) by every command that uses the run;
+    stop only ends processes, so it still stops a run whose spec.yaml is damaged."""
+    runs_dir = Path(args.runs_dir).expanduser() if getattr(args, "runs_dir", None) else default_runs_dir()
+    for name in ("run_id", "resume", "target"):
+        given = getattr(args, name, None)
+        if not isinstance(given, str):
+            continue
+        run_id = folder.run_id_of(runs_dir, given)
+        setattr(args, name, run_id)
+        run_dir = runs_dir / run_id
+        if args.command != "stop" and folder.is_run_id(run_id) and folder.is_run(run_dir):
+            folder.read_spec(run_dir)
 
 
 def did_you_mean(word: str) -> str:
@@ -96,6 +122,9 @@ def parser() -> argparse.ArgumentParser:
                        "non-loopback --host)")
     serve.add_argument("--max-queue", type=whole_number(1, 1024), default=32,
                        help="a model: requests that may wait for it (default 32); more get 503")
+    serve.add_argument("--max-cache-len", type=whole_number(128, 16384), help="a model: its static cache's length "
+                       f"in tokens, prompt and answer (default {MAX_CACHE_LEN}); a prompt may fill the largest bucket "
+                       "(64, 128, 256... tokens) that leaves room for an answer")
     serve.add_argument("--cores", help="a model: the core to load it on (default: the first free one)")
     serve.add_argument("--backend", choices=("cpu",), help="a model: serve it on the CPU even if a device is present")
 
@@ -152,6 +181,8 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--prompt", help="ask this once, print the answer and exit (else: an interactive chat)")
     chat.add_argument("--system", help="a system prompt")
     chat.add_argument("--base", action="store_true", help="also answer with the base model, for comparison")
+    chat.add_argument("--single-turn", action="store_true", help="answer each message alone (by default the model "
+                      "sees the whole conversation; /clear starts over)")
     chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--max-new-tokens", type=whole_number(1, MAX_CACHE_LEN - 1), default=128,

@@ -6,6 +6,7 @@ import signal
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from cli.options import CommandLineError, check_new_file, hardware_for, load_spec, runs_folder
 from studio_core import precompile, sources
@@ -60,13 +61,16 @@ def cmd_train(args) -> int:
             raise SpecError([f"--resume goes on with the run's own settings: leave out {', '.join(given)}"])
         manager.view(args.resume)  # a run of that id, before the hardware is probed
         view = manager.resume(args.resume, hardware_for(args), step=args.from_checkpoint)
-        print(f"Run {view.id} resumed from step {view.step}; its folder: {view.dir}")
+        loads = view.resumed_from()
+        print(f"Run {view.id} resumed from step {checkpoint_step(loads, view.step)}; its folder: {view.dir}"
+              + (f" (it loads {Path(loads).relative_to(view.dir) if Path(loads).is_relative_to(view.dir) else loads})"
+                 if loads else ""))
     elif not args.recipe:
         raise SpecError(["give a recipe (e.g. recipes/tiny-sft.yaml), or --resume RUN_ID"])
     elif args.from_checkpoint is not None:
         raise SpecError(["--from-checkpoint goes with --resume RUN_ID (a new run from a recipe starts at step 0)"])
     else:
-        view = manager.start(load_spec(args), hardware_for(args))
+        view = manager.start(load_spec(args), hardware_for(args), planned=print_warnings)
         where = view.where()
         print(f"Run {view.id} started; its folder: {view.dir}" + (f" ({where})" if where else ""))
     if args.detach:
@@ -80,6 +84,18 @@ def cmd_train(args) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     return follow(manager, view, resumed=bool(args.resume))
+
+
+def print_warnings(launch) -> None:
+    """The plan's warnings (the data check's among them), as `plan` shows them, before the run starts."""
+    for warning in launch.warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def checkpoint_step(path: str | None, step: int) -> int:
+    """The step of the checkpoint folder the run loads (checkpoint-<step>), else `step`."""
+    name = Path(path).name if path else ""
+    return int(name.split("-")[-1]) if name.startswith("checkpoint-") and name.split("-")[-1].isdigit() else step
 
 
 def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:

@@ -56,7 +56,12 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
     """Export in a child process; returns its summary {folder, kind, files, cores}. With a CPU
     `hardware`, the child holds one CPU core (`cores`, or the first free one) while it works."""
     run_dir, out_dir = Path(run_dir).expanduser(), Path(out_dir).expanduser()
+    check_out(run_dir, out_dir)
     info = read_output_info(run_dir)
+    try:
+        folder.load_spec(run_dir)  # the card tells its settings: a damaged spec.yaml is named here, not in the child
+    except folder.DamagedRun as error:
+        raise ExportError(str(error)) from None
     if merge and info["kind"] != "adapter":
         raise ExportError(f"run {run_dir.name} trained the full model: there is no adapter to merge; "
                           "export it without merge")
@@ -89,6 +94,17 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
     return _result(child.returncode, stdout, stderr, out_dir)
 
 
+def check_out(run_dir: Path, out_dir: Path) -> None:
+    """The export's folder: given, and not inside the run's folder (deleting the run would delete
+    the export with it), symlinks resolved; ExportError says what to give instead."""
+    if not str(out_dir).strip():
+        raise ExportError("the export folder is empty: give a folder")
+    out, run = Path(out_dir).expanduser().resolve(), Path(run_dir).expanduser().resolve()
+    if out == run or out.is_relative_to(run):
+        raise ExportError(f"{out_dir} is inside the folder of run {run.name} ({run}): the export would be deleted "
+                          "with the run; give a folder outside it")
+
+
 def _result(returncode: int, stdout: str, stderr: str, out_dir: Path) -> dict:
     if returncode != 0:
         tail = "\n".join(stderr.strip().splitlines()[-8:])
@@ -108,7 +124,7 @@ def run_summary(run_dir: Path) -> dict:
     """What the card tells about the run, from its folder: spec, hardware, metrics, compilations.
     The run's events are folded as the run page folds them: a run resumed from a checkpoint
     shows only the path that led to the model (the abandoned attempt's later points dropped)."""
-    spec = RunSpec.load(run_dir / folder.SPEC)
+    spec = folder.load_spec(run_dir)
     launch = folder.read_launch(run_dir)
     state = events.fold(events.read(run_dir / folder.EVENTS))
     from studio_core.evaluation import evaluations
@@ -304,7 +320,7 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
             "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
             "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "",
             "evaluation": _evaluations_text(summary.get("evaluations") or []),
-            "loader": _loader(kind, base, scores=not trainer.chats)}
+            "loader": _loader(kind, base, scores=not trainer.chats), "generates": trainer.chats}
 
 
 def _evaluations_text(found: list[dict]) -> str:
@@ -370,7 +386,22 @@ def _loader(kind: str, base: str, scores: bool) -> str:
     code += "\ntokenizer = AutoTokenizer.from_pretrained(repo_id)"
     if scores:
         code += "\nscore = model(**tokenizer(text, return_tensors=\"pt\")).logits[0, 0]  # one number per text"
+    else:
+        code += "\n\n" + GENERATE
     return code
+
+
+# The card's answer example. A chat template with a thinking switch (Qwen3's) opens a <think>
+# block unless told enable_thinking=False, and the studio trained the answer after an empty one
+# (studio_core.chat.template_kwargs): without the switch the model writes an empty
+# <think></think> first. Plain transformers, no studio code.
+GENERATE = """\
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+thinking_off = {"enable_thinking": False} if "enable_thinking" in (tokenizer.chat_template or "") else {}
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
+                                       **thinking_off)
+output = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())"""
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ CASES = [
     ("train {r} --set 'run_name={{oops' --runs-dir {d} --backend cpu", 2, "close its brackets"),
     ("train {r} --set noequals --runs-dir {d} --backend cpu", 2, "write it as key=value"),
     ("train {t}/nope.yaml --runs-dir {d} --backend cpu", 2, "give the path of a .yaml file"),
-    ("train {t}/adir --runs-dir {d} --backend cpu", 2, "give the path of a .yaml file"),
+    ("train {t}/adir --runs-dir {d} --backend cpu", 2, "adir is a folder, give a YAML file"),
     ("train {t}/latin1.yaml --runs-dir {d} --backend cpu", 2, "is not UTF-8 text (byte 20 is 0xe9): save it as UTF-8"),
     ("train {t}/list.yaml --runs-dir {d} --backend cpu", 2, "a recipe must be a YAML mapping"),
     ("train {r} --runs-dir {t}/afile --backend cpu", 2, "afile is not a folder: give --runs-dir"),
@@ -157,9 +157,23 @@ CASES = [
     ("train {r} --set studio.eval_dataset={t}/nope.jsonl --runs-dir {d}", 2, "studio.eval_dataset: "),
     ("train {r} --set studio.eval_fraction=0.1 --set studio.eval_dataset=builtin:qa --runs-dir {d}", 2,
      "choose one evaluation set"),
+    # what TRL, Transformers or PEFT would refuse after loading, and recipes that say nothing (issue 29)
+    ("plan {t}/empty --backend cpu --no-forecast --runs-dir {d}", 2, "empty is empty: write at least the trainer"),
+    ("plan /dev/null --backend cpu --no-forecast --runs-dir {d}", 2, "/dev/null is not a regular file"),
+    ("plan {r} --set report_to=garbage --backend cpu --no-forecast --runs-dir {d}", 2,
+     "report_to: 'garbage': Transformers (its report_to trackers) refuses it"),
+    ("train {r} --set logging_steps=0 --backend cpu --runs-dir {d}", 2, "logging_steps: 0: TRL's SFTConfig refuses"),
+    ("train {r} --set learning_rate=1e999 --backend cpu --runs-dir {d}", 2, "learning_rate: inf is not a finite"),
+    ("train {r} --set run_name=hf_AbCdEfGhIjKlMnOpQrStUv --backend cpu --runs-dir {d}", 2,
+     "run_name: a secret does not belong in a recipe"),
     # doctor
     ("doctor --runs-dir {t}/afile", 2, "is not a folder: give --runs-dir"),
     ("doctor --bogus", 2, "unrecognized arguments: --bogus"),
+    # a run given as a path, export's --out (issue 29, runs)
+    ("export {run} --out '' --runs-dir {d}", 2, "--out is empty: give a folder"),
+    ("export {d}/{run} --out {d}/{run}/eval --runs-dir {d}", 2, "the export would be deleted with the run"),
+    ("stop {t}/adir --runs-dir {d}", 2, "nor the path of a run folder in the runs folder"),
+    ("train --resume {d}/{run} --backend cpu --runs-dir {d}", 2, "saved no checkpoint"),
 ]
 
 

@@ -382,6 +382,9 @@ def test_a_run_holds_its_cores_until_nothing_of_it_is_left(manager):
          for run_id in (first.id, second.id))]
     assert a_first < b_first and b_last < a_last
 
+    # the supervisor writes its final status, then ended.json, then exits: until then a new reader of a
+    # missing events file sees a live run, so wait for that state (not for time) before deleting it again
+    manager.wait(second.id, lambda v: not v.backend.alive(v.dir))
     events_file.unlink()  # lost after the end too: a new reader takes the ending from ended.json
     after = RunManager(manager.runs_dir).view(second.id)
     assert after.live_state == "finished" and after.error_text is None

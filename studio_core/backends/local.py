@@ -85,6 +85,8 @@ class LocalBackend(RunBackend):
         if not (run_dir / SUPERVISOR).exists() and time.time() - created < STARTING_GRACE_S:
             return None
         record = read_json(run_dir / ENDED)
+        if record.get("state") in FINAL_STATES and record.get("reason"):  # e.g. a full disk took the event
+            return Ending(record["state"], record["reason"])
         if record.get("state") in FINAL_STATES:  # the events file lost it, the supervisor's record did not
             return Ending(record["state"], f"{EVENTS} does not say how the run ended (deleted or damaged while it "
                           f"ran); its supervisor recorded it: {record['state']}, exit code {record.get('exit_code')}")

@@ -59,6 +59,94 @@ def is_run(path: Path) -> bool:
     return not path.name.startswith(".") and (path / SPEC).exists()
 
 
+def run_id_of(runs_dir: Path, given: str) -> str:
+    """The run id that `given` names: an id as it is, or the path of a run folder that, symlinks
+    resolved, is a folder of `runs_dir` itself. Anything else is returned unchanged, for the
+    caller to refuse as it refuses any unknown id (a path outside the runs folder stays one)."""
+    if not isinstance(given, str) or not given or is_run_id(given) or "\0" in given:
+        return given
+    try:
+        path, home = Path(given).expanduser().resolve(), Path(runs_dir).expanduser().resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return given
+    return path.name if path.parent == home and is_run_id(path.name) and is_run(path) else given
+
+
+def inside(runs_dir: Path, run_id: str) -> bool:
+    """Whether the run folder of `run_id` is, symlinks resolved, a folder of `runs_dir` (a symlink
+    that leads out of it is no run of this runs folder)."""
+    try:
+        return (Path(runs_dir) / run_id).resolve().parent == Path(runs_dir).resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+class DamagedRun(ValueError):
+    """A file of a run folder that cannot be read; the message names the file, the run and what
+    is wrong with it."""
+
+
+# What every spec.yaml the studio writes holds (the resolved spec): one without them was cut short.
+SPEC_KEYS = ("model_name_or_path", "dataset_name", "studio")
+
+
+def spec_problem(run_dir: Path) -> tuple[dict, str | None]:
+    """spec.yaml as plain data, and what is wrong with it ({} and the problem, in words that follow
+    "spec.yaml": "cannot be read (not UTF-8 text: ...)"); ({}, None) when it is missing (a folder being deleted)."""
+    import yaml
+
+    try:
+        raw = (Path(run_dir) / SPEC).read_bytes()
+    except FileNotFoundError:
+        return {}, None
+    except OSError as error:
+        return {}, f"cannot be read ({error.strerror})"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return {}, f"cannot be read (not UTF-8 text: byte {error.start} is {raw[error.start]:#x})"
+    if not text.strip():
+        return {}, "cannot be read (it is empty)"
+    if not text.endswith("\n"):  # the studio writes it whole (yaml.dump), ending in a newline
+        return {}, "cannot be read (cut short: its last line has no end)"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        return {}, f"cannot be read (not YAML: {getattr(error, 'problem', None) or 'no valid YAML'}{where})"
+    if not isinstance(data, dict):
+        return {}, f"holds no recipe (a mapping of settings) but {type(data).__name__ if data is not None else 'nothing'}"
+    missing = [key for key in SPEC_KEYS if key not in data]
+    if missing:
+        return {}, f"cannot be read (cut short: it lacks {', '.join(missing)})"
+    return data, None
+
+
+def read_spec(run_dir: Path) -> dict:
+    """spec.yaml as plain data; DamagedRun naming the file, the run and what is wrong."""
+    data, problem = spec_problem(run_dir)
+    if problem is None and not data:  # no spec.yaml: a folder being deleted, or no run at all
+        problem = "is missing"
+    if problem:
+        raise DamagedRun(f"{SPEC} of run {Path(run_dir).name} {problem}: the run's settings are unknown; put the "
+                         "file back whole (the run's own copy, from a backup), or delete the run")
+    return data
+
+
+def load_spec(run_dir: Path):
+    """The run's RunSpec, as every command and the app read it: DamagedRun when spec.yaml cannot
+    be read whole (not UTF-8, not YAML, not a mapping, cut short) or is no spec the studio takes."""
+    from studio_core.spec import RunSpec, SpecError
+
+    data = read_spec(run_dir)
+    try:
+        return RunSpec.from_dict(data)
+    except (SpecError, TypeError) as error:
+        raise DamagedRun(f"{SPEC} of run {Path(run_dir).name} is no spec the studio can read ({error}): the "
+                         "run's settings are unknown") from None
+
+
 def write_json(path: Path, data: dict) -> None:
     """Replace the file at once: a reader sees the old or the new text, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp")

@@ -24,7 +24,7 @@ from studio_core.checkpoints import RESUME_ENV, clear_control, list_checkpoints,
 from studio_core.compile_cache import compile_cache_root
 from studio_core.cores import format_cores, parse_cores
 from studio_core.hardware import Hardware
-from studio_core.plan import Plan, plan
+from studio_core.plan import Plan, plan, trl_problems
 from studio_core.runs import events, folder
 from studio_core.runs.events import ACTIVE_STATES, FINAL_STATES
 from studio_core.runs.view import RunView
@@ -51,7 +51,7 @@ class RunManager:
 
     # --- checking and planning ---------------------------------------------------------
     def check(self, spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None,
-              elsewhere: bool = False) -> RunSpec:
+              elsewhere: bool = False, hardware: Hardware | None = None) -> RunSpec:
         """The spec checked (SpecError with every problem), with local paths made absolute
         (the run's processes start in the run folder). A user's reward files are imported and
         called only with `run_user_code` (Start does; a plan or a preview only reads them).
@@ -62,6 +62,9 @@ class RunManager:
             backends.get(spec.layout.run_on)
         except KeyError as error:
             raise SpecError([str(error).strip("'\"")]) from None
+        problems = trl_problems(spec, hardware) if hardware is not None else []  # TRL's own, with the plan's defaults
+        if problems:
+            raise SpecError(problems)
         return spec
 
     def plan(self, spec: RunSpec, hardware: Hardware, this_machine: bool = False, elsewhere: bool = False) -> Plan:
@@ -71,7 +74,7 @@ class RunManager:
         plan for another machine: --instance, "Plan for") a Hub model or dataset this machine
         does not have is neither fetched nor checked; a warning says so."""
         data_warnings: list[str] = []
-        spec = self.check(spec, warnings=data_warnings, elsewhere=elsewhere)
+        spec = self.check(spec, warnings=data_warnings, elsewhere=elsewhere, hardware=hardware)
         this_machine = this_machine and backends.get(spec.layout.run_on).local_cores
         cores = self.choose_cores(spec, hardware) if this_machine else (
             parse_cores(spec.layout.cores) if spec.layout.cores else None)
@@ -90,18 +93,22 @@ class RunManager:
         return launch
 
     # --- starting ----------------------------------------------------------------------
-    def start(self, spec: RunSpec, hardware: Hardware) -> RunView:
+    def start(self, spec: RunSpec, hardware: Hardware, planned: Callable[[Plan], None] | None = None) -> RunView:
         """Check, pick cores, plan, write the run folder, hand it to the spec's backend.
         Raises SpecError (naming the holder when a core is taken, or what the cluster refused);
-        nothing is left behind then."""
+        nothing is left behind then. `planned` is shown the plan (its warnings: the data check's
+        among them) once it is made, before anything runs."""
         data_warnings: list[str] = []
-        spec = self.check(spec, run_user_code=True, warnings=data_warnings)  # before the lock: the slow part
+        # before the lock: the slow part
+        spec = self.check(spec, run_user_code=True, warnings=data_warnings, hardware=hardware)
         backend = self._ready(spec)
         run_id = folder.new_run_id(self.runs_dir, spec.display_name)
         if not backend.local_cores:  # the cluster picks the nodes: no core of this machine is held
             launch = self._plan(spec, hardware, None, run_id, data_warnings)
             if launch.errors:
                 raise SpecError(launch.errors)
+            if planned is not None:
+                planned(launch)
             run_dir = self._create(run_id, launch, hardware)
             try:
                 backend.submit(run_dir, launch, hardware.backend)
@@ -114,6 +121,8 @@ class RunManager:
             launch = self._plan(spec, hardware, cores, run_id, data_warnings)
             if launch.errors:
                 raise SpecError(launch.errors)
+            if planned is not None:
+                planned(launch)
             run_dir = self._create(run_id, launch, hardware)
             backend.submit(run_dir, launch, hardware.backend)
         return self.view(run_id)
@@ -133,7 +142,7 @@ class RunManager:
         tmp = self.runs_dir / f"{folder.CREATING}{run_id}"
         tmp.mkdir()
         launch.spec.save(tmp / folder.SPEC)
-        _write_launch(tmp, launch, hardware)
+        _write_launch(tmp, launch, hardware, created=time.time())
         events.append(tmp / folder.EVENTS, events.status("starting"))
         for warning in launch.warnings:
             events.append(tmp / folder.EVENTS, events.log(f"warning: {warning}"))
@@ -146,10 +155,15 @@ class RunManager:
         model, optimizer, scheduler and RNG states come back, the step count goes on, and the
         new events append to the run's own (after a `resume` event)."""
         view = self.view(run_id)
+        run_id = view.id  # an id, also when given as the path of its folder
         if view.active:
             raise SpecError([f"run {run_id} is {view.live_state}: stop it (or stop and save) first"])
         if view.spec_problem:
             raise SpecError([f"run {run_id} cannot be resumed: its {folder.SPEC} {view.spec_problem}"])
+        try:
+            spec = folder.load_spec(view.dir)  # resolved and checked when the run began
+        except folder.DamagedRun as error:
+            raise SpecError([f"run {run_id} cannot be resumed: {error}"]) from None
         found = list_checkpoints(view.dir)
         if not found:
             raise SpecError([f"run {run_id} saved no checkpoint, so it cannot be resumed: train with save_steps "
@@ -158,7 +172,6 @@ class RunManager:
         if chosen is None:
             raise SpecError([f"run {run_id} has no checkpoint at step {step}; it has steps "
                              f"{', '.join(str(c['step']) for c in found)}"])
-        spec = RunSpec.load(view.dir / folder.SPEC)  # resolved and checked when the run began
         first = view.launch()
         backend = self._ready(spec)
         if not backend.local_cores:  # the nodes are of the kind first planned for (Plan for, --instance)
@@ -194,7 +207,7 @@ class RunManager:
     def _restart(run_dir: Path, launch: Plan, chosen: dict, hardware: Hardware) -> None:
         """The run folder made ready for its next attempt, from the checkpoint `chosen`."""
         clear_control(run_dir)
-        _write_launch(run_dir, launch, hardware)
+        _write_launch(run_dir, launch, hardware, created=folder.read_launch(run_dir).get("created"))
         events.append(run_dir / folder.EVENTS, events.resume(chosen["step"], chosen["path"]))
         events.append(run_dir / folder.EVENTS, events.status("starting"))
 
@@ -221,13 +234,17 @@ class RunManager:
     def view(self, run_id: str) -> RunView:
         """The run `run_id` of this runs folder. An id is a folder name here, never a path: a run
         elsewhere is reached with its own runs folder (--runs-dir), not with ../ or /."""
+        run_id = folder.run_id_of(self.runs_dir, run_id)  # the path of a run folder in it names its run
         if not folder.is_run_id(run_id):
-            raise RunNotFound(f"{run_id!r} is not a run id (a run id is a folder name in the runs folder, not a "
-                              f"path): give the id of a run in {self.runs_dir}, or point --runs-dir at the folder "
-                              "that holds the run")
+            raise RunNotFound(f"{run_id!r} is not a run id, nor the path of a run folder in the runs folder: give "
+                              f"the id of a run in {self.runs_dir}, or point --runs-dir at the folder that holds "
+                              "the run")
         run_dir = self.runs_dir / run_id
         if not folder.is_run(run_dir):
             raise RunNotFound(f"no run {run_id!r} in {self.runs_dir}")
+        if not folder.inside(self.runs_dir, run_id):
+            raise RunNotFound(f"{run_id!r} in {self.runs_dir} is a link to a folder outside it: give the id of a "
+                              "run of that folder with its own runs folder (--runs-dir)")
         with self._lock:
             view = self._views.setdefault(run_id, RunView(dir=run_dir))
         return view.refresh()
@@ -272,16 +289,17 @@ class RunManager:
         resumable from that checkpoint. Returns at once: the run stops by itself."""
         view = self.view(run_id)
         if not view.active:
-            raise SpecError([f"run {run_id} is {view.live_state}: there is nothing to stop"])
+            raise SpecError([f"run {view.id} is {view.live_state}: there is nothing to stop"])
         request_save_and_stop(view.dir)
         events.append(view.dir / folder.EVENTS, events.log("stop and save: asked for a checkpoint at the next "
                                                            "step, then a stop"))
         return view
 
 
-def _write_launch(run_dir: Path, launch: Plan, hardware: Hardware) -> None:
-    """launch.json: what will run, where, and why."""
-    folder.write_json(run_dir / folder.LAUNCH, {
+def _write_launch(run_dir: Path, launch: Plan, hardware: Hardware, created: float | None) -> None:
+    """launch.json: what will run, where, and why; `created`: when the run was first started (a
+    resume keeps it), which the run's start time falls back on when its events lost their beginning."""
+    folder.write_json(run_dir / folder.LAUNCH, {"created": created,
         "argv": launch.argv, "env": launch.env, "backend": launch.backend, "hardware": hardware.to_dict(),
         "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
         "cores": launch.cores,

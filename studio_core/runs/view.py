@@ -11,10 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from studio_core import backends
-from studio_core.checkpoints import list_checkpoints
+from studio_core.checkpoints import RESUME_ENV, list_checkpoints
 from studio_core.runs import folder
 from studio_core.runs.events import ACTIVE_STATES, FINAL_STATES, STATES, EventReader, RunState
 
@@ -29,7 +27,8 @@ class RunView(RunState):
 
     dir: Path = field(default_factory=Path)
     spec: dict = field(default_factory=dict)  # spec.yaml as plain data ({} when it cannot be read)
-    spec_problem: str | None = None  # why spec.yaml cannot be read
+    spec_problem: str | None = None  # why spec.yaml cannot be read (folder.spec_problem: "cannot be read (not UTF-8 ...)")
+    first_event: dict | None = None  # the first event of events.jsonl as read: a whole file's is `status starting`
     _reader: EventReader | None = field(default=None, repr=False)
     _launch: dict | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # app threads share views
@@ -42,9 +41,10 @@ class RunView(RunState):
         with self._lock:
             if self._reader is None:
                 self._reader = EventReader(self.dir / folder.EVENTS)
-                spec_file = self.dir / folder.SPEC
-                self.spec, self.spec_problem = _read_spec(spec_file)
+                self.spec, self.spec_problem = folder.spec_problem(self.dir)
             for event in self._reader.read_new():
+                if self.first_event is None:
+                    self.first_event = event
                 self.apply(event)
         return self
 
@@ -63,11 +63,25 @@ class RunView(RunState):
             self._launch = folder.read_launch(self.dir)
         return self._launch
 
+    def events_lost(self) -> bool:
+        """Whether events.jsonl lost what the studio wrote first (its `status starting`): deleted,
+        or deleted and begun again by the run's processes, while its launch record says it started."""
+        if not self.dir.joinpath(folder.LAUNCH).exists():
+            return False  # no launch record: nothing says the run started
+        reader = self._reader
+        if reader is not None and reader.replaced:
+            return True
+        first = self.first_event
+        return first is None or first.get("type") != "status" or first.get("state") != "starting"
+
     @property
     def live_state(self) -> str:
         """The state, corrected for a run whose processes ended without saying so."""
-        if self.state in FINAL_STATES or self.backend.alive(self.dir):
+        if self.state in FINAL_STATES:
             return self.state
+        if self.backend.alive(self.dir):
+            # its events lost the `status running` it wrote: its processes live, so it runs
+            return "running" if self.state == "starting" and self.events_lost() and self.spans else self.state
         self.refresh()  # the supervisor may have written its final status just before it ended
         if self.state in FINAL_STATES:
             return self.state
@@ -123,11 +137,11 @@ class RunView(RunState):
         if not self.launch() and (self.dir / folder.LAUNCH).exists():
             found.append(f"{folder.LAUNCH} cannot be read: how it was launched is unknown")
         reader = self._reader
-        if reader is not None and reader.replaced:
-            found.append(f"{folder.EVENTS} was deleted or replaced while the run was going: what it said before "
-                         "is gone from it")
-        elif not (self.dir / folder.EVENTS).exists():
+        if not (self.dir / folder.EVENTS).exists():
             found.append(f"{folder.EVENTS} is missing: the run's progress is unknown")
+        elif self.events_lost():
+            found.append(f"{folder.EVENTS} was deleted or replaced while the run was going: what it said before "
+                         "is gone from it (its start time is the one its launch record and id give)")
         if reader is not None and reader.skipped:
             found.append(f"{reader.skipped} line(s) of {folder.EVENTS} are no event (not JSON, or without a type "
                          "or a time) and were left out")
@@ -145,9 +159,20 @@ class RunView(RunState):
     # --- its times: the same before and after a resume, and after the app restarts ---------
     @property
     def first_start(self) -> float | None:
-        """When the run was first started: its first event (written as its folder was made), else
-        the time in its run id; None when neither is there. A resume does not change it."""
-        return self.spans[0].begin if self.spans else run_id_time(self.id)
+        """When the run was first started: its first event (written as its folder was made), else,
+        when its events lost their beginning, the time its launch record (launch.json's `created`)
+        or its run id gives; None when none is there. A resume does not change it."""
+        if self.spans and not self.events_lost():
+            return self.spans[0].begin
+        created = self.launch().get("created")
+        if isinstance(created, (int, float)) and not isinstance(created, bool):
+            return float(created)
+        return run_id_time(self.id) or (self.spans[0].begin if self.spans else None)
+
+    def resumed_from(self) -> str | None:
+        """The checkpoint folder the run's latest attempt loads (the launch record's resume
+        setting), None for a run started afresh: what a resume message names."""
+        return (self.launch().get("env") or {}).get(RESUME_ENV)
 
     @property
     def created(self) -> float:
@@ -167,7 +192,7 @@ class RunView(RunState):
         if not self.spans:
             return None
         end = time.time() if self.live_state in ACTIVE_STATES else self.spans[-1].end
-        return max(0.0, end - self.spans[0].begin)
+        return max(0.0, end - min(self.first_start or self.spans[0].begin, self.spans[0].begin))
 
     def duration(self) -> float | None:
         """What the run page's status line shows: the training time (training_seconds)."""
@@ -185,7 +210,7 @@ class RunView(RunState):
 
     def spec_text(self) -> str:
         try:
-            return (self.dir / folder.SPEC).read_text()
+            return (self.dir / folder.SPEC).read_text(errors="replace")
         except FileNotFoundError:
             return ""
 
@@ -230,6 +255,15 @@ def format_time(timestamp: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else ""
 
 
+def format_loss(value: float | None) -> str:
+    """A loss as every page, table and the CLI show it: 4 significant digits (as `launch.py train`
+    prints metrics), a zero (GRPO's -0.0 too) as 0; "" for none."""
+    if value is None:
+        return ""
+    text = f"{value:.4g}"
+    return "0" if float(text) == 0 else text
+
+
 def run_id_time(run_id: str) -> float | None:
     """The local time a run id begins with (folder.new_run_id: `20260101-120000-<name>-<hex>`),
     or None for a name that does not."""
@@ -239,27 +273,40 @@ def run_id_time(run_id: str) -> float | None:
         return None
 
 
-def _read_spec(path: Path) -> tuple[dict, str | None]:
-    """spec.yaml as plain data, and what is wrong with it ({} and the problem when it cannot be read)."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        return {}, None  # a run folder being deleted
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        return {}, f"cannot be read ({_first_line(error)})"
-    return (data, None) if isinstance(data, dict) else ({}, "holds no recipe (a mapping of settings)")
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
 def late_compile_text(late: dict) -> str:
     """One line for a step that compiled after the warm-up (see RunView.late_compiles)."""
     shape_text = f", new batch shape {'x'.join(map(str, late['shape']))}" if late["shape"] else ""
     return (f"step {late['step']} compiled {late['graphs']} graph(s) in {late['seconds']:.1f} s after the "
             f"warm-up{shape_text}: {late['reason'] or 'no reason logged'}. Something is producing new shapes: pad "
             "to a fixed multiple (pad_to_multiple_of) or pack (packing); the shape forecast shows their effect")
+
+
+def compiling_text(graph: str | None, phase: str | None, number: int) -> str:
+    """A compilation in progress, its Dynamo id ("4/2": code frame 4, its compilation 2 counted
+    from 0, one per new input shape) spelled out, so it does not read as "4 of 2"."""
+    frame, _, again = str(graph).partition("/")
+    which = (f"code frame {frame}, its compilation {int(again) + 1}" if frame.isdigit() and again.isdigit()
+             else f"graph {graph}")
+    return f"Compiling now: compilation {number} of this run, the {phase} pass of {which} (Dynamo's id {graph})"
+
+
+def compile_totals_text(view: RunView) -> str:
+    """How many compilations, of what, in how much time and which share of the run's: each
+    forward and backward pass of each code frame (the pieces between graph breaks) compiles
+    once per new batch shape, so the count is not the forecast's count of shapes."""
+    seconds, wall, going = view.compile_seconds(), view.duration() or 0, view.active
+    done = [c.get("phase") for c in view.compiles]
+    phases = ", ".join(f"{done.count(p)} {p}" for p in dict.fromkeys(done))
+    frames = {str(c.get("graph")).partition("/")[0] for c in view.compiles}
+    share = f" ({seconds / wall:.0%} of the run's time{' so far' if going else ''})" if wall > 0 else ""
+    return (f"{len(view.compiles)} compilation(s)" + (f" ({phases}; {len(frames)} code frame(s))" if done else "")
+            + f" in {short_seconds(seconds)}{share}; {len(view.shapes)} batch shape(s) reached the model (a new "
+            "one compiles again the frames it changes)")
+
+
+def short_seconds(seconds: float) -> str:
+    """A short time as the compile panel shows it: 12.3 s, or 1:05 past a minute."""
+    return f"{seconds:.1f} s" if seconds < 60 else format_seconds(seconds)
 
 
 def studio_cost_text(cost: dict | None) -> str | None:
