@@ -13,7 +13,7 @@ import pandas as pd
 
 from studio_core import evaluation, history
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import RunView, format_time
+from studio_core.runs.view import RunView, format_loss, format_time
 
 
 def _views(manager: RunManager, run_ids: list[str] | None) -> tuple[list[RunView], list[str]]:
@@ -38,7 +38,8 @@ def curves(views: list[RunView], metric: str | None) -> tuple[gr.LinePlot, str]:
     for view in views:
         points = [r for r in rows if r["run"] == view.id]
         last = points[-1] if points else None
-        lines.append(f"| `{view.id}` | {last['value']:.4g} | {last['step']} |" if last else f"| `{view.id}` | - | - |")
+        lines.append(f"| `{view.id}` | {format_loss(last['value'])} | {last['step']} |" if last
+                     else f"| `{view.id}` | - | - |")
     return gr.LinePlot(value=frame, y_title=metric, visible=True), "\n".join(lines)
 
 

@@ -19,11 +19,11 @@ def table(results: list[doctor.Check], running: bool) -> str:
     rows = [f"| {'PASS' if c.ok else '**FAIL**'} | {c.name} | {_cell(c.found)} | {_cell(c.fix) if not c.ok else ''} |"
             for c in results]
     lines = ["| | check | found | what to do |", "|---|---|---|---|", *rows]
-    failed = sum(not c.ok for c in results)
     if running:
         ending = f"Checking ... ({len(results)} done)"
-    else:
-        ending = "**All checks passed.**" if not failed else f"**{failed} check(s) failed**: see what to do."
+    else:  # the CLI's last line, word for word: one verdict for both
+        verdict = doctor.verdict(results)
+        ending = f"**{verdict[0].upper()}{verdict[1:]}.**"
     return "\n".join(lines) + "\n\n" + ending
 
 

@@ -19,7 +19,10 @@ from studio_core.spec import SpecError
 
 
 def forecast_markdown(f: Forecast, backend: str) -> str:
-    cost = "each one a compilation of minutes on Trainium" if backend == "neuron" else "each one a compilation"
+    # the run page counts each piece Dynamo compiles (a forward, a backward, per graph break): more
+    # than the shapes, which this must not seem to promise as the count
+    cost = ("each one compiles the training step again, its forward and backward (the run page counts those "
+            "pieces one by one)" + (", minutes per piece on Trainium" if backend == "neuron" else ""))
     lines = [f"**{f.graphs} distinct batch shape(s)** reach the model in {f.steps} steps ({cost}); "
              f"**padding waste {f.waste:.1%}** of the tokens computed."]
     if f.capped:

@@ -7,7 +7,8 @@ studio_core.monitor), which RunView keeps in `view.hardware`. The run panel plac
 widgets and adds `render(view)`'s values to its own.
 
 The x-axis is training time (RunState.training_time_at): a resumed run's attempts follow one
-another, the time it stood stopped left out, each attempt its own stretch of line.
+another, the time it stood stopped left out, each attempt its own stretch of line. The CPU and
+memory plots show from the second sample on (one sample is no line; the note gives its values).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from studio_core.sizes import MB
 
 MAX_POINTS = 600  # per plot: a long run's samples are thinned to this many, evenly
 X_TITLE = "training time (s)"  # a longer title is cut off; the note says what a resume does to it
+# Every run page plot's axis labels, as d3 formats: Vega-Lite's own label a lone point's axis with
+# every digit ("6.889331" by "1.000000": one step logged, or a value that never changes); these
+# give "6.889" by "1", and a long axis its usual ticks.
+AXES = {"x_axis_format": "~g", "y_axis_format": ".4~g"}
 
 
 class HardwarePanel:
@@ -30,8 +35,10 @@ class HardwarePanel:
 
     def __init__(self):
         self.note = gr.Markdown("", elem_classes="run-hardware")
-        plot = {"x": "seconds", "x_title": X_TITLE, "height": 220}
-        with gr.Row():
+        plot = {"x": "seconds", "x_title": X_TITLE, "height": 220, **AXES}
+        # hidden until the run has two samples: an empty plot is an untitled frame, and a lone sample
+        # draws no line, only axes labelled with its values' every digit (the note above gives them)
+        with gr.Row(visible=False) as self.process_plots:
             self.cpu = gr.LinePlot(y="cpu_percent", color="node", title="CPU of the run's processes (%, 100 = one "
                                    "core)", **plot)
             self.rss = gr.LinePlot(y="rss_mb", color="node", title="Memory of the run's processes (RSS, MB)", **plot)
@@ -45,11 +52,12 @@ class HardwarePanel:
 
     @property
     def components(self) -> list[gr.Component]:
-        return [self.note, self.cpu, self.rss, self.neuron_util, self.neuron_mem, self.cuda_mem]
+        return [self.note, self.process_plots, self.cpu, self.rss, self.neuron_util, self.neuron_mem, self.cuda_mem]
 
     def empty(self) -> dict:
         """{widget: value} when no run is shown."""
-        return {self.note: "", self.cpu: None, self.rss: None, self.neuron_util: gr.update(value=None, visible=False),
+        return {self.note: "", self.process_plots: gr.update(visible=False), self.cpu: None, self.rss: None,
+                self.neuron_util: gr.update(value=None, visible=False),
                 self.neuron_mem: gr.update(value=None, visible=False),
                 self.cuda_mem: gr.update(value=None, visible=False)}
 
@@ -58,7 +66,7 @@ class HardwarePanel:
         samples = _thin(view.hardware)
         neuron = [s for s in samples if "neuron" in s]
         cuda = [s for s in samples if "cuda_mem_bytes" in s]
-        return {self.note: note_markdown(view),
+        return {self.note: note_markdown(view), self.process_plots: gr.update(visible=len(samples) >= 2),
                 self.cpu: _plotted(_process_frame(samples, "cpu_percent", view)),
                 self.rss: _plotted(_process_frame(samples, "rss_mb", view)),
                 self.neuron_util: gr.update(value=_plotted(_core_frame(neuron, "utilization", view)),

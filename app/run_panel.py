@@ -16,11 +16,12 @@ import time
 import gradio as gr
 import pandas as pd
 
-from app.hardware_panel import HardwarePanel
+from app.hardware_panel import AXES, HardwarePanel
 from studio_core import history, precompile, trainers
 from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import ACTIVE_STATES, RunView, format_seconds, late_compile_text, studio_cost_text
+from studio_core.runs.view import (ACTIVE_STATES, RunView, compile_totals_text, compiling_text, format_loss,
+                                   format_seconds, late_compile_text, short_seconds, studio_cost_text)
 from studio_core.sizes import MB
 from studio_core.spec import SpecError
 
@@ -89,7 +90,8 @@ def resume_run(manager: RunManager, hardware: Hardware, run_id: str | None) -> s
     except (SpecError, KeyError) as error:
         problems = error.problems if isinstance(error, SpecError) else [str(error).strip("'\"")]
         return "**Not resumed:** " + "; ".join(problems)
-    return f"Run `{run_id}` resumed from step {view.step}."
+    loads = view.resumed_from()  # the checkpoint it loads, which its launch record names
+    return f"Run `{run_id}` resumed from step {view.step}" + (f" ({loads.rstrip('/').rsplit('/', 1)[-1]})." if loads else ".")
 
 
 class RunPanel:
@@ -111,13 +113,15 @@ class RunPanel:
         with gr.Row():
             # both sets in the colour map from the start: a series that comes later (the first
             # evaluation) would otherwise be outside the colour scale Gradio fixed, and invisible
-            self.loss = gr.LinePlot(x="step", y="loss", color="set", title="Loss", height=260,
+            # hidden until there is a point to draw (plot_update): an empty plot is an untitled frame
+            self.loss = gr.LinePlot(x="step", y="loss", color="set", title="Loss", height=260, visible=False,
                                     color_map={"training": "#268bd2", "evaluation": "#dc322f"},
-                                    elem_classes="loss-plot")
-            self.lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260)
+                                    elem_classes="loss-plot", **AXES)
+            self.lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260, visible=False,
+                                  **AXES)
         with gr.Row():  # the trainer's own metrics (trainers.Trainer.plots): rewards, KL, accuracy, ...
             self.trainer_plots = [gr.LinePlot(x="step", y="value", color="metric", height=260, visible=False,
-                                              elem_classes="trainer-plot") for _ in range(TRAINER_PLOTS)]
+                                              elem_classes="trainer-plot", **AXES) for _ in range(TRAINER_PLOTS)]
         self.hardware = HardwarePanel()  # under the loss
         self.log = gr.Textbox(label="Log (tail of train.log)", lines=12, max_lines=12, autoscroll=True,
                               interactive=False, elem_classes="run-log")
@@ -175,13 +179,14 @@ class RunPanel:
         controls = self.controls.states(view) if self.controls else {}
         if view is None:
             return {self.status: message, self.progress: "", self.compiles: "", self.error: gr.update(visible=False),
-                    self.loss: None, self.lr: _frame("learning_rate"), self.log: "", self.applied: "",
+                    self.loss: plot_update(None), self.lr: plot_update(None), self.log: "", self.applied: "",
                     **{plot: gr.update(visible=False) for plot in self.trainer_plots}, **self.hardware.empty(),
                     **controls}
         error = _error_text(view)
         return {self.status: status_markdown(view), self.progress: progress_html(view),
                 self.compiles: compiles_html(view), self.error: gr.update(value=error, visible=bool(error)),
-                self.loss: loss_frame(view), self.lr: _frame("learning_rate", view), self.log: view.log_tail(),
+                self.loss: plot_update(loss_frame(view)),
+                self.lr: plot_update(_frame("learning_rate", view)), self.log: view.log_tail(),
                 self.applied: applied_html(view), **self._trainer_plots(view), **self.hardware.render(view),
                 **controls}
 
@@ -193,9 +198,8 @@ class RunPanel:
             plots = ()
         shown = {}
         for index, widget in enumerate(self.trainer_plots):
-            frame = trainer_frame(view, plots[index][1]) if index < len(plots) else None
-            shown[widget] = (gr.update(value=frame, title=plots[index][0], visible=True)
-                             if frame is not None and len(frame) else gr.update(visible=False))
+            title, names = plots[index] if index < len(plots) else (None, None)
+            shown[widget] = plot_update(trainer_frame(view, names) if names else None, title=title)
         return shown
 
 
@@ -237,9 +241,10 @@ def status_markdown(view: RunView) -> str:
         parts.append(f"training {format_seconds(duration)}")
     last_loss = view.last_loss()
     if last_loss is not None:
-        parts.append(f"loss {last_loss:.4f}")
-    hint = history.tracking_hint(view)  # TensorBoard, Trackio: where to look (TRL's report_to)
-    return " · ".join(parts) + (f"  \n{hint}" if hint else "")
+        parts.append(f"loss {format_loss(last_loss)}")
+    hints = [history.tracking_hint(view),  # TensorBoard, Trackio: where to look (TRL's report_to)
+             history.loss_note(view)]  # a high loss beside right answers, explained
+    return " · ".join(parts) + "".join(f"  \n{hint}" for hint in hints if hint)
 
 
 def progress_html(view: RunView) -> str:
@@ -302,15 +307,11 @@ def compiles_html(view: RunView) -> str:
     if not view.compiles and not view.compiling:
         return ""
     parts = []
-    for (graph, phase), event in view.compiling.items():
+    for number, ((graph, phase), event) in enumerate(view.compiling.items(), len(view.compiles) + 1):
         if view.ended is None:
-            parts.append(f"<div class='compile-now'>Compiling now: graph {graph} ({phase}) for "
+            parts.append(f"<div class='compile-now'>{html.escape(compiling_text(graph, phase, number))} for "
                          f"{format_seconds(time.time() - event['time'])}</div>")
-    seconds = view.compile_seconds()
-    wall = view.duration() or 0
-    totals = (f"{len(view.compiles)} compilation(s) in {short_seconds(seconds)}"
-              + (f" ({seconds / wall:.0%} of the run's time so far)" if wall > 0 else "")
-              + f"; {len(view.shapes)} batch shape(s) reached the model")
+    totals = compile_totals_text(view)
     rate = view.tokens_per_second()
     if view.step_seconds:
         totals += f"; training {short_seconds(sum(view.step_seconds))} without compilation"
@@ -384,10 +385,13 @@ def loss_frame(view: RunView) -> pd.DataFrame | None:
     return pd.DataFrame(rows, columns=["step", "loss", "set"]) if rows else None
 
 
+def plot_update(frame: pd.DataFrame | None, **more) -> dict:
+    """A step plot's update: hidden without a row (an empty plot is an untitled frame)."""
+    if frame is None or not len(frame):
+        return gr.update(value=None, visible=False)
+    return gr.update(value=frame, visible=True, **more)
+
+
 def _frame(metric: str, view: RunView | None = None) -> pd.DataFrame:
     rows = [(m["step"], m[metric]) for m in (view.metrics if view else []) if metric in m and "step" in m]
     return pd.DataFrame(rows, columns=["step", metric], dtype=float)
-
-
-def short_seconds(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 60 else format_seconds(seconds)

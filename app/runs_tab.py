@@ -15,7 +15,7 @@ from app.train_form import TrainForm, form_values
 from studio_core import evaluation, history, trainers
 from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import STATES, RunView, format_seconds, format_time
+from studio_core.runs.view import STATES, RunView, format_loss, format_seconds, format_time
 from studio_core.sizes import format_size
 
 # State and steps share a column, so that training and wall time fit beside the rest: with these
@@ -37,11 +37,10 @@ def runs_table(views: list[RunView], state: str = ALL, trainer: str = ALL, model
 
     rows = []
     for view in history.sort_runs(history.filter_runs(views, state, trainer, model), sort):
-        loss = view.last_loss()
         rows.append([view.id, f"{view.live_state} {view.step}/{view.max_steps or '?'}", view.trainer,
                      view.short_model, view.short_dataset, format_time(view.first_start),
                      seconds(view.training_seconds()), seconds(view.wall_seconds()),
-                     "" if loss is None else round(loss, 4), format_size(view.size())])
+                     format_loss(view.last_loss()), format_size(view.size())])
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -76,6 +75,7 @@ def evaluations_text(manager: RunManager, run_id: str | None) -> str:
         return ""
     if not found:
         return "**Evaluations:** none yet (the Evaluate tab runs one)."
+    note = history.loss_note(manager.view(run_id))  # good scores beside a high training loss, explained
     # the base (before) first, then the tuned (after), as the Evaluate tab shows them
     sides = sorted({side for s in found for side in s.get("results", {})}, key=lambda side: (side != "base", side))
     lines = ["**Evaluations** (newest first; the Evaluate tab shows each in full)", "",
@@ -85,7 +85,7 @@ def evaluations_text(manager: RunManager, run_id: str | None) -> str:
         cells = [scores_text(s.get("results", {}).get(side, {}), s.get("metrics") or []) for side in sides]
         lines.append(f"| {format_time(s.get('time'))} | `{s.get('data')}` ({s.get('split')}), {rows} | "
                      + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + (f"\n\n{note}" if note else "")
 
 
 def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainForm | None = None,

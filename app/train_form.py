@@ -191,7 +191,8 @@ class TrainForm:
                                    info="Slurm: the studio submits the run with sbatch (use it on the cluster's login "
                                    "node); Processes is then per node, and Plan for is the nodes' type")
             partitions, partition_info = slurm_partitions()
-            with gr.Group(visible=False, elem_id="slurm-box") as self.slurm_box:
+            # a Column, not a Group: Gradio 6 gives a Group's elem_id to two nested elements (two #slurm-box)
+            with gr.Column(visible=False, elem_id="slurm-box", variant="panel") as self.slurm_box:
                 with gr.Row():
                     w["partition"] = gr.Dropdown(partitions, value=None, allow_custom_value=True, label="Partition",
                                                  info=partition_info, elem_id="partition")
@@ -332,6 +333,10 @@ def slurm_partitions() -> tuple[list[str], str]:
                                   for p in found.values())
 
 
+SLURM_LABELS = {"partition": "Partition", "time": "Time limit", "account": "Account",
+                "sbatch_args": "Other sbatch options"}
+
+
 def slurm_options(v: dict) -> dict:
     """The studio.slurm block from the form's Slurm widgets (only what is filled in)."""
     try:
@@ -339,7 +344,11 @@ def slurm_options(v: dict) -> dict:
     except ValueError as error:
         raise SpecError([f"Other sbatch options: {error} (check the quotes)"]) from error
     options = {key: (v.get(key) or "").strip() for key in ("partition", "time", "account")}
-    options = {key: value for key, value in options.items() if value}
+    options = {key: value for key, value in options.items() if value} | ({"sbatch_args": extra} if extra else {})
+    problems = slurm.check_options(options, SLURM_LABELS)  # the one rule for Slurm values, under the widgets' names
+    if problems:
+        raise SpecError(problems)
+    extra = slurm.sbatch_words(extra)[0]  # as sbatch gets them: "--qos high" is kept as --qos=high
     return options | ({"sbatch_args": extra} if extra else {}) | ({"auto_resume": True} if v.get("auto_resume") else {})
 
 

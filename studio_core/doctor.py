@@ -279,12 +279,17 @@ def hub() -> Check:
                      "the cache only; no push")
     import httpx2  # the HTTP client huggingface_hub 2 uses
 
+    offline = "or set HF_HUB_OFFLINE=1 to work from local models and datasets only"
     try:
         answer = get_session().head(constants.ENDPOINT, timeout=10)
     except (httpx2.HTTPError, OSError) as error:
         found = f"cannot reach {constants.ENDPOINT}: {type(error).__name__}: {error}"
-        return Check("hub", False, found, "check the network or the proxy (HTTPS_PROXY); or set HF_HUB_OFFLINE=1 "
-                     "to work from local models and datasets only")
+        return Check("hub", False, found, f"check the network or the proxy (HTTPS_PROXY); {offline}")
+    # The Hub's home page answers 200; an error status is something else answering in its place
+    # (a wrong HF_ENDPOINT, a proxy's or captive portal's page), from which no download would come.
+    if answer.status_code >= 400:
+        return Check("hub", False, f"{constants.ENDPOINT} answers HTTP {answer.status_code}, not as the Hub does",
+                     f"check HF_ENDPOINT (it names the Hub or its mirror) and the proxy (HTTPS_PROXY); {offline}")
     return Check("hub", True, f"{constants.ENDPOINT} answers (HTTP {answer.status_code})")
 
 

@@ -1,5 +1,6 @@
 """Run history: filtering and sorting runs, comparing them (metric curves and settings),
-cloning one's settings, deleting a run with its files, and the runs chat and export can use.
+cloning one's settings, deleting a run with its files, the runs chat and export can use, and
+what a run's loss says when its tokens come out right anyway (loss_note).
 
 Everything is read from the runs folder through the run manager, as the Runs tab and the
 command line do; nothing here imports Gradio.
@@ -8,6 +9,7 @@ command line do; nothing here imports Gradio.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import shutil
 
@@ -15,7 +17,7 @@ from studio_core import leases, plan
 from studio_core.runs import folder
 from studio_core.runs.events import ACTIVE_STATES
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import RunView
+from studio_core.runs.view import RunView, format_loss
 from studio_core.spec import RunSpec, trackers
 
 CHAT_TASK = "text-generation"  # a saved model that answers prompts (trainers.Trainer.task)
@@ -182,3 +184,34 @@ def runs_with_a_model(manager: RunManager, chats: bool = False) -> list[str]:
         if info and (not chats or info.get("task", CHAT_TASK) == CHAT_TASK):  # older runs all chat
             found.append(view.id)
     return found
+
+
+# --- what a loss says ---------------------------------------------------------------------
+# A run whose share of right tokens is this many times the probability it gives them on average
+# (exp(-loss): their geometric mean) ranks the right token first without being sure of it. In a
+# healthy run the two are close (the tiny full SFT ends at 0.97 and 0.88); the tiny LoRA SFT ends
+# at 0.97 and 0.003, with its output layer frozen at the base model's small random weights.
+CONFIDENCE_GAP = 20
+
+
+def loss_note(view: RunView) -> str | None:
+    """One sentence for a run whose loss stays high while its tokens (and so its answers) come
+    out right, saying why the two disagree; None when they agree or the trainer logs no token
+    accuracy (TRL's SFT logs `mean_token_accuracy` beside the loss)."""
+    last = next((m for m in reversed(view.metrics) if _number(m.get("loss")) and
+                 _number(m.get("mean_token_accuracy"))), None)
+    if last is None:
+        return None
+    loss, accuracy = float(last["loss"]), float(last["mean_token_accuracy"])
+    probability = math.exp(-loss)
+    if accuracy < 0.5 or probability * CONFIDENCE_GAP > accuracy:
+        return None
+    lora = ("; with LoRA the base model's output layer stays frozen, which can keep a small model's outputs "
+            "this flat") if view.spec.get("use_peft") else ""
+    return (f"Loss {format_loss(loss)} with {accuracy:.0%} of tokens predicted right: the model ranks the right "
+            f"token first but gives it only about {probability:.1%} probability on average (exp(-loss)), so its "
+            f"answers (and exact_match) come out right while the loss stays high{lora}.")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

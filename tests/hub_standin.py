@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import re
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ outside its namespace (401 GatedRepo, as the Hub answers a gated repo without gr
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="hub-standin", daemon=True)
         self._routes = [
+            ("GET", r"/", lambda request: (200, b"", {})),  # the home page, which the doctor's check asks
             ("GET", r"/api/whoami-v2", self._whoami),
             ("POST", r"/api/repos/create", self._create_repo),
             ("POST", r"/api/validate-yaml", lambda request: {"errors": [], "warnings": []}),
@@ -414,6 +416,12 @@ def point_hub_client_at(hub: HubStandIn, monkeypatch) -> None:
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(hf_api.api, "endpoint", hub.url)
+    # datasets keeps its own copies of the offline switch and the endpoint, also read at its import
+    if "datasets.config" in sys.modules:
+        config = sys.modules["datasets.config"]
+        monkeypatch.setattr(config, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(config, "HF_ENDPOINT", hub.url)
+        monkeypatch.setattr(config, "HUB_DATASETS_URL", hub.url + "/datasets/{repo_id}/resolve/{revision}/{path}")
 
 
 def use_hub_cache(folder, monkeypatch) -> None:

@@ -66,8 +66,8 @@ def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
     [view] = app.new_runs()
     assert view.live_state == "finished" and any("loss" in m for m in view.metrics[-3:])
     assert view.spec["studio"]["eval_fraction"] == 0.25 and len([m for m in view.metrics if "eval_loss" in m]) >= 5
-    shown_loss = float(status.split("loss")[-1].strip())
-    assert shown_loss == pytest.approx(next(m["loss"] for m in reversed(view.metrics) if "loss" in m), abs=1e-4)
+    shown_loss = float(status.split("loss")[-1].strip())  # 4 significant digits (run_panel.format_loss)
+    assert shown_loss == pytest.approx(next(m["loss"] for m in reversed(view.metrics) if "loss" in m), rel=5e-4)
 
     page.get_by_role("tab", name="Runs").click()
     table = page.locator("#runs-table")
@@ -131,6 +131,19 @@ def test_a_two_process_layout_from_the_page(page, app):
     page.locator("#preview").click()  # what Start would launch (the session's two_process_runs trained it)
     expect(page.locator("#plan")).to_contain_text("--nproc-per-node=2")
     expect(page.locator("#plan")).to_contain_text("studio.cores = '0-1'")
+
+
+def test_every_element_id_in_the_page_is_unique_with_every_part_shown(page):
+    page.get_by_text("Layout: processes, parallelism, cores").click()
+    page.locator("#run_on").get_by_label("Slurm").check()
+    expect(page.locator("#slurm-box")).to_be_visible(timeout=30_000)  # one element: strict, two would fail
+    for tab, shown in (("Runs", "#tab-runs"), ("Chat", "#tab-chat"), ("Evaluate", "#tab-eval"),
+                       ("Export", "#tab-export"), ("Doctor", "#tab-doctor")):  # each tab's widgets in the page
+        page.get_by_role("tab", name=tab).click()
+        expect(page.locator(shown)).to_be_visible()
+    counts = page.evaluate("() => { const c = {}; for (const e of document.querySelectorAll('[id]')) "
+                           "if (e.id) c[e.id] = (c[e.id] || 0) + 1; return c; }")
+    assert {key: n for key, n in counts.items() if n > 1} == {}
 
 
 def test_the_core_map_marks_the_cores_others_hold_and_names_them(new_page, app):
