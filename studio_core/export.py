@@ -38,6 +38,7 @@ from studio_core.compile_cache import compile_cache_root
 from studio_core.device_env import device_env
 from studio_core.hardware import Hardware, pin_to_cpu_cores
 from studio_core.runs import events, folder
+from studio_core.runs.view import format_loss
 from studio_core.runs.folder import OUTPUT_INFO
 from studio_core.sources import HUB_ID
 from studio_core.spec import SECRET_FIELDS, RunSpec, holds_token
@@ -316,7 +317,7 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
             "base": base, "base_note": _base_note(base, kind),
             "dataset": spec.dataset_name, "layout": layout + resumed, "settings": settings,
             "final": final or "| - | - |",
-            "last_loss": "" if summary["last_loss"] is None else f"{summary['last_loss']:.4f}",
+            "last_loss": format_loss(summary["last_loss"]),
             "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
             "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "",
             "evaluation": _evaluations_text(summary.get("evaluations") or []),

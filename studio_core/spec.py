@@ -236,6 +236,10 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
     problems += [p for p in peft_check.peft_problems(spec.args) if p.split(":", 1)[0] not in seen]
     problems += _check_numbers(spec)
     problems += _check_layout(spec.layout)
+    if spec.args.get("push_to_hub") is True and any(isinstance(r, dict) and "file" in r for r in spec.rewards or []):
+        # the run drops the Hub token before it imports the user's reward file (trainer_setup)
+        problems.append("push_to_hub: a run with your reward file has no Hub token once that file is imported, so "
+                        "it could not push; leave push_to_hub out and export the finished run to the Hub instead")
     # YAML reads `run_name: 2024-06-01` as a date and `dataset_name: 7` as a number.
     names = {"model_name_or_path": spec.model_name_or_path, "dataset_name": spec.dataset_name,
              "dataset_train_split": spec.dataset_train_split}

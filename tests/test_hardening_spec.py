@@ -173,3 +173,13 @@ def test_a_run_name_with_a_line_break_or_too_long_is_refused(name):
     also matches before a final line break, so the whole name must match."""
     problems = validate(RunSpec.from_dict({**SFT.to_dict(), "run_name": name}))
     assert any(p.startswith("run_name") for p in problems), problems
+
+
+@pytest.mark.fast
+def test_push_to_hub_with_a_reward_file_is_refused_since_the_run_drops_the_token(tmp_path):
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text("def f(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
+    spec = GRPO.with_overrides([f"studio.rewards=[{{file: {rewards}, function: f}}]"])
+    assert not [p for p in validate(spec) if p.startswith("push_to_hub")]
+    problems = validate(spec.with_overrides(["push_to_hub=true"]))
+    assert any(p.startswith("push_to_hub: a run with your reward file has no Hub token") for p in problems), problems
