@@ -26,7 +26,7 @@ import pytest
 from cli.serve import read_api_key
 from studio_core import leases
 from studio_core.builtin import BUILTIN_MODEL
-from studio_core.openai_api import ApiError, parse, too_long
+from studio_core.openai_request import ApiError, parse, too_long
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "served-model"
