@@ -216,7 +216,7 @@ class TrainForm:
                                         elem_id="use_peft")
             with gr.Row():
                 w["lora_r"] = gr.Number(16, label="lora_r", precision=0)
-                w["lora_alpha"] = gr.Number(32, label="lora_alpha", precision=0)
+                w["lora_alpha"] = gr.Number(32, label="lora_alpha")  # a float too, as PEFT takes it
                 w["lora_dropout"] = gr.Number(0.05, label="lora_dropout")
                 w["lora_target_modules"] = gr.Textbox("all-linear", label="lora_target_modules",
                                                       info="all-linear, or names: q_proj, v_proj")
@@ -268,6 +268,12 @@ def check_extra(trainer: str, text: str) -> str:
     return "TRL settings recognised." if (text or "").strip() else ""
 
 
+def _whole_if_whole(value) -> int | float:
+    """A number widget's value as the recipe writes it: 32 (not 32.0), or 16.5."""
+    number = float(value or 0)
+    return int(number) if number.is_integer() else number
+
+
 def spec_from_form(v: dict) -> RunSpec:
     """Widget values (by name) -> RunSpec. Raises SpecError for values that are not even well-formed."""
     trainer = v["trainer"]
@@ -297,7 +303,7 @@ def spec_from_form(v: dict) -> RunSpec:
             args[field.name] = [value] if field.as_list else value
     if v["use_peft"]:
         targets = [t.strip() for t in (v["lora_target_modules"] or "").split(",") if t.strip()]
-        args |= {"use_peft": True, "lora_r": int(v["lora_r"] or 0), "lora_alpha": int(v["lora_alpha"] or 0),
+        args |= {"use_peft": True, "lora_r": int(v["lora_r"] or 0), "lora_alpha": _whole_if_whole(v["lora_alpha"]),
                  "lora_dropout": float(v["lora_dropout"] or 0), "lora_target_modules": targets or None}
     if v["trust_remote_code"]:
         args["trust_remote_code"] = True

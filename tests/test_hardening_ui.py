@@ -262,3 +262,16 @@ def test_every_element_id_in_the_page_is_unique(tmp_path):
     assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
     # Gradio 6 writes a Group's elem_id on two nested elements (#slurm-box was in the page twice)
     assert [b.elem_id for b in blocks if isinstance(b, gr.Group) and b.elem_id] == []
+
+
+@pytest.mark.fast
+def test_the_form_keeps_a_float_lora_alpha_and_writes_a_whole_one_whole():
+    """PEFT takes lora_alpha as a float scale; the form rounded it to a whole number."""
+    from app.train_form import form_values, spec_from_form
+    from studio_core.spec import RunSpec
+
+    spec = RunSpec.load(Path(__file__).resolve().parent.parent / "recipes" / "tiny-sft-lora.yaml")
+    values = form_values(spec, trackers=["none"]) | {"target": "this machine", "lnc": 2}
+    assert spec_from_form(values | {"lora_alpha": 16.5}).args["lora_alpha"] == 16.5
+    whole = spec_from_form(values | {"lora_alpha": 32.0}).args["lora_alpha"]
+    assert whole == 32 and isinstance(whole, int)
