@@ -12,13 +12,12 @@ import re
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
 
-from cli.main import main
 from conftest import RECIPES, run_folders
+from test_cli_errors import cli, no_app  # noqa: F401 (no_app: a fixture)
 from studio_core.chat import ChatError, resolve
 from studio_core.checkpoints import RESUME_ENV
 from studio_core.evaluation import EvalRequest, check_request
@@ -56,25 +55,6 @@ def damage(run_dir: Path, kind: str) -> None:
     spec = run_dir / folder.SPEC
     text, _ = DAMAGES[kind]
     spec.write_bytes(spec.read_bytes()[: len(spec.read_bytes()) // 2] if text is None else text)
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as refused:
-        code = refused.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture
-def no_app(monkeypatch):
-    def started(*args, **kwargs):
-        raise AssertionError("the web app was started")
-
-    stub = types.ModuleType("app.main")
-    stub.build_app, stub.queued, stub.launch_settings = started, started, started
-    monkeypatch.setitem(sys.modules, "app.main", stub)
 
 
 # --- item 1: a damaged spec.yaml, one message everywhere --------------------------------
