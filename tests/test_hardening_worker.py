@@ -183,10 +183,10 @@ def fill(mount, leave: int) -> None:
 
 def test_a_save_the_disk_has_no_room_for_is_never_started(small_disk):
     mount, runs = small_disk
+    # filled first, so the save at step 20 meets a full disk however fast the run gets there
+    fill(mount, leave=4 << 20)  # room for the run's files and events, not for a checkpoint with its margin
     run = runs.start(tiny(*LONG, "save_strategy=steps", "save_steps=20"), cpu_hardware())
-    wait_until_training(runs, run.id, steps=3)
     checkpoint(runs.runs_dir / run.id, 999, '{"global_step": 9')  # a save a full disk tore, earlier
-    fill(mount, leave=4 << 20)  # room for the events, not for a checkpoint with its margin
     view = runs.wait(run.id)
     assert view.live_state == "failed" and "the disk is full" in view.error_text, view.error_text
     assert str(mount) in view.error_text and "checkpoint-20 needs about" in view.error_text
