@@ -266,7 +266,7 @@ def _ask(requests: list[dict]) -> list:
     global _checker, _checker_log
     line = json.dumps(requests, default=str) + "\n"  # a YAML date, say: sent as its text
     with _checker_lock:
-        for _ in range(2):  # the child may have just left, idle: start another once
+        for _ in range(2):  # the child may be leaving, idle, as it is asked: then a new one, once
             if _checker is None or _checker.poll() is not None:
                 _checker_log = tempfile.TemporaryFile()
                 _checker = subprocess.Popen([sys.executable, "-c", _CONFIG_CHECK, str(CHECK_IDLE_S)],
@@ -274,13 +274,15 @@ def _ask(requests: list[dict]) -> list:
             try:
                 _checker.stdin.write(line.encode())
                 _checker.stdin.flush()
+                reply = _read_line(_checker, CHECK_START_S)
             except BrokenPipeError:
-                _checker.wait()
-                continue
-            reply = _read_line(_checker, CHECK_START_S)
+                reply = b""
             if reply:
                 return json.loads(reply)
-        _checker.kill()
+            # a leaving child can still take the line into its pipe and then end without reading it
+            # (poll() said it was up): end it for sure, so the next try starts a new one
+            _checker.kill()
+            _checker.wait()
         _checker_log.seek(0)
         raise RuntimeError(f"could not ask TRL to check the config:\n{_checker_log.read().decode()[-2000:]}")
 

@@ -183,3 +183,25 @@ def test_push_to_hub_with_a_reward_file_is_refused_since_the_run_drops_the_token
     assert not [p for p in validate(spec) if p.startswith("push_to_hub")]
     problems = validate(spec.with_overrides(["push_to_hub=true"]))
     assert any(p.startswith("push_to_hub: a run with your reward file has no Hub token") for p in problems), problems
+
+
+@pytest.mark.fast
+def test_a_config_check_child_that_cannot_answer_is_replaced(monkeypatch, tmp_path):
+    """A check child that is up but answers nothing (leaving, idle, as it is asked; or its pipe
+    lost) is ended and a new one asked, instead of being asked twice and failing the start."""
+    import subprocess
+    import sys
+
+    from studio_core import trl_schema
+
+    mute = subprocess.Popen([sys.executable, "-c", "import os, time; os.close(1); time.sleep(60)"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    monkeypatch.setattr(trl_schema, "_checker", mute)
+    monkeypatch.setattr(trl_schema, "_passed", set())
+    monkeypatch.setattr(trl_schema, "_passed_file", lambda key: tmp_path / "passed" / "check")
+    try:
+        assert plan.trl_problems(SFT.with_overrides(["logging_steps=7"]), cpu_hardware()) == []
+        assert mute.poll() is not None  # ended, not left behind
+    finally:
+        mute.kill()
+        mute.wait()
