@@ -167,7 +167,7 @@ class Side:
         if self.name in ("unbucketed", "dynamic"):
             padded = type(gen)._padded
             # Pad to the prompt's own length, i.e. not at all: the rest of generate stays the studio's.
-            gen._padded = lambda ids, length: padded(gen, ids, len(ids))
+            gen._padded = lambda ids, length, *placed, **how: padded(gen, ids, len(ids), *placed, **how)
         if self.name == "dynamic":
             generate = type(gen.model).generate
 

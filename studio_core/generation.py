@@ -2,11 +2,13 @@
 chat process and the evaluation process both hold. Imports torch when used: child processes only.
 
 Generation is shaped for Neuron, where every new input shape is a compilation: a static KV
-cache of a fixed length, prompts left-padded to a few bucket lengths, inputs kept on CPU, the
-model on `device_map="neuron"` in bf16 there. A conversation then reaches the model with at
-most one prefill shape per bucket plus the one-token decode shape. Scoring an answer (its
-tokens' loss given the prompt) pads prompt + answer to a bucket the same way, so it adds at
-most one shape per bucket. The shapes seen so far are kept in `shapes` (on Neuron each new
+cache of a fixed length, prompts left-padded to a few bucket lengths, the model on
+`device_map="neuron"` in bf16 there. Inputs are placed by studio_core.placement's one rule
+(generate's stay on CPU on Neuron, a forward's go to the model's device). A conversation then
+reaches the model with at most one prefill shape per bucket plus the one-token decode shape.
+Scoring an answer (its tokens' loss given the prompt) pads prompt + answer to a bucket the same
+way and takes every position's loss on the device, so it adds at most one shape per bucket
+whatever the answer's length. The shapes seen so far are kept in `shapes` (on Neuron each new
 one is a compilation), counted on the Transformers model itself, under a LoRA run's PEFT
 wrapper: PeftModel.generate calls the inner model's generate, which never goes through the
 wrapper's own forward (a hook there saw only the scoring passes). The Neuron loading path
@@ -25,6 +27,7 @@ import time
 from studio_core import leases
 from studio_core.chat import opens_thinking, template_kwargs
 from studio_core.hardware import pin_to_cpu_cores
+from studio_core.placement import on_model_device
 
 # Prompt lengths are left-padded up to the first bucket that holds them.
 BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -162,14 +165,14 @@ class Generator:
         bucket = next(b for b in buckets_for(self.max_cache_len, max_new_tokens) if b >= len(ids))
         return ids, bucket, dropped
 
-    def _padded(self, ids: list[int], length: int):
+    def _padded(self, ids: list[int], length: int, model, generate: bool) -> dict:
+        """input_ids and attention_mask, left-padded to `length`, placed for `model`'s forward or
+        its generate() (placement.on_model_device: on Neuron, generate's stay on CPU)."""
         import torch
 
-        input_ids = torch.tensor([[self.pad] * (length - len(ids)) + ids])  # left padding; stays on CPU
+        input_ids = torch.tensor([[self.pad] * (length - len(ids)) + ids])
         attention_mask = torch.tensor([[0] * (length - len(ids)) + [1] * len(ids)])
-        if self.backend == "cuda":
-            input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
-        return input_ids, attention_mask
+        return on_model_device(model, generate=generate, input_ids=input_ids, attention_mask=attention_mask)
 
     def fitted(self, messages: list[dict] | None, text: str | None, max_new_tokens: int,
                whole: bool) -> tuple[list[int], int, int]:
@@ -206,17 +209,17 @@ class Generator:
         ids, bucket, dropped = self.fitted(messages, text, max_new_tokens, whole)
         if seed is not None:
             torch.manual_seed(seed)
-        input_ids, attention_mask = self._padded(ids, bucket)
+        model, context = self.model_for(which)
+        inputs = self._padded(ids, bucket, model, generate=True)
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {
             "do_sample": False}
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        model, context = self.model_for(which)
         failure: list[BaseException] = []
 
         def run():
             try:
                 with context, torch.inference_mode():
-                    model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                    model.generate(**inputs, max_new_tokens=max_new_tokens,
                                    cache_implementation="static", max_cache_len=self.max_cache_len,
                                    pad_token_id=self.pad, streamer=streamer, stopping_criteria=[StopOnRequest()],
                                    **sampling)
@@ -255,14 +258,13 @@ class Generator:
         fitting = [b for b in BUCKETS if b <= self.max_cache_len and b >= len(full)]
         if len(full) <= len(prompt) or not fitting:
             return 0.0, 0
-        input_ids, attention_mask = self._padded(full, fitting[0])
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         model, context = self.model_for(which)
+        inputs = self._padded(full, fitting[0], model, generate=False)
+        inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         with context, torch.inference_mode():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).logits.float()
+            logits = model(**inputs, use_cache=False).logits[0, :-1].float()
+            # Every position's loss, then the answer's picked on CPU: the device sees one shape
+            # per bucket, whatever the answer's length (on Neuron a new shape is a compilation).
+            losses = torch.nn.functional.cross_entropy(logits, inputs["input_ids"][0, 1:], reduction="none").cpu()
         answer_len = len(full) - len(prompt)
-        predicted = logits[0, -answer_len - 1:-1]  # the logits before each answer token
-        targets = input_ids[0, -answer_len:]
-        loss = torch.nn.functional.cross_entropy(predicted, targets.to(predicted.device), reduction="sum")
-        return float(loss), answer_len
+        return float(losses[-answer_len:].sum()), answer_len
