@@ -10,7 +10,9 @@ One folder per backend under the compile cache root (`$STUDIO_COMPILE_CACHE`, el
                               Python code they load; used only by the inductor backend
 
 The planner puts these folders in a run's environment (`compile_cache_env`); the Runs tab
-and `launch.py cache` show them and clear them.
+and `launch.py cache` show them and clear them. `neff_cache_folder` and `neff_keys` are the
+NEFF cache as a Neuron process sees it, for telling a cache hit from a compile
+(studio_core/neff_watch.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from studio_core.builtin import cache_dir
 from studio_core.sizes import format_size
 
 BACKENDS = ("cpu", "cuda", "neuron")
+# TorchNeuron's NEFF cache settings (torch-neuronx source: the Python cache configuration's
+# get_nfs_cache_dir and is_caching_disabled, and the C++ PersistentCacheBackend, which reads
+# the same two variables); read in the source, not run on a device here.
+NEFF_DIR_ENV, NEFF_DEFAULT_DIR = "TORCH_NEURONX_NEFF_CACHE_DIR", "/tmp/neff_cache"
+NEFF_DISABLE_ENV = "TORCH_NEURONX_NEFF_DISABLE_CACHE"
 NEFF = "neff"
 INDUCTOR = "inductor"
 # Inductor's own cache layout (checked on torch 2.13, CPU): one file per entry in these
@@ -68,8 +75,41 @@ def compile_cache_env(backend: str, root: str | Path) -> dict[str, str]:
     folder = compile_cache_dir(backend, root)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(folder / INDUCTOR)}
     if backend == "neuron":
-        env["TORCH_NEURONX_NEFF_CACHE_DIR"] = str(folder / NEFF)
+        env[NEFF_DIR_ENV] = str(folder / NEFF)
     return env
+
+
+def neff_cache_folder(environ=os.environ) -> Path | None:
+    """The NEFF cache folder a Neuron process of this environment writes to, None when its
+    cache is turned off (the variable set to true, 1 or yes, as torch-neuronx reads it)."""
+    if environ.get(NEFF_DISABLE_ENV, "").lower() in ("true", "1", "yes"):
+        return None
+    return Path(environ.get(NEFF_DIR_ENV) or NEFF_DEFAULT_DIR)
+
+
+def neff_keys(folder: Path) -> set[str]:
+    """The keys of the NEFFs in a NEFF cache folder. TorchNeuron writes each one as
+    <folder>/ab/cd/<key>.neff (torch-neuronx's PersistentCacheBackend: two shard folders from the
+    key's first four characters, written to a temporary file and renamed), so only those are
+    read: a file being written, a lock, the shard folders are not NEFFs. Three levels of
+    scandir, not a recursive walk; a folder that goes away meanwhile (a clear) is skipped."""
+    found: set[str] = set()
+    for first in _folders(folder):
+        for second in _folders(first):
+            try:
+                with os.scandir(second) as entries:
+                    found.update(e.name[:-5] for e in entries if e.name.endswith(".neff") and e.is_file())
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+    return found
+
+
+def _folders(path) -> list[str]:
+    try:
+        with os.scandir(path) as entries:
+            return [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def summary(path: str | Path) -> CacheSummary:

@@ -13,7 +13,7 @@ eager), so the same events come from a CPU test and a Trainium run:
 
 A recompile's reason ("tensor 'kwargs['input_ids']' size mismatch at index 1. expected
 16, actual 32") comes from Dynamo's `recompiles` log, which is logged just before the
-compile starts. Cache hits are known for Inductor's FX graph cache.
+compile starts. Where a cache answer comes from: see "Cache hits" below.
 
 On Neuron, Dynamo's end callback comes when the graph is lowered; neuronx-cc then compiles
 it to a NEFF lazily, at the first device sync, so minutes of compiling would count as step
@@ -24,6 +24,14 @@ torch-neuronx source, not run here): at the end of a step in which a graph was r
 call syncs the device, so it is made on compiling steps only) and reports each new graph
 as a `compile_end` of phase "neff". The step's time is then its wall time less Dynamo's
 compile time and the NEFF compile time, and the progress event says the step compiled.
+
+Cache hits: on CPU and CUDA from Inductor's FX graph cache counters. On Neuron those stay 0
+(the neuron backend does not use Inductor), so a "neff" compile_end is labelled from
+TorchNeuron's record and the NEFF cache folder instead, and a step that added NEFFs no graph
+explains (eager-mode ops: DPO, KTO, GRPO, RLOO and reward modelling train eagerly on Neuron)
+is reported as a compilation of phase "eager" whose time is the step's; studio_core/neff_watch.py
+has the rules and their sources (read in the torch-neuronx source, not run on a device here).
+`StepCache` gives a precompile job's step the same answer.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from pathlib import Path
 from time import perf_counter, thread_time
 from typing import Callable
 
+from studio_core.compile_cache import neff_cache_folder, neff_keys
+from studio_core.neff_watch import NeffStepWatch, cache_label, compile_seconds, record_field, step_cache_label
 from studio_core.runs import events as ev
 
 RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
@@ -52,17 +62,18 @@ class CompileWatch:
         self.reason: str | None = None
         self.cache_before: tuple[int, int] = (0, 0)
         self.neff: NeffCompileTimes | None = None  # Neuron only
+        self.eager: NeffStepWatch | None = None  # Neuron with its NEFF cache on
         self._lock = threading.Lock()
 
     def install(self) -> None:
         import torch
         from torch._dynamo.callback import callback_handler
 
-        neuron = getattr(torch, "neuron", None)
-        if neuron is not None and hasattr(neuron, "get_dynamo_metrics"):
-            from torch._dynamo.utils import counters
-
-            self.neff = NeffCompileTimes(neuron.get_dynamo_metrics, lambda: counters["neuron"]["compiled_graphs"])
+        self.neff = neuron_compile_times()
+        folder = neff_cache_folder() if self.neff is not None else None
+        if folder is not None:
+            self.eager = NeffStepWatch(folder)
+            self.eager.start()
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
         if not os.environ.get("TORCH_LOGS"):  # the user's own TORCH_LOGS wins
@@ -77,15 +88,47 @@ class CompileWatch:
         with self._lock:
             return self.finished_s + sum(now - start for start in self.running.values())
 
-    def step_ended(self) -> None:
-        """At the end of each step: on Neuron, add the NEFF compile time of graphs recorded in it."""
+    def step_ended(self, since: tuple[float, float] | None = None, new_shape: bool = False) -> None:
+        """At the end of each step, on Neuron: neuronx-cc's time for the graphs recorded in it,
+        each labelled hit or miss, and a step that compiled outside them (NEFFs none of them
+        explains) reported as an "eager" compilation of the step's time. `since`: when the step
+        began and compile_seconds() then (the worker's mark); `new_shape`: a batch shape reached
+        the model for the first time in it."""
         if self.neff is None:
             return
-        for graph, seconds in self.neff.new_graphs():
-            with self._lock:
-                self.finished_s += seconds
-                self.compiles += 1
-            ev.append(self.events, ev.compile_end(graph, "neff", self.step(), round(seconds, 3)))
+        graphs = self.neff.new_graphs()
+        with self._lock:
+            self.finished_s += sum(seconds or 0.0 for _, seconds in graphs)
+            self.compiles += len(graphs)
+        wall = None if since is None else max(0.0, time.time() - since[0] - (self.compile_seconds() - since[1]))
+        new = None
+        if self.eager is not None and (wall is not None or graphs):
+            new = self.eager.step_ended(wall or 0.0, new_shape, must_scan=any(s is None for _, s in graphs))
+        labels = [cache_label(seconds, new) for _, seconds in graphs]
+        if graphs:
+            step = self.step()
+            ev.append_all(self.events, [ev.compile_end(graph, "neff", step, round(seconds or 0.0, 3), cache=label)
+                                        for (graph, seconds), label in zip(graphs, labels)])
+        unexplained = (new or 0) - labels.count("miss")
+        if unexplained > 0 and since is not None:
+            self._eager_compiled(since[0], wall, unexplained)
+        elif self.eager is not None and wall is not None and self.compile_seconds() == since[1]:
+            self.eager.steady_step(wall)
+
+    def _eager_compiled(self, began: float, seconds: float, neffs: int) -> None:
+        """A step compiled ops outside any graph: its time (less what graphs took) was compiling.
+        Found at the step's end, so both events are written then; the start carries the step's
+        start time, when this compilation began at the earliest."""
+        with self._lock:
+            self.finished_s += seconds
+            self.compiles += 1
+        step = self.step()
+        start = ev.compile_start(f"eager/{step}", "eager", step,
+                                 reason=f"{neffs} new NEFF(s) in the NEFF cache that no compiled graph explains "
+                                        "(ops run eagerly, without torch.compile)")
+        start["time"] = began
+        ev.append_all(self.events, [start, ev.compile_end(f"eager/{step}", "eager", step, round(seconds, 3),
+                                                          cache="miss", graphs=neffs)])
 
     def report_backend_metrics(self) -> None:
         """The Neuron backend's own per-graph records, when it is installed (Trainium only)."""
@@ -111,8 +154,8 @@ class CompileWatch:
             seconds = time.time() - start
             self.finished_s += seconds
             self.compiles += 1
-            hits, misses = (now - before for now, before in zip(_cache_counts(), self.cache_before))
-        cache = ("hit" if hits and not misses else "miss") if hits or misses else None
+            # on Neuron the "neff" compile_end carries the answer (Inductor's counters stay 0 there)
+            cache = None if self.neff is not None else _inductor_label(_cache_counts(), self.cache_before)
         ev.append(self.events, ev.compile_end(key[0], phase, self.step(), round(seconds, 3), cache=cache))
 
 
@@ -125,14 +168,59 @@ class NeffCompileTimes:
         self.metrics, self.recorded = metrics, recorded
         self.seen = 0
 
-    def new_graphs(self) -> list[tuple[str, float]]:
-        """(graph name, NEFF compile seconds) of the graphs recorded since the last call."""
+    def new_graphs(self) -> list[tuple[str, float | None]]:
+        """(graph name, NEFF compile seconds; None when its record has no such field) of the
+        graphs recorded since the last call."""
         if self.recorded() == self.seen:
             return []
         records = self.metrics()
         new, self.seen = records[self.seen:], len(records)
-        return [(getattr(r, "graph_name", "") or str(getattr(r, "graph_id", "?")),
-                 (getattr(r, "torch_neuronx_compile_us", 0) or 0) / 1e6) for r in new]
+        return [(_record_name(r), compile_seconds(r)) for r in new]
+
+
+def _record_name(record) -> str:
+    return record_field(record, "graph_name") or str(record_field(record, "graph_id") or "?")
+
+
+def neuron_compile_times() -> NeffCompileTimes | None:
+    """TorchNeuron's per-graph records of this process, when torch-neuronx is installed (Trainium)."""
+    import torch
+
+    neuron = getattr(torch, "neuron", None)
+    if neuron is None or not hasattr(neuron, "get_dynamo_metrics"):
+        return None
+    from torch._dynamo.utils import counters
+
+    return NeffCompileTimes(neuron.get_dynamo_metrics, lambda: counters["neuron"]["compiled_graphs"])
+
+
+class StepCache:
+    """Whether one step's compilations came from the compile cache (a precompile job's step):
+    on Neuron from TorchNeuron's records and the NEFF cache folder (neff_watch.step_cache_label),
+    elsewhere from Inductor's FX graph cache counters. None: nothing says."""
+
+    def __init__(self, neff: NeffCompileTimes | None, folder: Path | None):
+        self.neff, self.folder = neff, folder
+        self.before: tuple[int, int] = (0, 0)
+        self.keys: set[str] = set()
+
+    @classmethod
+    def here(cls) -> StepCache:
+        neff = neuron_compile_times()
+        return cls(neff, neff_cache_folder() if neff is not None else None)
+
+    def begin(self) -> None:
+        if self.neff is None:
+            self.before = _cache_counts()
+        elif self.folder is not None:
+            self.keys = neff_keys(self.folder)
+
+    def end(self) -> str | None:
+        if self.neff is None:
+            return _inductor_label(_cache_counts(), self.before)
+        graphs = self.neff.new_graphs()  # syncs the device: every graph of the step has compiled
+        new = len(neff_keys(self.folder) - self.keys) if self.folder is not None else None
+        return step_cache_label([seconds for _, seconds in graphs], new)
 
 
 class ShapeWatch:
@@ -261,6 +349,12 @@ def _cache_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return tuple(counters["inductor"][name] for name in CACHE_COUNTERS)
+
+
+def _inductor_label(now: tuple[int, int], before: tuple[int, int]) -> str | None:
+    """Inductor's FX graph cache answer between two counts: hit, miss, or None (it was not asked)."""
+    hits, misses = (n - b for n, b in zip(now, before))
+    return ("hit" if hits and not misses else "miss") if hits or misses else None
 
 
 def _plain(value):

@@ -9,7 +9,9 @@ own trainer (studio_core/trainer_setup.py), walks the run's data loader for the 
 every distinct shape, in the order the run meets them, takes shapes JOB, JOB+JOBS, ..., and
 trains one step on each: a forward and a backward, which compile them into the run's compile
 cache. It writes `precompile_start` (job 0: the shapes of all jobs) and one `precompiled` per
-shape, never the compile events of the run itself. Nothing else of it is kept: the steps train
+shape, with whether the cache already had it (compile_watch.StepCache: Inductor's counters on
+CPU and CUDA; on Neuron TorchNeuron's records and NEFF cache, read in its source, not run on a
+device here), never the compile events of the run itself. Nothing else of it is kept: the steps train
 a throwaway copy of the model in a temporary folder.
 """
 
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from studio_core.compile_watch import StepCache
 from studio_core.precompile import first_batch_of_each_shape, shape_of
 from studio_core.runs import events
 from studio_core.runs.folder import EVENTS, SPEC
@@ -43,13 +46,16 @@ def main(run_dir: Path, job: int, jobs: int) -> None:
     class Timer(TrainerCallback):
         """Each step trains one batch of a new shape: its time is that shape's compile and step."""
 
+        def __init__(self):
+            self.cache = StepCache.here()  # Neuron: TorchNeuron's records and NEFF cache; else Inductor's
+
         def on_step_begin(self, args, state, control, **kwargs):
-            self.began, self.cache = time.perf_counter(), _cache_counts()
+            self.began = time.perf_counter()
+            self.cache.begin()
 
         def on_step_end(self, args, state, control, **kwargs):
             batch = mine[state.global_step - 1]
-            hits, misses = (now - before for now, before in zip(_cache_counts(), self.cache))
-            cache = ("hit" if hits and not misses else "miss") if hits or misses else None
+            cache = self.cache.end()  # on Neuron this syncs the device: the step's graphs have compiled
             events.append(log, events.precompiled(shape_of(batch), job, round(time.perf_counter() - self.began, 3),
                                                   cache=cache))
 
@@ -66,12 +72,6 @@ def main(run_dir: Path, job: int, jobs: int) -> None:
                               changes={**ONE_STEP_EACH, "output_dir": scratch, "max_steps": len(mine)})
         built.trainer.get_train_dataloader = lambda: list(mine)  # these batches, in this order
         built.trainer.train()
-
-
-def _cache_counts() -> tuple[int, int]:
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
 if __name__ == "__main__":

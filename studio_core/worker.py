@@ -95,7 +95,8 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> str | None:
     class EventCallback(TrainerCallback):
         """Rank 0 reports progress, metrics, compilations and new batch shapes as events.
         A step's time is the wall time since the previous step ended, less the compile time
-        in it, so step times, tokens/s and the ETA are not skewed by compilation. The tokens
+        in it (on Neuron also a step that compiled eager ops: compile_watch says how it is
+        found), so step times, tokens/s and the ETA are not skewed by compilation. The tokens
         are TRL's own count (TrainerTokens: a host int, no device sync). What the studio
         itself runs per step is timed (StepCost) and reported at the end as `studio_cost`."""
 
@@ -118,6 +119,7 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> str | None:
             if trainer.model is not trainer.model_wrapped and not args.torch_compile:  # evaluation: unwrapped
                 self.shapes.install(trainer.model)
             self.mark = (time.time(), self.compiles.compile_seconds(), 0)
+            self.shapes_seen = 0  # batch shapes seen by the end of the previous step
             self.step_cpu = [None, None]  # this thread's CPU time at the first and the latest step end
             events.append(log, events.status("running", world_size=args.world_size, max_steps=state.max_steps,
                                              num_train_epochs=state.num_train_epochs))
@@ -125,7 +127,10 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> str | None:
         def on_step_end(self, args, state, control, **kwargs):
             start, cpu_start = time.perf_counter(), time.thread_time()
             self.step_cpu = [self.step_cpu[0] or cpu_start, cpu_start]  # no extra clock read
-            self.compiles.step_ended()  # Neuron: neuronx-cc's time for graphs of this step
+            shapes = len(self.shapes.seen)
+            # Neuron: neuronx-cc's time for graphs of this step, and a step that compiled eager ops
+            self.compiles.step_ended(self.mark[:2], new_shape=shapes > self.shapes_seen)
+            self.shapes_seen = shapes
             now, compiled, tokens = time.time(), self.compiles.compile_seconds(), self.tokens.counted()
             step_s = max(0.0, now - self.mark[0] - (compiled - self.mark[1]))
             self.out.add(events.progress(state.global_step, state.max_steps, state.epoch, round(step_s, 4),

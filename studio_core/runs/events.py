@@ -88,13 +88,18 @@ def error(message: str, traceback: str | None = None, rank: int | None = None,
 
 def compile_start(graph: str, phase: str, step: int, reason: str | None = None) -> dict:
     """A compilation began. `graph`: Dynamo's id ("0/1": frame 0, its second compilation);
-    `phase`: forward or backward; `reason`: Dynamo's, for a recompilation."""
+    `phase`: forward or backward; `reason`: Dynamo's, for a recompilation. On Neuron also phase
+    "eager", graph "eager/<step>": a step that compiled ops outside any graph, found at its end
+    and written then with the step's start as its time (compile_watch.CompileWatch.step_ended)."""
     return _event("compile_start", graph=graph, phase=phase, step=step, reason=reason)
 
 
-def compile_end(graph: str, phase: str, step: int, seconds: float, cache: str | None = None) -> dict:
-    """That compilation ended after `seconds`; `cache`: hit or miss, where the compiler says."""
-    return _event("compile_end", graph=graph, phase=phase, step=step, seconds=seconds, cache=cache)
+def compile_end(graph: str, phase: str, step: int, seconds: float, cache: str | None = None,
+                graphs: int | None = None) -> dict:
+    """That compilation ended after `seconds`; `cache`: hit or miss, where the compiler says (on
+    Neuron: TorchNeuron's record and NEFF cache, studio_core/neff_watch.py); `graphs`: how many
+    it compiled when more than one (phase "eager": the NEFFs a step added; absent: one)."""
+    return _event("compile_end", graph=graph, phase=phase, step=step, seconds=seconds, cache=cache, graphs=graphs)
 
 
 def compile_metrics(backend: str, records) -> dict:
@@ -161,7 +166,8 @@ def precompile_start(shapes: list[list[int]], jobs: int) -> dict:
 
 def precompiled(shape: list[int], job: int, seconds: float, cache: str | None = None) -> dict:
     """A precompile job trained one step on a batch of `shape`: `seconds` (its compilation and the
-    step), `cache`: Inductor's FX graph cache answered "hit" or "miss" (absent: unknown)."""
+    step), `cache`: "hit" or "miss" (absent: unknown), from Inductor's FX graph cache on CPU and CUDA, from
+    TorchNeuron's records and NEFF cache on Neuron (compile_watch.StepCache)."""
     return _event("precompiled", shape=shape, job=job, seconds=seconds, cache=cache)
 
 
@@ -410,7 +416,7 @@ class RunState:
                 continue
             entry = steps.setdefault(c["step"], {"step": c["step"], "graphs": 0, "seconds": 0.0, "reason": None,
                                                  "shape": None})
-            entry["graphs"] += 1
+            entry["graphs"] += c.get("graphs", 1)
             entry["seconds"] += c["seconds"]
             entry["reason"] = entry["reason"] or (c.get("reason") or "").split("; ")[0] or None
         for event in self.shapes:

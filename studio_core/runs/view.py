@@ -117,6 +117,10 @@ class RunView(RunState):
         if recent:
             return sum(recent) / len(recent) * (self.max_steps - self.step)
         (t0, s0), (t1, s1) = self.progress_times[0], self.progress_times[-1]
+        if any(c.get("time", 0) > t0 for c in self.compiles):
+            # every step since the first compiled (an eager Neuron run's first steps compile for
+            # minutes): the wall time between them is compilation, no rate to go on yet
+            return None
         if s1 <= s0:
             return None
         return (t1 - t0) / (s1 - s0) * (self.max_steps - s1)
@@ -297,9 +301,11 @@ def compile_totals_text(view: RunView) -> str:
     seconds, wall, going = view.compile_seconds(), view.duration() or 0, view.active
     done = [c.get("phase") for c in view.compiles]
     phases = ", ".join(f"{done.count(p)} {p}" for p in dict.fromkeys(done))
-    frames = {str(c.get("graph")).partition("/")[0] for c in view.compiles}
+    # Dynamo's own compilations only: a Neuron graph's NEFF ("neff") and an eager step ("eager") are no code frame
+    frames = {str(c.get("graph")).partition("/")[0] for c in view.compiles if c.get("phase") in ("forward", "backward")}
     share = f" ({seconds / wall:.0%} of the run's time{' so far' if going else ''})" if wall > 0 else ""
-    return (f"{len(view.compiles)} compilation(s)" + (f" ({phases}; {len(frames)} code frame(s))" if done else "")
+    frames_text = f"; {len(frames)} code frame(s)" if frames else ""
+    return (f"{len(view.compiles)} compilation(s)" + (f" ({phases}{frames_text})" if done else "")
             + f" in {short_seconds(seconds)}{share}; {len(view.shapes)} batch shape(s) reached the model (a new "
             "one compiles again the frames it changes)")
 
