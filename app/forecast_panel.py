@@ -2,7 +2,9 @@
 before launch, with suggested settings applied in one click (into "Other TRL settings").
 
 The forecast itself is the engine's (studio_core.forecast, in a child process); this only
-turns the form into a planned spec and the result into Markdown, a histogram and choices.
+turns the form into a planned spec and the result into Markdown, a histogram and choices. The
+plan's padding (pad_to_multiple_of as TRL resolves it on the target, and the sequence lengths it
+allows) heads the report, also when the forecast cannot run (the data not on this machine).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pandas as pd
 import yaml
 
 from app.train_form import TrainForm, spec_from_form, target_hardware
+from studio_core import sources
 from studio_core.forecast import Forecast, forecast_in_subprocess
 from studio_core.hardware import Hardware
 from studio_core.runs.manager import RunManager
@@ -38,6 +41,28 @@ def forecast_markdown(f: Forecast, backend: str) -> str:
     return "\n\n".join(lines)
 
 
+def plan_and_forecast(v: dict, manager: RunManager, hardware: Hardware) -> tuple[str, Forecast | None]:
+    """The report's Markdown and the forecast (None when it cannot run) of the form's values (by
+    name), planned for the form's target as Preview plans it. SpecError when the form cannot be
+    planned at all; else the plan's padding comes first, forecast or not."""
+    target = target_hardware(v, hardware)
+    elsewhere = target is not hardware
+    launch = manager.plan(spec_from_form(v), target, elsewhere=elsewhere)
+    head = [f"**Padding:** {launch.padding}"] if launch.padding else []
+    # as `launch.py plan --instance`: a plan for another machine downloads nothing to walk its data
+    missing = sources.not_here(launch.spec.model_name_or_path, launch.spec.dataset_name) if elsewhere else []
+    try:
+        if launch.errors:
+            raise SpecError(launch.errors)
+        if missing:
+            raise SpecError([f"{' and '.join(missing)} not on this machine, and a plan for another one downloads "
+                             "nothing; forecast where they are (or with them in the Hugging Face cache)"])
+        result = forecast_in_subprocess(launch.spec, target.backend)
+    except SpecError as error:
+        return "\n\n".join(head + ["**No forecast:**\n" + "\n".join(f"- {p}" for p in error.problems)]), None
+    return "\n\n".join(head + [forecast_markdown(result, target.backend)]), result
+
+
 def suggestion_label(s: dict) -> str:
     settings = ", ".join(f"{k}: {v}" for k, v in s["set"].items())
     return f"{settings} -> {s['graphs']} shape(s), waste {s['waste']:.1%} ({s['why']}); costs the data: {s['cost']}"
@@ -60,17 +85,14 @@ def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
         hidden = {histogram: gr.update(visible=False), choice: gr.update(visible=False, choices=[]),
                   apply: gr.update(visible=False), offered: {}}
         try:
-            v = form.named(values)
-            target = target_hardware(v, hardware)
-            launch = manager.plan(spec_from_form(v), target)
-            if launch.errors:
-                raise SpecError(launch.errors)
-            result = forecast_in_subprocess(launch.spec, target.backend)
+            text, result = plan_and_forecast(form.named(values), manager, hardware)
         except SpecError as error:
             return {report: "**No forecast:**\n" + "\n".join(f"- {p}" for p in error.problems), **hidden}
+        if result is None:
+            return {report: text, **hidden}
         bars = pd.DataFrame(result.histogram(), columns=["tokens", "samples"])
         labels = {suggestion_label(s): s["set"] for s in result.suggestions}
-        return {report: forecast_markdown(result, target.backend),
+        return {report: text,
                 histogram: gr.update(value=bars, visible=True, sort=list(bars["tokens"])),  # buckets in length order
                 choice: gr.update(choices=list(labels), value=next(iter(labels), None), visible=bool(labels)),
                 apply: gr.update(visible=bool(labels)), offered: labels}

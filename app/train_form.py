@@ -186,7 +186,8 @@ class TrainForm:
                                               "runs; the run then finds its graphs in the compile cache")
                 w["precompile_jobs"] = gr.Number(0, label="Precompile jobs", precision=0, minimum=0,
                                                  info="parallel compile processes, each on a free core; 0: one per "
-                                                 "core, at most 8", elem_id="precompile_jobs")
+                                                 "core, at most 8 (on Neuron also within the host's vCPUs and "
+                                                 "memory)", elem_id="precompile_jobs")
             w["run_on"] = gr.Radio(RUN_ON, value="local", label="Run on", elem_id="run_on",
                                    info="Slurm: the studio submits the run with sbatch (use it on the cluster's login "
                                    "node); Processes is then per node, and Plan for is the nodes' type")

@@ -34,7 +34,7 @@ from pathlib import Path
 from studio_core import children, leases
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.compile_cache import compile_cache_root
-from studio_core.device_env import device_env
+from studio_core.device_env import device_env, flags_problem
 from studio_core.hardware import Hardware
 from studio_core.runs import folder
 
@@ -191,6 +191,8 @@ class ChatProcess:
         line is `setup` with the runs folder, backend and cores added; its stdout lines are JSON
         events; `without`: environment variables it must not get. Returns (process, event queue, its
         stderr's last lines, the cores)."""
+        if flags_problem(hardware):  # the studio's NEURON_CC_FLAGS name another LNC than the runtime's
+            raise ChatError(flags_problem(hardware))
         with leases.choosing(runs_dir):  # until the process holds the core chosen here
             chosen = choose_one_core(runs_dir, hardware, cores, "evaluation" if setup["kind"] == "eval" else "chat")
             env = device_env(hardware, compile_cache_root(), chosen)

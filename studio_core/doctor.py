@@ -8,6 +8,7 @@ same code on a trn instance as on a laptop. In order:
     versions     torch, torch-neuronx, transformers, TRL, ... against what the studio was built for
     torch_xla    absent next to torch-neuronx (Accelerate would take the retired XLA path)
     devices      the cores, LNC and instance type (from the instance metadata when it answers)
+    compiler     on Neuron: NEURON_CC_FLAGS' --lnc agrees with the runtime's LNC (the studio adds it)
     collective   2 processes under torchrun, each on its own core as a run places them,
                  all-reduce through the backend's process group (neuron, nccl, gloo)
     compile      a tiny compiled forward and backward, twice in new processes: its graph must
@@ -35,7 +36,7 @@ from typing import Iterator
 from studio_core import children, leases
 from studio_core.children import REPO_ROOT
 from studio_core.compile_cache import compile_cache_dir, compile_cache_root
-from studio_core.device_env import device_env
+from studio_core.device_env import CC_FLAGS, CompilerFlagsError, device_env, flags_problem
 from studio_core.hardware import TORCH_XLA_PROBLEM, Hardware, detect_hardware, instance_type
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "huggingface_hub", "gradio")
@@ -69,6 +70,8 @@ def checks(runs_dir: str | Path, hardware: Hardware | None = None) -> Iterator[C
     yield versions(hardware.backend)
     yield torch_xla(hardware.backend)
     yield devices(hardware)
+    if hardware.backend == "neuron":
+        yield compiler_flags(hardware)
     yield collective(runs_dir, hardware)
     yield compile_step(runs_dir, hardware)
     yield cache_writable(hardware.backend)
@@ -138,6 +141,15 @@ def devices(hardware: Hardware) -> Check:
     return Check("devices", True, f"no accelerator: {hardware.cpu_count} CPU cores train; {where}")
 
 
+def compiler_flags(hardware: Hardware) -> Check:
+    """The compiler must build for the runtime's LNC: NEURON_CC_FLAGS as every process gets it."""
+    try:
+        flags = device_env(hardware, compile_cache_root(), None)[CC_FLAGS]
+    except CompilerFlagsError as refused:
+        return Check("compiler", False, refused.found, refused.fix)
+    return Check("compiler", True, f"{CC_FLAGS}={flags!r}: compiled for LNC={hardware.lnc}, as the runtime runs")
+
+
 # --- the device: a collective and a compiled step -----------------------------------------
 def _take_cores(runs_dir: Path, hardware: Hardware, count: int):
     """A lease on `count` free device cores (CPU runs share the CPUs: no lease there)."""
@@ -162,6 +174,8 @@ def _child(argv: list[str], env: dict, backend: str) -> tuple[list[dict], str]:
 
 
 def collective(runs_dir: Path, hardware: Hardware) -> Check:
+    if flags_problem(hardware):
+        return Check("collective", False, "skipped: NEURON_CC_FLAGS sets another LNC", "see the compiler check")
     if hardware.cores < 2 and hardware.backend != "cpu":
         return Check("collective", True, f"skipped: one {hardware.backend} device, a collective needs two")
     try:
@@ -189,6 +203,8 @@ def collective(runs_dir: Path, hardware: Hardware) -> Check:
 
 
 def compile_step(runs_dir: Path, hardware: Hardware) -> Check:
+    if flags_problem(hardware):
+        return Check("compile", False, "skipped: NEURON_CC_FLAGS sets another LNC", "see the compiler check")
     try:
         lease, cores = _take_cores(runs_dir, hardware, 1)
     except (leases.NoFreeCores, leases.CoresBusy) as busy:

@@ -35,7 +35,7 @@ from pathlib import Path
 from studio_core import children, leases, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.compile_cache import compile_cache_root
-from studio_core.device_env import device_env
+from studio_core.device_env import device_env, flags_problem
 from studio_core.hardware import Hardware, pin_to_cpu_cores
 from studio_core.runs import events, folder
 from studio_core.runs.view import format_loss
@@ -70,6 +70,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
         raise ExportError(f"{out_dir} is not empty: choose a new folder (nothing is overwritten)")
     args = [run_dir, out_dir, *(["--merge"] if merge else [])]
     if hardware is None or hardware.backend != "cpu":  # it loads on CPU; no device core is taken
+        if hardware and flags_problem(hardware):  # the studio's NEURON_CC_FLAGS name another LNC
+            raise ExportError(flags_problem(hardware))
         env = device_env(hardware, compile_cache_root(), None) if hardware else None
         done = children.run("studio_core.export", *args, env=env, capture_output=True, text=True,
                             timeout=TIMEOUT_S)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from collections import Counter
 
-from studio_core import children, trainers
+from studio_core import children, padding, trainers
 from studio_core.spec import RunSpec, SpecError
 
 MAX_MICRO_BATCHES = 20_000  # walk at most this many batches (say so when the run takes more)
@@ -150,8 +150,8 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
         f.name for f in dataclasses.fields(trl.ScriptArguments)}
     args = {k: v for k, v in spec.args.items() if k not in model_fields and k not in NOT_FOR_DATA
             and not k.startswith(NOT_FOR_DATA_PREFIXES)}
-    if args.get("pad_to_multiple_of") == "auto":
-        args["pad_to_multiple_of"] = 128 if backend == "neuron" else None
+    if "pad_to_multiple_of" in args:  # the walk runs on this CPU: "auto" resolved for the run's device
+        args["pad_to_multiple_of"] = padding.resolve(args["pad_to_multiple_of"], backend)
     dp = max(1, spec.layout.nproc // max(1, spec.layout.tp_size))
     with tempfile.TemporaryDirectory() as scratch:
         def build(**changes):

@@ -36,6 +36,10 @@ class Hardware:
     detected: bool = True  # False when chosen from the instance table
     chip_memory_gib: int | None = None  # device memory (HBM) per chip, when known
     problems: tuple[str, ...] = ()  # what detection found wrong with this machine's software, with the fix
+    # The host: what the compiler (neuronx-cc runs on the CPUs, in host memory) has to share
+    # between parallel precompile jobs. vCPUs the studio may use and the memory, GiB; None: unknown.
+    vcpus: int | None = None
+    host_memory_gib: float | None = None
 
     @property
     def cores(self) -> int:
@@ -72,11 +76,22 @@ class Hardware:
 #   not from documentation. The Gen2 4-chip server's name was not found, so it is not listed.
 # - LNC=2 as the default on Trn3: ASSUMPTION ("similar to Trainium2" in the Trainium3 page;
 #   the NKI guide says LNC 1 or 2 on Trn2 and Trn3).
+# Host vCPUs and memory (what parallel precompile jobs share, studio_core/precompile.py):
+# - trn2.48xlarge, trn2u.48xlarge: 192 vCPUs, 2,048 GiB ("Amazon EC2 Trn2 Architecture", its
+#   instance specifications table).
+# - trn2.3xlarge: 12 vCPUs, 128 GiB (AWS's EC2 Trn2 instance-types page; the Neuron pages list only
+#   the 48xlarge sizes). A report from such an instance shows 124 GiB usable.
+# - trn3.48xlarge: 192 vCPUs, derived (768 vCPUs per 4-server Gen1 UltraServer in the Trn3 page);
+#   host memory: not found in the docs, so left unknown (no memory cap is applied there).
 INSTANCES = {
-    "trn2.3xlarge": {"chips": 1, "physical_cores_per_chip": 8, "chip_memory_gib": 96},
-    "trn2.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 96},
-    "trn2u.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 96},
-    "trn3.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 144},
+    "trn2.3xlarge": {"chips": 1, "physical_cores_per_chip": 8, "chip_memory_gib": 96,
+                     "vcpus": 12, "host_memory_gib": 128},
+    "trn2.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 96,
+                      "vcpus": 192, "host_memory_gib": 2048},
+    "trn2u.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 96,
+                       "vcpus": 192, "host_memory_gib": 2048},
+    "trn3.48xlarge": {"chips": 16, "physical_cores_per_chip": 8, "chip_memory_gib": 144,
+                      "vcpus": 192, "host_memory_gib": None},
 }
 LNC_VALUES = (1, 2)
 
@@ -96,7 +111,8 @@ def instance_hardware(instance_type: str, lnc: int = 2) -> Hardware:
                          f"address more than {MAX_TORCH_DEVICES} devices: use LNC=2 "
                          f"({cores * lnc // 2} cores)")
     return Hardware("neuron", cores, cpu_count=os.cpu_count() or 1, instance_type=instance_type,
-                    chips=info["chips"], lnc=lnc, detected=False, chip_memory_gib=info["chip_memory_gib"])
+                    chips=info["chips"], lnc=lnc, detected=False, chip_memory_gib=info["chip_memory_gib"],
+                    vcpus=info["vcpus"], host_memory_gib=info["host_memory_gib"])
 
 
 # `neuron-ls --json-output` (-j), as the Neuron LS User Guide shows it (Neuron 2.2x-2.33):
@@ -178,9 +194,16 @@ def studio_cpus() -> list[int]:
     return listed
 
 
+def host_resources() -> dict:
+    """This machine's vCPUs (those this process may use: a container's limit counts) and memory."""
+    import psutil
+
+    return {"vcpus": len(os.sched_getaffinity(0)), "host_memory_gib": round(psutil.virtual_memory().total / 2**30, 1)}
+
+
 def cpu_hardware() -> Hardware:
     cores = len(studio_cpus())
-    return Hardware("cpu", cores, cpu_count=cores)
+    return Hardware("cpu", cores, cpu_count=cores, **host_resources())
 
 
 def pin_to_cpu_cores(cores: list[int]) -> None:
@@ -231,13 +254,14 @@ def detect_hardware(timeout: float = 120) -> Hardware:
             return Hardware("neuron", listed["chips"] * listed["cores_per_chip"], base.cpu_count,
                             instance_type=listed["instance_type"] or instance_type(), chips=listed["chips"],
                             lnc=listed["lnc"] or int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")),
-                            chip_memory_gib=listed["memory_per_chip"] // 2**30, problems=problems)
+                            chip_memory_gib=listed["memory_per_chip"] // 2**30, problems=problems,
+                            vcpus=base.vcpus, host_memory_gib=base.host_memory_gib)
         lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
         chips = max(1, found["neuron"] * lnc // 8)  # assumes 8 physical cores per chip (Trn2, Trn3)
         return Hardware("neuron", found["neuron"], base.cpu_count, instance_type=instance_type(), chips=chips,
-                        lnc=lnc, problems=problems)
+                        lnc=lnc, problems=problems, vcpus=base.vcpus, host_memory_gib=base.host_memory_gib)
     if found["cuda"]:
-        return Hardware("cuda", found["cuda"], base.cpu_count)
+        return Hardware("cuda", found["cuda"], base.cpu_count, vcpus=base.vcpus, host_memory_gib=base.host_memory_gib)
     return base
 
 

@@ -13,11 +13,12 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from studio_core import backends, eval_data, precompile, sources, trainers
+from studio_core import backends, eval_data, padding, precompile, sources, trainers
 from studio_core.builtin import BUILTIN_MODEL
 from studio_core.children import REPO_ROOT
 from studio_core.cores import format_cores, parse_cores
-from studio_core.device_env import RANK_CORES, REASONS, VISIBLE, describe_rank_cores, device_env, rank_cores
+from studio_core.device_env import (RANK_CORES, REASONS, VISIBLE, describe_rank_cores, device_env, flags_problem,
+                                    rank_cores)
 from studio_core.hardware import Hardware
 from studio_core.layout import check_layout
 from studio_core.spec import RunSpec, resolved, trackers
@@ -71,6 +72,8 @@ class Plan:
     errors: list[str] = field(default_factory=list)
     backend: str = backends.DEFAULT  # the run backend that starts it: where it executes
     cores: list[int] | None = None  # the cores chosen for the run; None: a plan for another machine
+    padding: str = ""  # the resolved pad_to_multiple_of and the sequence lengths it allows (studio_core.padding)
+    hardware: Hardware | None = None  # what it was planned for: launch.json and the batch script record it
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -80,6 +83,8 @@ class Plan:
         where = backends.get(self.backend).description
         lines = [f"Command (runs on {where}):", self.command_line(), "", "Settings the studio applied:"]
         lines += [f"  {key} = {value!r}: {reason}" for key, value, reason in self.applied] or ["  none"]
+        lines += ["", "Padding (on Neuron each new batch shape is a compilation):",
+                  f"  {self.padding}"] if self.padding else []
         lines += ["", "Warnings:", *[f"  {w}" for w in self.warnings]] if self.warnings else []
         lines += ["", "Cannot launch:", *[f"  {e}" for e in self.errors]] if self.errors else []
         return "\n".join(lines + backends.get(self.backend).describe_launch(self))
@@ -127,6 +132,8 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     errors = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size,
                           cores if cores is not None else spec.layout.cores, hardware, model_config)
     errors += precompile.problems(spec, trainer, args)
+    flags = flags_problem(hardware)  # the studio's NEURON_CC_FLAGS name another LNC than the runtime's
+    errors += [flags] if flags else []
     backend = backends.get(spec.layout.run_on)
     env = _environment(spec, hardware, run_id, compile_cache, cores, applied, backend.local_cores, run_dir)
     more_applied, more_warnings = backend.planned(spec, hardware, env, run_dir, compile_cache)
@@ -135,13 +142,15 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     argv = backend.launch_argv(spec.layout, WORKER_MODULE, str(run_dir))
     final = resolved(spec, args)
     if spec.precompile and spec.precompile_jobs is None:
-        final.precompile_jobs = precompile.default_jobs(hardware.cores)
-        applied.append(("studio.precompile_jobs", final.precompile_jobs,
-                        "one precompile job per core of this machine, at most 8; a core busy at the start is "
-                        "skipped"))
+        final.precompile_jobs, why = precompile.default_jobs(hardware)
+        applied.append(("studio.precompile_jobs", final.precompile_jobs, why))
+    elif spec.precompile and isinstance(spec.precompile_jobs, int):
+        too_many = precompile.jobs_warning(hardware, spec.precompile_jobs)
+        warnings += [too_many] if too_many else []
     if cores is not None:
         final.layout.cores = format_cores(cores)
-    return Plan(argv, env, final, applied, warnings, errors, backend.name, cores)
+    return Plan(argv, env, final, applied, warnings, errors, backend.name, cores,
+                padding.describe(args, known, hardware.backend, trainer.generates), hardware=hardware)
 
 
 def trl_problems(spec: RunSpec, hardware: Hardware) -> list[str]:
@@ -283,7 +292,8 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
     env.update(_tracker_environment(spec.args.get("report_to"), run_dir, applied))
     # CPU threads follow the run's cores when it has some; else the machine's share
     placed = cores if local_cores and (hardware.backend != "cpu" or chosen is not None or named) else None
-    device = device_env(hardware, compile_cache, placed, layout.nproc, written=layout.cores if named else None)
+    device = device_env(hardware, compile_cache, placed, layout.nproc, written=layout.cores if named else None,
+                        environ={} if flags_problem(hardware) else None)  # refused in plan(); the rest still shows
     env.update(device)
     for key in (k for k in device if k in REASONS):
         applied.append((key, device[key], REASONS[key]))

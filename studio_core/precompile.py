@@ -23,8 +23,11 @@ What is cached, per backend (studio_core/compile_cache.py has the folders):
 
 Where the jobs run: on the run's own cores plus the free cores of this machine (CPU cores on
 the CPU backend, NeuronCores on Neuron), leased for the precompile's length (kind
-"precompile"); one job per core. A job that fails costs nothing but its time: the run
-compiles that job's shapes at their first step, as without precompile.
+"precompile"); one job per core. Unless the spec names a number, the planner picks one job per
+core, at most 8, and on Neuron no more than the host's vCPUs and memory hold (neuronx-cc runs on
+the host: `default_jobs`, which says which limit set the number); a number above those is warned
+of in the plan. A job that fails costs nothing but its time: the run compiles that job's shapes
+at their first step, as without precompile.
 
 Limits: one-process runs only (with data parallelism the training step's graphs are split at
 DDP's gradient buckets, so a one-process job compiles different graphs); not for GRPO and
@@ -60,10 +63,58 @@ def problems(spec, trainer, args: dict) -> list[str]:
     return found
 
 
-def default_jobs(free: int) -> int:
-    """Jobs when the spec names none: one per core the precompile can have (the run's and the
-    free ones), at most 8."""
-    return max(1, min(8, free))
+MAX_DEFAULT_JOBS = 8
+# What one Neuron precompile job takes from the host while neuronx-cc compiles its graphs.
+# ASSUMPTIONS: no AWS page read gives a figure per compile. A job is a whole training process
+# (torch, Transformers, the model in host memory: a few GiB for a sub-1B model) that hands each
+# graph to neuronx-cc, which runs on the host CPUs in several threads and is killed when host
+# memory runs out (its F137 error, "neuronx-cc was forcibly killed ... insufficient system
+# memory", reported on a trn2.3xlarge compiling a small ViT). So: 4 vCPUs (one for the Python
+# process, three for the compiler's threads) and 16 GiB of host memory per job. A trn2.3xlarge
+# (12 vCPUs, 128 GiB, 4 NeuronCores at LNC=2) then runs 3 jobs, not 4.
+# On CPU and CUDA these caps do not apply: there a CPU job is pinned to one CPU core of its own
+# (the free cores already count the CPUs), and Inductor's compile of a CUDA graph is light.
+NEURON_JOB_VCPUS = 4
+NEURON_JOB_HOST_GIB = 16
+
+
+def host_limits(hardware) -> list[tuple[int, str]]:
+    """The host's bounds on parallel precompile jobs (on Neuron: its vCPUs and its memory, where
+    known), each with what sets it."""
+    where = hardware.instance_type or "this machine"
+    limits = []
+    if hardware.backend == "neuron" and hardware.vcpus:
+        limits.append((hardware.vcpus // NEURON_JOB_VCPUS, f"{where} has {hardware.vcpus} vCPUs, "
+                       f"~{NEURON_JOB_VCPUS} per compile job (the compiler runs on the host's CPUs)"))
+    if hardware.backend == "neuron" and hardware.host_memory_gib:
+        limits.append((int(hardware.host_memory_gib // NEURON_JOB_HOST_GIB), f"{where} has "
+                       f"{hardware.host_memory_gib:g} GiB of host memory, ~{NEURON_JOB_HOST_GIB} GiB per compile job"))
+    return limits
+
+
+def default_jobs(hardware) -> tuple[int, str]:
+    """Jobs when the spec names none, and why: one per core the precompile can have (the run's
+    and the free ones, which the supervisor leases at the start), within the host's vCPUs and
+    memory on Neuron, at most 8; at least 1."""
+    unit = "CPU cores" if hardware.backend == "cpu" else "NeuronCores" if hardware.backend == "neuron" else "devices"
+    where = hardware.instance_type or "this machine"
+    limits = [(hardware.cores, f"one precompile job per core, and {where} has {hardware.cores} {unit}"),
+              (MAX_DEFAULT_JOBS, f"at most {MAX_DEFAULT_JOBS} by default"), *host_limits(hardware)]
+    count, why = min(limits, key=lambda limit: limit[0])
+    count = max(1, count)
+    return count, f"{count} precompile job{'s' if count > 1 else ''}: {why}; a core busy at the start is skipped"
+
+
+def jobs_warning(hardware, jobs: int) -> str | None:
+    """A warning when the spec's own precompile_jobs is above what the host's vCPUs or memory
+    hold (not refused: the user may know the graphs are small)."""
+    host = [(count, why) for count, why in host_limits(hardware) if jobs > max(1, count)]
+    if not host:
+        return None
+    count, why = min(host, key=lambda limit: limit[0])
+    return (f"studio.precompile_jobs: {jobs} parallel compile jobs, but {why}: {max(1, count)} fit; more may run "
+            "the host out of memory (neuronx-cc is then killed) or slow every job; set it lower, or leave it "
+            "unset and the studio picks")
 
 
 def job_environment(backend: str, env: dict[str, str], core: int, port: int) -> dict[str, str]:
