@@ -208,16 +208,24 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
                 raise SpecError(launch.errors)
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
+        try:  # the batch script Start would submit on Slurm, for a run of its own (a new id)
+            job = manager.export_plan(spec_from_form(v), target, elsewhere=target is not hardware)
+            texts = (launch_script(launch), slurm_script(job))
+        except SpecError as error:
+            return problems_markdown(error), gr.update(visible=False)
+        except ValueError as error:  # a runs folder whose path no script can name
+            return problems_markdown(SpecError([str(error)])), gr.update(visible=False)
         folder = manager.runs_dir / "exports"
         folder.mkdir(exist_ok=True)
         name = re.sub(r"[^A-Za-z0-9._-]+", "-", launch.spec.display_name)
         paths = [folder / f"{name}-launch.sh", folder / f"{name}-slurm.sh"]
-        nodes = launch.spec.layout.nodes if launch.spec.layout.run_on == "slurm" else 2
-        for path, text in zip(paths, (launch_script(launch), slurm_script(launch, nodes=nodes))):
+        for path, text in zip(paths, texts):
             path.write_text(text)
             path.chmod(0o755)
-        return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` (Slurm, {nodes} nodes: change --nodes "
-                "in it for more)."), gr.update(value=[str(p) for p in paths], visible=True)
+        run_id, nodes = Path(job.argv[-1]).name, job.spec.layout.nodes
+        return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` (Slurm, {nodes} node(s), run `{run_id}`: "
+                "`sbatch` it on the cluster and the Runs tab lists the run, as if Start had submitted it)."), \
+            gr.update(value=[str(p) for p in paths], visible=True)
 
     def layout_problems(v) -> tuple[str, list[str]]:
         """The core map of the form's layout, and what makes the layout unable to run."""

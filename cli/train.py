@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 import time
@@ -23,8 +24,8 @@ def cmd_plan(args) -> int:
                (("--export-script", args.export_script), ("--slurm-script", args.slurm_script)) if path}
     spec = load_spec(args)
     hardware = hardware_for(args)
-    launch = RunManager(runs_folder(args)).plan(spec, hardware, this_machine=not args.instance,
-                                                elsewhere=bool(args.instance))
+    manager = RunManager(runs_folder(args))
+    launch = manager.plan(spec, hardware, this_machine=not args.instance, elsewhere=bool(args.instance))
     print(f"Hardware: {hardware.describe()}\n")
     print(replace(launch, errors=[]).describe())
     if launch.errors:
@@ -39,15 +40,30 @@ def cmd_plan(args) -> int:
         except SpecError as error:
             print(f"\nNo shape forecast: {error}")
     for option, path in scripts.items():
-        text = launch_script(launch) if option == "--export-script" else slurm_script(launch, args.nodes or 2)
+        if option == "--export-script":
+            text, note = launch_script(launch), "one machine"
+        else:  # the batch script Start would submit, for a run of its own (a new id), on Slurm's nodes
+            job = manager.export_plan(spec, hardware, args.nodes, elsewhere=bool(args.instance))
+            try:
+                text = slurm_script(job)
+            except ValueError as error:
+                raise CommandLineError(f"{option}: {error}") from None
+            run_id, runs = Path(job.argv[-1]).name, runs_option(args)
+            note = (f"Slurm, {job.spec.layout.nodes} node(s), run {run_id}: submit it with `sbatch {path}`; "
+                    f"`launch.py runs{runs}` then lists the run, `launch.py stop {run_id}{runs}` stops it")
         try:
             path.write_text(text)
             path.chmod(0o755)
         except OSError as error:
             raise CommandLineError(f"{option} {path}: cannot write it ({error.strerror}): choose a file in a "
                                    "folder you can write to") from None
-        print(f"\nWrote {path}")
+        print(f"\nWrote {path} ({note})")
     return 0
+
+
+def runs_option(args) -> str:
+    """` --runs-dir DIR` when the command named one, for the commands it prints."""
+    return f" --runs-dir {shlex.quote(str(args.runs_dir))}" if args.runs_dir else ""
 
 
 def cmd_train(args) -> int:

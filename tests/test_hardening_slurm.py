@@ -112,24 +112,28 @@ def test_a_script_for_tricky_but_valid_values_runs_no_command_but_srun(tmp_path)
     launch.spec.run_name, launch.spec.model_name_or_path = None, "/models/m;touch pwned4\n"  # the job's name
     launch.env["STUDIO_TEST_VALUE"] = "it's $(touch pwned5) `touch pwned6`; touch pwned7"
     script = batch_script(launch)
-    for line in script.splitlines():
+    records = script[script.index("<<'STUDIO_RUN_RECORDS'\n"):script.index("\nSTUDIO_RUN_RECORDS\n")]
+    for line in script.replace(records, "").splitlines():  # the job step's records: a quoted here-document
         if line.startswith("#SBATCH "):
             assert len(shlex.split(line[len("#SBATCH "):])) == 1, line  # one option, as sbatch reads it
-        elif not line.startswith("#") and line.strip():
-            assert line.split()[0] in ("set", "export", "srun"), line
+        elif not line.startswith("#") and line.strip() and line != "STUDIO_RUN_RECORDS":
+            assert line.split()[0] in ("set", "export", "srun", "cd", "exec", sys.executable), line
     (tmp_path / "work").mkdir()
     path = tmp_path / "slurm.sh"
     path.write_text(script)
-    # the script run by a real bash; srun, Slurm's launcher, replaced by a function that prints what it gets
+    # the script run by a real bash as its job's step; srun, Slurm's launcher, a function that prints what it gets
     done = subprocess.run(["bash", "-c", f'srun() {{ printf "%s\\n" "$@" "$STUDIO_TEST_VALUE"; }}; '
                            f'source {shlex.quote(str(path))}'],
-                          cwd=tmp_path / "work", capture_output=True, text=True, timeout=30,
-                          env={"PATH": "/usr/bin:/bin"})
+                          cwd=tmp_path / "work", capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "9"})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["--label", "--kill-on-bad-exit=1", sys.executable, "-m",
-                                        "studio_core.supervisor", str(odd / "r1"), launch.env["STUDIO_TEST_VALUE"]]
+    assert (odd / "r1" / "train.log").read_text().splitlines() == [  # the job's output goes to the run folder
+        "--label", "--kill-on-bad-exit=1", sys.executable, "-m", "studio_core.supervisor", str(odd / "r1"),
+        launch.env["STUDIO_TEST_VALUE"]]
+    assert json.loads((odd / "r1" / "launch.json").read_text())["env"]["STUDIO_TEST_VALUE"] == launch.env[
+        "STUDIO_TEST_VALUE"]  # the job step's records, as data
     assert list((tmp_path / "work").iterdir()) == [] and not list(tmp_path.glob("pwned*"))
-    assert f"#SBATCH {shlex.quote(f'--output={odd}/r1/train.log')}" in script
+    assert f"exec >>{shlex.quote(f'{odd}/r1/train.log')} 2>&1" in script
     assert "#SBATCH --job-name=sft-m_touch_pwned4_" in script and "#SBATCH --account=ml-team.a_1" in script
     assert sbatch_argv(launch.spec.layout) == ["sbatch", "--parsable", "--comment=a b&c|d", "--constraint=trn2&efa",
                                                "--nodelist=n[1-2]", SCRIPT]

@@ -276,3 +276,37 @@ def test_stop_now_a_job_cancelled_outside_and_one_that_met_its_time_limit(cluste
     assert again[running.id].live_state == "stopped" and "Stop now" in again[running.id].reason
     assert "time limit" in RunManager(timed_manager.runs_dir).view(timed_id).error_text
     assert "cancelled outside the studio" in cli("runs", runs_dir=runs).stdout
+
+
+def sbatch(cluster: SlurmCluster, script: Path) -> str:
+    """Plain sbatch, as a user submits an exported script (its slurm-<id>.out goes beside it)."""
+    done = subprocess.run(["sbatch", "--parsable", str(script)], cwd=script.parent, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **cluster.env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def test_an_exported_script_run_by_plain_sbatch_trains_on_two_nodes_as_a_run_of_the_studio(cluster, tmp_path):
+    runs, script = tmp_path / "runs", tmp_path / "job.sh"
+    out = cli("plan", str(RECIPE), "--backend", "cpu", "--slurm-script", str(script), "--nodes", "2", "--set",
+              "max_steps=6", "--set", "logging_steps=1", "--no-forecast", runs_dir=runs).stdout
+    run_id = re.search(r"run (\S+): submit it with `sbatch", out).group(1)
+    job_id = sbatch(cluster, script)
+    deadline = time.monotonic() + 120
+    while not (runs / run_id / "spec.yaml").exists():  # the job makes the folder when it starts
+        assert time.monotonic() < deadline, [p.read_text() for p in tmp_path.glob("slurm-*.out")]
+        time.sleep(0.5)
+    manager = RunManager(runs)
+    view = manager.wait(run_id, timeout=240)
+    assert view.live_state == "finished", view.log_tail()
+    assert view.world_size == 2 and view.step == 6 and view.where() == f"Slurm job {job_id}"
+    assert f"Slurm job {job_id} runs on n[1-2]" in (view.dir / "events.jsonl").read_text()
+    [line] = [line for line in cli("runs", runs_dir=runs).stdout.splitlines() if line.startswith(run_id)]
+    assert " finished " in line and "6/6" in line and f"[Slurm job {job_id}]" in line
+
+    again = sbatch(cluster, script)  # the same script once more: its job refuses to start the run anew
+    while cluster.run("squeue", "-h", "-j", again).stdout.strip():
+        assert time.monotonic() < deadline + 240, "the second job did not end"
+        time.sleep(0.5)
+    assert "has ended (finished)" in (tmp_path / f"slurm-{again}.out").read_text()
+    assert manager.view(run_id).live_state == "finished" and job_of(view.dir) == job_id

@@ -87,7 +87,7 @@ def test_a_slurm_plan_names_no_core_sets_efa_on_trainium_and_submits_one_supervi
     assert "--nnodes=4" in launch.argv and "--rdzv-endpoint=$HEAD_ADDR:$RDZV_PORT" in launch.argv
     script = batch_script(launch)
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --partition=trn",
-                 "#SBATCH --time=2-00:00:00", "#SBATCH --account=ml", "#SBATCH --output=/fsx/runs/r1/train.log",
+                 "#SBATCH --time=2-00:00:00", "#SBATCH --account=ml", "exec >>/fsx/runs/r1/train.log 2>&1",
                  "export FI_PROVIDER=efa", "srun --label --kill-on-bad-exit=1 --auto-resume=1"):
         assert line in script
     assert "-m studio_core.supervisor /fsx/runs/r1" in script

@@ -8,6 +8,9 @@ the first node, writes the run's final status. Each node's supervisor also recor
 start and end (slurm-nodes/), so that a failed job says which node failed first, not only the
 knock-on errors the other nodes saw. So a Slurm run needs nothing of the app: the
 run folder (and this repository, and the compile cache) must be on storage every node sees.
+The batch script is also what Export writes (scripts.slurm_script): the same text, for a run
+id chosen at export. Submitted by plain `sbatch`, its job makes the run folder itself and
+records its job id (scripts.job_start), so the studio follows that run like one it submitted.
 
 Slurm owns the job's nodes: the studio leases no core of this machine for a Slurm run. The
 run's state while it waits or runs is Slurm's (squeue); when the job is gone without a final
@@ -18,6 +21,7 @@ so the reason stays after Slurm has forgotten the job.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import socket
@@ -32,7 +36,7 @@ from studio_core import slurm
 from studio_core.backends.base import Ending, RunBackend, SubmitError
 from studio_core.children import REPO_ROOT
 from studio_core.runs import events
-from studio_core.runs.folder import EVENTS, LOG, read_json, write_json
+from studio_core.runs.folder import EVENTS, LOG, launch_record, read_json, write_json
 
 SCRIPT = "slurm.sh"
 NODES = "slurm-nodes"  # a record per job and node (record_node): node, host, job_id, started, ended, exit_code, stopped
@@ -154,8 +158,7 @@ class SlurmBackend(RunBackend):
             raise SubmitError(str(error)) from error
         except slurm.SlurmError as error:
             raise SubmitError(str(error)) from error
-        before = read_json(run_dir / JOB).get("job_ids", [])
-        write_json(run_dir / JOB, {"job_id": job_id, "job_ids": [*before, job_id], "submitted": time.time()})
+        record_job(run_dir, job_id, time.time())  # unless the job, started at once, did first
         events.append(run_dir / EVENTS, events.log(f"submitted to Slurm as job {job_id}"))
 
     def alive(self, run_dir: Path) -> bool:
@@ -340,42 +343,106 @@ def _one_line(text: str) -> str:
     return "".join("?" if unicodedata.category(c).startswith("C") else c for c in str(text))
 
 
+# The batch job's first step (scripts.job_start), as the script runs it: the run folder made on a first
+# start by plain sbatch, the job recorded in it; the plan's records come on stdin (PAYLOAD_END ends them).
+JOB_START = "import sys; from studio_core.scripts import job_start; sys.exit(job_start(*sys.argv[1:]))"
+PAYLOAD_END = "STUDIO_RUN_RECORDS"
+
+
+def export_lines(env: dict) -> list[str]:
+    """The plan's environment as the shell exports it, every value quoted; PYTHONPATH prepended to
+    the one the script finds (Plan.env's rule). ValueError on a name the shell cannot export."""
+    env = dict(env)
+    python_path = env.pop("PYTHONPATH", None)
+    bad_keys = [key for key in env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)]
+    if bad_keys:
+        raise ValueError(f"environment variable names the shell cannot export: {bad_keys}")
+    return ([f"export PYTHONPATH={shlex.quote(python_path)}${{PYTHONPATH:+:$PYTHONPATH}}"] if python_path else []) + [
+        f"export {key}={shlex.quote(str(value))}" for key, value in env.items()]
+
+
+def mesh_note(layout) -> list[str]:
+    """A comment on how a TP/FSDP layout spans several machines, for the scripts' headers."""
+    if layout.tp_size == 1 and layout.fsdp_size == 1:
+        return []
+    return [f"# Each node runs one TP {layout.tp_size} x FSDP {layout.fsdp_size} mesh; the worker replicates it "
+            "across nodes (DistributedConfig dp_replicate_size = the number of nodes: HSDP)."]
+
+
 def batch_script(plan) -> str:
-    """The batch script of a planned Slurm run: one node supervisor per node, on the run folder.
+    """The batch script of a planned Slurm run: what the studio submits, and what Export writes
+    (the same text: the run id is chosen before either). Its job makes the run folder on a first
+    start by plain `sbatch` (spec.yaml, launch.json and the first events, carried in the script),
+    records its job id in slurm.json, then starts one node supervisor per node with srun.
     Every word is quoted for the shell (sbatch reads #SBATCH lines with the same quotes); a run
     folder whose path holds a line break is refused (ValueError): no quoting keeps it in a
-    #SBATCH line, which bash reads as a comment up to the line's end."""
+    #SBATCH line or a comment, which run to the line's end.
+    No #SBATCH --output or --chdir into the run folder: Slurm opens them before the script runs,
+    and fails the job when the folder is not there yet (JobLaunchFailure). The job's own lines
+    before the folder exists go to Slurm's default slurm-<job id>.out where sbatch ran."""
     layout, run_dir = plan.spec.layout, plan.argv[-1]
     if _one_line(run_dir) != str(run_dir):
         raise ValueError(f"the run folder {str(run_dir)!r} holds a control character (a line break?): give the "
                          "runs folder a path without one")
     options = layout.slurm if isinstance(layout.slurm, dict) else {}
+    extra = options.get("sbatch_args", [])
     sbatch = [f"--job-name={slurm.job_name(plan.spec.display_name)}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
               "--exclusive", "--no-requeue",
               *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
-              f"--output={run_dir}/{LOG}", "--open-mode=append", f"--chdir={run_dir}"]
-    env = dict(plan.env)
-    python_path = env.pop("PYTHONPATH")
-    bad_keys = [key for key in env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)]
-    if bad_keys:
-        raise ValueError(f"environment variable names the shell cannot export: {bad_keys}")
+              *slurm.sbatch_words(extra if isinstance(extra, list) else [])[0]]  # plain sbatch gets them too
     srun = ["srun", "--label", "--kill-on-bad-exit=1", *(["--auto-resume=1"] if options.get("auto_resume") else []),
             plan.argv[0], "-m", "studio_core.supervisor", run_dir]
+    records = {"spec.yaml": plan.spec.to_yaml().splitlines(), "launch.json": launch_record(plan)}
     return "\n".join([
         "#!/usr/bin/env bash",
         *[f"#SBATCH {shlex.quote(_one_line(option))}" for option in sbatch],
-        f"# {_one_line(plan.spec.display_name)}: {layout.nodes} node(s) x {layout.nproc} process(es), written by "
-        "the studio.",
+        f"# {_one_line(plan.spec.display_name)}: {layout.nodes} node(s) x {layout.nproc} process(es), written by the "
+        f"studio for run {_one_line(Path(run_dir).name)}.",
+        "# Submit it as it is (sbatch THIS_FILE): the studio submits this same script. Its job makes the run",
+        "# folder on the run's first start and records itself there, so the studio lists, follows and stops",
+        "# the run; the output goes to the folder's train.log.",
         "# Every node must see the run folder, the compile cache and the studio's repository",
         f"# ({_one_line(REPO_ROOT)}): shared storage, e.g. FSx for Lustre or NFS.",
+        *mesh_note(layout),
         "set -euo pipefail",
-        f"export PYTHONPATH={shlex.quote(python_path)}${{PYTHONPATH:+:$PYTHONPATH}}",
-        *[f"export {key}={shlex.quote(str(value))}" for key, value in env.items()],
+        *export_lines(plan.env),
+        "# the run folder, made on the run's first start; this job recorded in it (slurm.json)",
+        f"{shlex.quote(plan.argv[0])} -c {shlex.quote(JOB_START)} {shlex.quote(run_dir)} \"$0\" <<'{PAYLOAD_END}'",
+        _json_text(records),  # JSON: no line of it can be the end marker
+        PAYLOAD_END,
+        f"cd {shlex.quote(run_dir)}",
+        f"exec >>{shlex.quote(f'{run_dir}/{LOG}')} 2>&1",
         "# one supervisor per node: it runs the node's torchrun (rendezvous on the first node), samples",
         "# the node's hardware, and on the first node writes the run's final status",
         shlex.join(srun),
         "",
     ])
+
+
+def _json_text(value, depth: int = 0) -> str:
+    """JSON for people: the outer levels one entry per line (the spec's lines, launch.json's keys, the
+    environment, each applied setting), what is inside them on one line."""
+    inner = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else None
+    wide = isinstance(value, dict) or any(isinstance(item, (dict, list)) or len(str(item)) > 40 for item in inner or [])
+    if not inner or depth > 2 or (depth == 2 and not wide):
+        return json.dumps(value, default=str)
+    lines = [f"{json.dumps(key)}: {_json_text(item, depth + 1)}" for key, item in value.items()] if isinstance(
+        value, dict) else [_json_text(item, depth + 1) for item in value]
+    opening, closing = ("{", "}") if isinstance(value, dict) else ("[", "]")
+    return opening + "\n" + ",\n".join(" " * (depth + 1) + line for line in lines) + "\n" + " " * depth + closing
+
+
+def record_job(run_dir: Path, job_id: str, when: float) -> bool:
+    """slurm.json names `job_id` as the run's current job, after its earlier ones. Both the studio
+    (once sbatch answers) and the job itself (when it starts) record it: whichever comes second
+    finds it there and keeps the first one's time. -> whether this call wrote it."""
+    job_id = str(job_id)
+    before = read_json(run_dir / JOB)
+    if str(before.get("job_id")) == job_id:
+        return False
+    earlier = [str(i) for i in before.get("job_ids", []) if str(i) != job_id]
+    write_json(run_dir / JOB, {"job_id": job_id, "job_ids": [*earlier, job_id], "submitted": when})
+    return True
 
 
 def filesystem(path: Path) -> str:

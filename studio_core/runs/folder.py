@@ -167,6 +167,33 @@ def read_launch(run_dir: Path) -> dict:
     return read_json(run_dir / LAUNCH)
 
 
+def launch_record(launch) -> dict:
+    """launch.json but its `created`, from a Plan: what will run, where, and why (no secret)."""
+    return {"argv": launch.argv, "env": launch.env, "backend": launch.backend,
+            "hardware": launch.hardware.to_dict() if launch.hardware else None,
+            "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
+            "cores": launch.cores}
+
+
+def write_launch(run_dir: Path, record: dict, created: float | None) -> None:
+    """launch.json; `created`: when the run was first started (a resume keeps it), which the run's
+    start time falls back on when its events lost their beginning."""
+    write_json(run_dir / LAUNCH, {"created": created, **record})
+
+
+def write_new_run(path: Path, spec_yaml: str, record: dict, created: float) -> None:
+    """A new run's files, in the folder `path` (made under a temporary name, renamed to the run id
+    when whole): spec.yaml, launch.json, and its first events (starting, the plan's warnings).
+    The manager writes them for a run it starts, and a batch job started by plain sbatch for its own."""
+    from studio_core.runs import events
+
+    (path / SPEC).write_text(spec_yaml)
+    write_launch(path, record, created)
+    events.append(path / EVENTS, events.status("starting"))
+    for warning in record.get("warnings", []):
+        events.append(path / EVENTS, events.log(f"warning: {warning}"))
+
+
 def output_info(run_dir: Path) -> dict | None:
     """The saved model's OUTPUT_INFO: {kind: full|adapter, trainer, base_model, base_model_path,
     task}, or None while the run has saved no model."""

@@ -84,6 +84,24 @@ class RunManager:
                                       "the cores that are free when it is clicked (next free, when none are named)"))
         return launch
 
+    def export_plan(self, spec: RunSpec, hardware: Hardware, nodes: int | None = None,
+                    elsewhere: bool = False) -> Plan:
+        """The plan of a Slurm batch script exported for a new run of this runs folder: the spec on
+        Slurm, on `nodes` nodes (default: the spec's own on Slurm, else 2), for a run id chosen now.
+        It is the plan Start would submit (the same environment: on Neuron the EFA variables), so
+        its script (scripts.slurm_script) is the one the studio submits; started by plain `sbatch`,
+        the job makes the run folder itself and this runs folder lists it like any run."""
+        on_slurm = spec.layout.run_on == "slurm"
+        nodes = nodes if nodes is not None else (spec.layout.nodes if on_slurm else 2)
+        # a node is the job's alone: cores named for this machine mean nothing there
+        spec = replace(spec, layout=replace(spec.layout, run_on="slurm", nodes=nodes, cores=None))
+        data_warnings: list[str] = []
+        spec = self.check(spec, warnings=data_warnings, elsewhere=elsewhere, hardware=hardware)
+        launch = self._plan(spec, hardware, None, folder.new_run_id(self.runs_dir, spec.display_name), data_warnings)
+        if launch.errors:
+            raise SpecError(launch.errors)
+        return launch
+
     def _plan(self, spec: RunSpec, hardware: Hardware, cores: list[int] | None, run_id: str = "<run id>",
               warnings: list[str] = ()) -> Plan:
         """The plan, with `warnings` about the data (the check's) among its own."""
@@ -109,7 +127,7 @@ class RunManager:
                 raise SpecError(launch.errors)
             if planned is not None:
                 planned(launch)
-            run_dir = self._create(run_id, launch, hardware)
+            run_dir = self._create(run_id, launch)
             try:
                 backend.submit(run_dir, launch, hardware.backend)
             except backends.SubmitError as error:
@@ -123,7 +141,7 @@ class RunManager:
                 raise SpecError(launch.errors)
             if planned is not None:
                 planned(launch)
-            run_dir = self._create(run_id, launch, hardware)
+            run_dir = self._create(run_id, launch)
             backend.submit(run_dir, launch, hardware.backend)
         return self.view(run_id)
 
@@ -136,16 +154,12 @@ class RunManager:
             raise SpecError(problems)
         return backend
 
-    def _create(self, run_id: str, launch: Plan, hardware: Hardware) -> Path:
+    def _create(self, run_id: str, launch: Plan) -> Path:
         """The run folder, made under a temporary name and renamed when whole: a listing never
         sees half a run."""
         tmp = self.runs_dir / f"{folder.CREATING}{run_id}"
         tmp.mkdir()
-        launch.spec.save(tmp / folder.SPEC)
-        _write_launch(tmp, launch, hardware, created=time.time())
-        events.append(tmp / folder.EVENTS, events.status("starting"))
-        for warning in launch.warnings:
-            events.append(tmp / folder.EVENTS, events.log(f"warning: {warning}"))
+        folder.write_new_run(tmp, launch.spec.to_yaml(), folder.launch_record(launch), created=time.time())
         run_dir = self.runs_dir / run_id
         tmp.rename(run_dir)
         return run_dir
@@ -177,7 +191,7 @@ class RunManager:
         if not backend.local_cores:  # the nodes are of the kind first planned for (Plan for, --instance)
             hardware = Hardware(**first["hardware"]) if first.get("hardware") else hardware
             launch = self._resume_plan(spec, hardware, None, run_id, chosen, first)
-            self._restart(view.dir, launch, chosen, hardware)
+            self._restart(view.dir, launch, chosen)
             try:
                 backend.submit(view.dir, launch, hardware.backend)
             except backends.SubmitError as error:
@@ -191,7 +205,7 @@ class RunManager:
                 spec = replace(spec, layout=replace(spec.layout, cores=None))  # its cores are taken: next free
             cores = self.choose_cores(spec, hardware)
             launch = self._resume_plan(spec, hardware, cores, run_id, chosen, first)
-            self._restart(view.dir, launch, chosen, hardware)
+            self._restart(view.dir, launch, chosen)
             backend.submit(view.dir, launch, hardware.backend)
         return self.view(run_id)
 
@@ -204,10 +218,10 @@ class RunManager:
         return replace(launch, applied=[tuple(entry) for entry in first.get("applied", [])])
 
     @staticmethod
-    def _restart(run_dir: Path, launch: Plan, chosen: dict, hardware: Hardware) -> None:
+    def _restart(run_dir: Path, launch: Plan, chosen: dict) -> None:
         """The run folder made ready for its next attempt, from the checkpoint `chosen`."""
         clear_control(run_dir)
-        _write_launch(run_dir, launch, hardware, created=folder.read_launch(run_dir).get("created"))
+        folder.write_launch(run_dir, folder.launch_record(launch), created=folder.read_launch(run_dir).get("created"))
         events.append(run_dir / folder.EVENTS, events.resume(chosen["step"], chosen["path"]))
         events.append(run_dir / folder.EVENTS, events.status("starting"))
 
@@ -294,13 +308,3 @@ class RunManager:
         events.append(view.dir / folder.EVENTS, events.log("stop and save: asked for a checkpoint at the next "
                                                            "step, then a stop"))
         return view
-
-
-def _write_launch(run_dir: Path, launch: Plan, hardware: Hardware, created: float | None) -> None:
-    """launch.json: what will run, where, and why; `created`: when the run was first started (a
-    resume keeps it), which the run's start time falls back on when its events lost their beginning."""
-    folder.write_json(run_dir / folder.LAUNCH, {"created": created,
-        "argv": launch.argv, "env": launch.env, "backend": launch.backend, "hardware": hardware.to_dict(),
-        "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
-        "cores": launch.cores,
-    })
