@@ -36,6 +36,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
     python launch.py export RUN_ID --out DIR  a model folder with a card [--merge] [--push REPO_ID]
     python launch.py cache [--clear]          show the compile cache (folder, size, entries); clear it
     python launch.py doctor                   check this machine for the studio: run it first on a new machine
+    python launch.py doctor --smoke           then the first-run kit: the studio's jobs end to end, one report file
 
 Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
 """
@@ -157,11 +158,12 @@ def parser() -> argparse.ArgumentParser:
                               "torch_compile; same as --set studio.precompile=true)")
         sub.add_argument("--jobs", type=whole_number(1), metavar="N",
                          help="with --precompile: this many parallel compile processes (default: one per core, "
-                              "at most 8)")
+                              "at most 8, and on Neuron within the host's vCPUs and memory)")
         if name == "plan":
             sub.add_argument("--export-script", metavar="FILE", help="also write a runnable bash launch script")
-            sub.add_argument("--slurm-script", metavar="FILE", help="also write a standalone Slurm batch script for "
-                             "--nodes nodes (default 2)")
+            sub.add_argument("--slurm-script", metavar="FILE", help="also write the Slurm batch script Start would "
+                             "submit, for a new run on --nodes nodes (default 2): `sbatch FILE` starts it, and "
+                             "`launch.py runs` lists it")
             sub.add_argument("--no-forecast", action="store_true",
                              help="skip the shape forecast (it tokenizes the dataset as the trainer will)")
         if name == "train":
@@ -205,6 +207,10 @@ def parser() -> argparse.ArgumentParser:
     cache.add_argument("--backend", choices=compile_cache.BACKENDS,
                        help="whose cache (default: this machine's backend)")
     cache.add_argument("--clear", action="store_true", help="delete it; refused while a run is active")
-    command("doctor", cmd_doctor, "check this machine for the studio, a line per check; exit 0 when all "
-                     "pass (run it first on a new machine, and paste its output into a bug report)")
+    doctor = command("doctor", cmd_doctor, "check this machine for the studio, a line per check; exit 0 when "
+                     "all pass (run it first on a new machine, and paste its output into a bug report)")
+    doctor.add_argument("--smoke", action="store_true", help="instead, the first-run kit: a compiled SFT run, a "
+                        "2-process run, a chat, an evaluation and a precompiled run of the built-in tiny model on "
+                        "this machine's device; writes one report file to attach to a bug report (minutes; more on "
+                        "Neuron)")
     return top

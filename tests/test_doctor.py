@@ -132,6 +132,15 @@ def test_device_checks_wait_for_free_cores_and_say_who_holds_them(tmp_path):
     assert doctor.collective(tmp_path, Hardware("cuda", 1, cpu_count=2)).found.startswith("skipped: one cuda device")
 
 
+@pytest.mark.fast
+def test_the_smoke_test_refuses_a_runs_folder_it_cannot_write_before_it_starts(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = launch_py("doctor", "--smoke", "--runs-dir", str(tmp_path / "file" / "runs"), env={})
+    assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert f"runs folder {tmp_path / 'file' / 'runs'}" in done.stderr and "--runs-dir" in done.stderr
+    assert "Smoke test" not in done.stdout  # refused before anything started
+
+
 # --- the instance type, from EC2's instance metadata ----------------------------------------
 @pytest.mark.fast
 def test_the_instance_type_comes_from_the_metadata_service_with_its_token(monkeypatch):

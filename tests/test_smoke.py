@@ -1,0 +1,117 @@
+"""`launch.py doctor --smoke` (studio_core/smoke.py), the first-run kit, for real on this CPU
+machine: the built-in tiny model through the studio's own jobs (precompile and a run that must
+hit the cache, a compiled SFT run, a 2-process run, a chat, an evaluation), then one report
+file. A busy machine fails each step with who holds the cores; the report never carries a
+token or a variable named like a secret.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from studio_core import leases, smoke
+from studio_core.hardware import Hardware, cpu_hardware
+from studio_core.runs.manager import RunManager
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_TOKEN = "hf_" + "Zq3" * 12  # shaped as a Hub token, never a real one
+DEVICE_ENV = {"NEURON_RT_LOG_LEVEL": "INFO", "FI_EFA_USE_DEVICE_RDMA": "1", "TORCH_NEURONX_LOG_LEVEL": "1"}
+
+
+def smoke_cli(runs_dir: Path, env: dict | None = None, timeout: float = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "launch.py"), "doctor", "--smoke", "--runs-dir", str(runs_dir)],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+                          env={**os.environ, **(env or {})})
+
+
+def report_of(done: subprocess.CompletedProcess) -> tuple[Path, dict]:
+    found = re.search(r"^Report \(attach it to a bug report\): (\S+)$", done.stdout, re.M)
+    assert found, done.stdout + done.stderr
+    path = Path(found[1])
+    return path, json.loads(path.read_text())
+
+
+def test_the_smoke_test_runs_every_step_on_this_machine_and_writes_one_report(tmp_path):
+    runs_dir = tmp_path / "runs"
+    done = smoke_cli(runs_dir, {**DEVICE_ENV, "HF_TOKEN": FAKE_TOKEN})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all smoke steps passed" in done.stdout and "Traceback" not in done.stdout + done.stderr
+    path, report = report_of(done)
+    assert path.parent.parent == runs_dir / "smoke" and path.with_suffix(".md").is_file()
+    assert report["passed"] is True and report["hardware"]["backend"] == "cpu"
+    steps = {step["name"]: step for step in report["steps"]}
+    assert list(steps) == list(smoke.STEPS)
+    for step in steps.values():
+        assert step["ok"] is True and step["error"] == "" and step["seconds"] > 0, step
+        assert step["found"] and f"PASS  {step['name']}" in done.stdout
+    # the precompile jobs compiled the 2 shapes, and the run after them found every graph in the cache
+    jobs = steps["precompile"]["details"]["jobs"]
+    assert sorted(job["shape"] for job in jobs) == [[4, 34], [4, 38]] and {job["job"] for job in jobs} == {0, 1}
+    assert steps["precompile"]["details"]["run_cache"] and set(steps["precompile"]["details"]["run_cache"]) == {"hit"}
+    assert "5 steps" in steps["sft"]["found"] and "on 2 processes" in steps["two_ranks"]["found"]
+    assert 1 <= steps["chat"]["details"]["new_tokens"] <= 3  # from the sft step's model
+    assert steps["chat"]["details"]["target"] == steps["eval"]["details"]["target"] == steps["sft"]["details"]["run"]
+    assert steps["eval"]["details"]["rows"] == 4 and set(steps["eval"]["details"]["eval_loss"]) == {"tuned", "base"}
+    # versions, the device environment (no token), the compile cache before and after
+    assert report["versions"]["trl"] == "1.16.0" and report["versions"]["torch-neuronx"] is None
+    assert report["versions"]["python"].count(".") == 2
+    assert {k: report["env"][k] for k in DEVICE_ENV} == DEVICE_ENV and "HF_TOKEN" not in report["env"]
+    assert FAKE_TOKEN not in path.read_text() + path.with_suffix(".md").read_text()
+    before, after = report["compile_cache"]["before"], report["compile_cache"]["after"]
+    assert after["Inductor FX graphs"] > before.get("Inductor FX graphs", 0) and after["NEFFs"] == 0
+    # the smoke's runs took their cores through the runs folder's leases, and stay out of its list
+    smoke_runs = path.parent / "runs"
+    assert (smoke_runs / ".leases").resolve() == (runs_dir / ".leases").resolve()
+    assert RunManager(runs_dir).list() == [] and len(RunManager(smoke_runs).list()) == 3
+    assert "PASSED" in path.with_suffix(".md").read_text()
+
+
+def test_a_busy_machine_fails_each_step_saying_who_holds_the_cores(tmp_path):
+    runs_dir = tmp_path / "runs"
+    hardware = cpu_hardware()
+    holder = "20261201-000000-busy-1a2b3c"
+    with leases.acquire(runs_dir, "cpu", list(range(hardware.cores)), holder=holder, kind="run"):
+        done = smoke_cli(runs_dir, timeout=600)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    _, report = report_of(done)
+    steps = {step["name"]: step for step in report["steps"]}
+    assert steps["probe"]["ok"] and holder in steps["probe"]["found"]  # it says so first
+    for name in ("precompile", "sft", "two_ranks", "chat", "eval"):
+        assert steps[name]["ok"] is False and holder in steps[name]["error"], steps[name]
+    assert report["passed"] is False and "5 smoke step(s) failed" in done.stdout
+    assert not list((Path(report["folder"]) / "runs").glob("*-smoke-*"))  # nothing was started
+
+
+@pytest.mark.fast
+def test_the_report_keeps_the_device_settings_and_leaves_out_secrets(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "my-own-token-text")  # not hf_-shaped: found by its value
+    environ = {**DEVICE_ENV, "NEURON_RT_VISIBLE_CORES": "0-3", "FI_PROVIDER": "efa", "STUDIO_COMPILE_CACHE": "/cc",
+               "HF_TOKEN": "my-own-token-text", "HUGGING_FACE_HUB_TOKEN": FAKE_TOKEN, "NEURON_API_KEY": "k1",
+               "FI_EFA_PASSWORD": "p1", "STUDIO_SECRET": "s1", "AWS_SECRET_ACCESS_KEY": "a1", "PATH": "/usr/bin",
+               "NEURON_PROFILE_URL": f"https://x/?t={FAKE_TOKEN}"}
+    kept = smoke.safe_environment(environ)
+    assert kept == {**DEVICE_ENV, "NEURON_RT_VISIBLE_CORES": "0-3", "FI_PROVIDER": "efa",
+                    "STUDIO_COMPILE_CACHE": "/cc", "NEURON_PROFILE_URL": "https://x/?t=<hidden>"}
+    test = smoke.Smoke(tmp_path / "runs", Hardware("cpu", 2, 2))
+    test.folder.mkdir(parents=True)
+    test.steps = [smoke.Step("probe", True, 1.0, "cpu"),
+                  smoke.Step("sft", False, 2.0, error=f"pushed with my-own-token-text and {FAKE_TOKEN} | failed")]
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    path = smoke.write_report(test.report(0.0, 3.0), test.folder)
+    written = path.read_text() + path.with_suffix(".md").read_text()
+    for secret in ("my-own-token-text", FAKE_TOKEN, "k1", "p1", "s1", "a1"):
+        assert secret not in written
+    report = json.loads(path.read_text())
+    assert report["passed"] is False and report["env"]["FI_PROVIDER"] == "efa"
+    assert [s["name"] for s in report["steps"]] == ["probe", "sft"] and "<hidden>" in report["steps"][1]["error"]
+    markdown = path.with_suffix(".md").read_text()
+    assert markdown.startswith("# Studio smoke test: FAILED") and "| sft | **FAIL** | 2.0 |" in markdown
+    assert "- NEURON_RT_VISIBLE_CORES=0-3" in markdown
