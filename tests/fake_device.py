@@ -32,14 +32,8 @@ import sys
 import traceback
 from pathlib import Path
 
-# Transformers compiles generate's forward with a backend named after the device (a static cache
-# on Neuron: PreTrainedModel._default_compile_config), which torch-neuronx registers. Dynamo is
-# off here (read when torch is imported) and the backend registered to run eagerly: the device's
-# placement is what this checks, not its compiler.
-os.environ["TORCH_COMPILE_DISABLE"] = "1"
-
-import torch  # noqa: E402
-from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
 
 NAME_ENV, LOG_ENV = "FAKE_DEVICE", "FAKE_DEVICE_LOG"
 aten = torch.ops.aten
@@ -181,6 +175,16 @@ def install(name: str = "neuron") -> None:
     """Make `name` a device whose tensors live on CPU and refuse to meet CPU tensors (see above)."""
     if _state:
         return
+    # Transformers compiles generate's forward with a backend named after the device (a static
+    # cache on Neuron: PreTrainedModel._default_compile_config), which torch-neuronx registers.
+    # Dynamo is off in a process with the device, and in the processes it starts (the variable),
+    # and the backend is registered to run eagerly: placement is what this checks, not a compiler.
+    # Set here, not when the module is imported: the test process imports it, and its other
+    # tests' runs must compile.
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(name, backend_module=_Module())

@@ -62,6 +62,15 @@ def fake_children(tmp_path, monkeypatch):
 
 # --- the rule, in this process --------------------------------------------------------------
 @pytest.mark.fast
+def test_importing_the_fake_device_leaves_this_process_and_its_children_compiling():
+    """This module imports fake_device at collection, in every test process: the device's switches
+    (Dynamo off) belong to the child processes that install it, or no run of the suite compiles."""
+    import torch._dynamo
+
+    assert "TORCH_COMPILE_DISABLE" not in os.environ and not torch._dynamo.config.disable
+
+
+@pytest.mark.fast
 def test_a_forwards_inputs_go_where_the_models_parameters_are_also_under_a_lora_wrapper():
     import torch
     from peft import LoraConfig, get_peft_model

@@ -111,7 +111,7 @@ class SlurmBackend(RunBackend):
 
     def describe_launch(self, plan) -> list[str]:
         try:
-            script = batch_script(plan)
+            script = without_records(batch_script(plan))
         except ValueError as error:
             script = f"(none: {error})"
         return ["", f"Batch script (the run folder's {SCRIPT}):", script, "Submitted with:",
@@ -417,6 +417,18 @@ def batch_script(plan) -> str:
         shlex.join(srun),
         "",
     ])
+
+
+def without_records(script: str) -> str:
+    """The batch script as a plan shows it: the run's records (spec and launch.json, a hundred
+    lines of JSON the job's first step reads) as one line that says what is there."""
+    lines = script.split("\n")
+    if PAYLOAD_END not in lines:
+        return script
+    end = lines.index(PAYLOAD_END)
+    start = next(i for i in range(end - 1, -1, -1) if lines[i].endswith(f"<<'{PAYLOAD_END}'"))
+    return "\n".join([*lines[:start + 1], f"(the run's spec.yaml and launch.json as JSON: {end - start - 1} lines)",
+                      *lines[end:]])
 
 
 def _json_text(value, depth: int = 0) -> str:
