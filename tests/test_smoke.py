@@ -93,8 +93,9 @@ def test_a_busy_machine_fails_each_step_saying_who_holds_the_cores(tmp_path):
 def test_the_report_keeps_the_device_settings_and_leaves_out_secrets(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "my-own-token-text")  # not hf_-shaped: found by its value
     environ = {**DEVICE_ENV, "NEURON_RT_VISIBLE_CORES": "0-3", "FI_PROVIDER": "efa", "STUDIO_COMPILE_CACHE": "/cc",
-               "HF_TOKEN": "my-own-token-text", "HUGGING_FACE_HUB_TOKEN": FAKE_TOKEN, "NEURON_API_KEY": "k1",
-               "FI_EFA_PASSWORD": "p1", "STUDIO_SECRET": "s1", "AWS_SECRET_ACCESS_KEY": "a1", "PATH": "/usr/bin",
+               "HF_TOKEN": "my-own-token-text", "HUGGING_FACE_HUB_TOKEN": FAKE_TOKEN, "NEURON_API_KEY": "api-key-text",
+               "FI_EFA_PASSWORD": "efa-password-text", "STUDIO_SECRET": "studio-secret-text",
+               "AWS_SECRET_ACCESS_KEY": "aws-secret-text", "PATH": "/usr/bin",
                "NEURON_PROFILE_URL": f"https://x/?t={FAKE_TOKEN}"}
     kept = smoke.safe_environment(environ)
     assert kept == {**DEVICE_ENV, "NEURON_RT_VISIBLE_CORES": "0-3", "FI_PROVIDER": "efa",
@@ -107,7 +108,9 @@ def test_the_report_keeps_the_device_settings_and_leaves_out_secrets(tmp_path, m
         monkeypatch.setenv(name, value)
     path = smoke.write_report(test.report(0.0, 3.0), test.folder)
     written = path.read_text() + path.with_suffix(".md").read_text()
-    for secret in ("my-own-token-text", FAKE_TOKEN, "k1", "p1", "s1", "a1"):
+    # values long enough not to occur by chance in the report (a temporary folder's random name)
+    for secret in ("my-own-token-text", FAKE_TOKEN, "api-key-text", "efa-password-text", "studio-secret-text",
+                   "aws-secret-text"):
         assert secret not in written
     report = json.loads(path.read_text())
     assert report["passed"] is False and report["env"]["FI_PROVIDER"] == "efa"
