@@ -7,9 +7,9 @@ import time
 
 import gradio as gr
 
-from studio_core import compile_cache
+from studio_core.machine import compile_cache
 from studio_core.runs.manager import RunManager
-from studio_core.sizes import format_size
+from studio_core.machine.sizes import format_size
 
 REUSE = {
     "neuron": "NEFFs are reused by later steps and runs whose graphs are identical (same model, shapes, "

@@ -1,7 +1,7 @@
 """The Chat tab: load a finished run's model (or any model) into a chat process, talk to it
 with streaming, compare it with its base side by side, stop, clear, unload.
 
-The model lives in the chat process (studio_core.chat), never in this one; the app holds
+The model lives in the chat process (studio_core.serve.chat), never in this one; the app holds
 one chat at a time, shared by its pages, and Unload ends the process and frees its core.
 Each page keeps what the model wrote (a State) apart from what its chatbots show: a reasoning
 block as a collapsed "Reasoning" part, the answer without tags or runs of blank lines, a
@@ -16,12 +16,12 @@ import threading
 
 import gradio as gr
 
-from studio_core.builtin import BUILTIN_MODEL
-from studio_core.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
-from studio_core.cores import format_cores
-from studio_core.hardware import Hardware
-from studio_core.openai_api import ApiServer
-from studio_core.history import runs_with_a_model
+from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.serve.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
+from studio_core.machine.cores import format_cores
+from studio_core.machine.hardware import Hardware
+from studio_core.serve.openai_api import ApiServer
+from studio_core.runs.history import runs_with_a_model
 from studio_core.runs.manager import RunManager
 
 

@@ -3,7 +3,7 @@ value of it, their settings side by side, only those that differ (from each run'
 spec.yaml, keys flattened: `studio.nproc`, `model_init_kwargs.dtype`), and the tuned model's
 mean scores in each run's latest evaluation (the Evaluate tab's), when one has any.
 
-The engine is studio_core.history and studio_core.evaluation; this module only lays it out.
+The engine is studio_core.runs.history and studio_core.evaluate.evaluation; this module only lays it out.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from studio_core import evaluation, history
+from studio_core.evaluate import evaluation
+from studio_core.runs import history
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView, format_loss, format_time
 

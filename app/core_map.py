@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import html
 
-from studio_core.hardware import Hardware
-from studio_core.layout import tp_groups
+from studio_core.machine.hardware import Hardware
+from studio_core.machine.layout import tp_groups
 
 GROUP_COLOURS = ("#268bd2", "#2aa198", "#6c71c4", "#b58900", "#cb4b16", "#859900", "#d33682", "#073642")
 

@@ -1,12 +1,12 @@
 """The Doctor tab: the same checks as `launch.py doctor`, shown as they finish; and the smoke
-test of `launch.py doctor --smoke` (studio_core.smoke), run in the background and followed."""
+test of `launch.py doctor --smoke` (studio_core.doctor.smoke), run in the background and followed."""
 
 from __future__ import annotations
 
 import gradio as gr
 
-from studio_core import doctor, smoke
-from studio_core.hardware import Hardware
+from studio_core.doctor import doctor, smoke
+from studio_core.machine.hardware import Hardware
 from studio_core.runs.manager import RunManager
 
 INTRO = ("Checks this machine for the studio: the backend and versions, the devices, a 2-process collective "

@@ -3,9 +3,9 @@ the same prompts (the run's own data, or an evaluation set), and the page shows 
 mean scores, the answers side by side, the rows where the tuned model got worse, and offers
 the rows as JSONL.
 
-The evaluation is the engine's (studio_core.evaluation: a child process on a leased core);
+The evaluation is the engine's (studio_core.evaluate.evaluation: a child process on a leased core);
 this module turns the widgets into an EvalRequest, shows its events as they come, and reads
-saved evaluations only through studio_core.evaluation. Metrics are shown as the results name
+saved evaluations only through studio_core.evaluate.evaluation. Metrics are shown as the results name
 them, so a metric the engine adds appears here without a change.
 """
 
@@ -19,12 +19,12 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from studio_core import evaluation
+from studio_core.evaluate import evaluation
 
-from studio_core.cores import format_cores
-from studio_core.evaluation import EvalError, EvalProcess, EvalRequest
-from studio_core.hardware import Hardware
-from studio_core.history import runs_with_a_model
+from studio_core.machine.cores import format_cores
+from studio_core.evaluate.evaluation import EvalError, EvalProcess, EvalRequest
+from studio_core.machine.hardware import Hardware
+from studio_core.runs.history import runs_with_a_model
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import format_time
 
@@ -34,7 +34,7 @@ from studio_core.runs.view import format_time
 TEXT_COLUMNS = ["prompt", "reference", "base answer", "tuned answer"]
 TEXT_WIDTHS = [210, 180, 200, 200]
 CHAR_PX = 8  # a header character in the table's font
-# An empty answer said so, as chat says it (studio_core.chat.EMPTY_ANSWER), short enough for a cell:
+# An empty answer said so, as chat says it (studio_core.serve.chat.EMPTY_ANSWER), short enough for a cell:
 # an empty cell would look like missing data. The untrained built-in base writes only whitespace.
 EMPTY = "(empty answer)"
 

@@ -1,8 +1,8 @@
 """The Export tab: a finished run becomes a model folder with a model card, then one click
 puts it on the Hugging Face Hub.
 
-The export is the engine's (studio_core.export, in a child process) and so is the push
-(studio_core.hub). The token field is a password field whose value is used for one push
+The export is the engine's (studio_core.export.export, in a child process) and so is the push
+(studio_core.export.hub). The token field is a password field whose value is used for one push
 and never stored; empty, the push uses HF_TOKEN or the saved Hugging Face login.
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import gradio as gr
 
-from studio_core import hub
-from studio_core.export import ExportError, export_run, read_output_info
-from studio_core.hardware import Hardware
-from studio_core.history import runs_with_a_model
+from studio_core.export import hub
+from studio_core.export.export import ExportError, export_run, read_output_info
+from studio_core.machine.hardware import Hardware
+from studio_core.runs.history import runs_with_a_model
 from studio_core.runs.manager import RunManager, RunNotFound
 
 

@@ -1,7 +1,7 @@
 """The shape forecast in the Train tab: the graphs a run will compile and its padding waste,
 before launch, with suggested settings applied in one click (into "Other TRL settings").
 
-The forecast itself is the engine's (studio_core.forecast, in a child process); this only
+The forecast itself is the engine's (studio_core.training.forecast, in a child process); this only
 turns the form into a planned spec and the result into Markdown, a histogram and choices. The
 plan's padding (pad_to_multiple_of as TRL resolves it on the target, and the sequence lengths it
 allows) heads the report, also when the forecast cannot run (the data not on this machine).
@@ -14,11 +14,11 @@ import pandas as pd
 import yaml
 
 from app.train_form import TrainForm, spec_from_form, target_hardware
-from studio_core import sources
-from studio_core.forecast import Forecast, forecast_in_subprocess
-from studio_core.hardware import Hardware
+from studio_core.data import sources
+from studio_core.training.forecast import Forecast, forecast_in_subprocess
+from studio_core.machine.hardware import Hardware
 from studio_core.runs.manager import RunManager
-from studio_core.spec import SpecError
+from studio_core.recipe.spec import SpecError
 
 
 def forecast_markdown(f: Forecast, backend: str) -> str:

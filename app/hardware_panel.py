@@ -3,7 +3,7 @@ utilisation and device memory, CUDA memory, and a line saying what is monitored 
 is not available (and why).
 
 Everything comes from the run's `hardware` events (written by its supervisor through
-studio_core.monitor), which RunView keeps in `view.hardware`. The run panel places these
+studio_core.machine.monitor), which RunView keeps in `view.hardware`. The run panel places these
 widgets and adds `render(view)`'s values to its own.
 
 The x-axis is training time (RunState.training_time_at): a resumed run's attempts follow one
@@ -18,9 +18,9 @@ from bisect import bisect_right
 import gradio as gr
 import pandas as pd
 
-from studio_core.monitor import SAMPLE_EVERY_S
+from studio_core.machine.monitor import SAMPLE_EVERY_S
 from studio_core.runs.view import RunView
-from studio_core.sizes import MB
+from studio_core.machine.sizes import MB
 
 MAX_POINTS = 600  # per plot: a long run's samples are thinned to this many, evenly
 X_TITLE = "training time (s)"  # a longer title is cut off; the note says what a resume does to it

@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import cache_panel, chat_tab, doctor_tab, eval_tab, export_tab, runs_tab, train_tab
-from studio_core.hardware import Hardware, detect_hardware
+from studio_core.machine.hardware import Hardware, detect_hardware
 from studio_core.runs.manager import RunManager
 
 CSS = (".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace; font-size: 0.8em} "

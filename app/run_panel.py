@@ -17,13 +17,15 @@ import gradio as gr
 import pandas as pd
 
 from app.hardware_panel import AXES, HardwarePanel
-from studio_core import history, precompile, trainers
-from studio_core.hardware import Hardware
+from studio_core.runs import history
+from studio_core.training import precompile
+from studio_core.recipe import trainers
+from studio_core.machine.hardware import Hardware
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import (ACTIVE_STATES, RunView, compile_totals_text, compiling_text, format_loss,
                                    format_seconds, late_compile_text, short_seconds, studio_cost_text)
-from studio_core.sizes import MB
-from studio_core.spec import SpecError
+from studio_core.machine.sizes import MB
+from studio_core.recipe.spec import SpecError
 
 STATE_COLOURS = {"starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
                  "failed": "#dc322f", "stopped": "#6c71c4"}

@@ -12,11 +12,13 @@ import pandas as pd
 
 from app import compare, run_panel
 from app.train_form import TrainForm, form_values
-from studio_core import evaluation, history, trainers
-from studio_core.hardware import Hardware
+from studio_core.evaluate import evaluation
+from studio_core.runs import history
+from studio_core.recipe import trainers
+from studio_core.machine.hardware import Hardware
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import STATES, RunView, format_loss, format_seconds, format_time
-from studio_core.sizes import format_size
+from studio_core.machine.sizes import format_size
 
 # State and steps share a column, so that training and wall time fit beside the rest: with these
 # widths and wrapped cells (gr.Dataframe(wrap=True, column_widths=COLUMN_WIDTHS)) the table fits

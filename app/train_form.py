@@ -1,9 +1,9 @@
 """The Train tab's form: its widgets, and the one place where their values become a RunSpec.
 
 Every widget is named after the setting it holds (TRL's name where TRL has one); a trainer's
-own settings (studio_core.trainers) are named `<trainer>.<setting>` and show only for that
+own settings (studio_core.recipe.trainers) are named `<trainer>.<setting>` and show only for that
 trainer. LoRA and the advanced settings are folded away. Labels and choices come from TRL's
-config classes (studio_core.trl_schema).
+config classes (studio_core.recipe.trl_schema).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import shlex
 import gradio as gr
 import yaml
 
-from studio_core import slurm, trainers
-from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
-from studio_core.hardware import INSTANCES, Hardware, instance_hardware
-from studio_core.spec import TRACKERS, Layout, RunSpec, SpecError, check_args
-from studio_core.trainers import FormField
-from studio_core.trl_schema import trainer_fields
+from studio_core.backends import slurm_tools as slurm
+from studio_core.recipe import trainers
+from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
+from studio_core.machine.hardware import INSTANCES, Hardware, instance_hardware
+from studio_core.recipe.spec import TRACKERS, Layout, RunSpec, SpecError, check_args
+from studio_core.recipe.trainers import FormField
+from studio_core.recipe.trl_schema import trainer_fields
 
 THIS_MACHINE = "this machine"
 RUN_ON = [("this machine", "local"), ("Slurm", "slurm")]
@@ -81,7 +82,7 @@ def field_choices(trainer: str, field: FormField) -> list[str]:
 
 
 def field_widget(trainer: str, field: FormField) -> gr.Component:
-    """The widget of one of a trainer's own settings (studio_core.trainers.FormField)."""
+    """The widget of one of a trainer's own settings (studio_core.recipe.trainers.FormField)."""
     common = {"label": field.name, "info": field.info, "elem_id": f"{trainer}-{field.name}"}
     if field.kind == "rewards":  # a code box's label is one short line (its buttons cover the rest): help above
         gr.Markdown(field.info, elem_classes="field-help")
@@ -128,7 +129,7 @@ class TrainForm:
                 w["keep_columns"] = gr.Textbox(label="Keep only these columns (comma-separated; empty: all)",
                                                elem_id="keep_columns")
             self.fix_button = gr.Button("Apply the suggested fix", visible=False, elem_id="apply-fix")
-            with gr.Row():  # studio_core.eval_data: the evaluation set, plotted during training
+            with gr.Row():  # studio_core.recipe.eval_data: the evaluation set, plotted during training
                 w["eval_fraction"] = gr.Number(0, label="Hold out for evaluation (fraction)", minimum=0, maximum=0.9,
                                                info="e.g. 0.1: a tenth of the rows, the same ones for the same seed; "
                                                "0: none", elem_id="eval_fraction")
@@ -179,7 +180,7 @@ class TrainForm:
                                           info="another instance type: preview and export only",
                                           elem_id="target")
                 w["lnc"] = gr.Dropdown([2, 1], value=2, label="LNC (instance types)", elem_id="lnc")
-            with gr.Row():  # studio_core/precompile.py
+            with gr.Row():  # studio_core/training/precompile.py
                 w["precompile"] = gr.Checkbox(False, label="Precompile: compile the run's batch shapes before step 1, "
                                               "in parallel", elem_id="precompile",
                                               info="needs torch_compile (on by default on Neuron); one-process local "

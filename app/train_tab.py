@@ -19,15 +19,16 @@ from app import forecast_panel, run_panel
 from app.core_map import core_map_html
 from app.train_form import (THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
                             learning_rate_start, spec_from_form, target_hardware, trainer_info)
-from studio_core import data_check, data_scan, sources, trainers
-from studio_core.builtin import BUILTIN_MODEL
-from studio_core.cores import parse_cores
-from studio_core.data_files import read_rows
-from studio_core.hardware import Hardware
-from studio_core.layout import check_layout, pick_cores
+from studio_core.recipe import data_check, data_scan, trainers
+from studio_core.data import sources
+from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.machine.cores import parse_cores
+from studio_core.data.files import read_rows
+from studio_core.machine.hardware import Hardware
+from studio_core.machine.layout import check_layout, pick_cores
 from studio_core.runs.manager import RunManager
-from studio_core.scripts import launch_script, slurm_script
-from studio_core.spec import SpecError
+from studio_core.training.scripts import launch_script, slurm_script
+from studio_core.recipe.spec import SpecError
 
 
 LAYOUT_PROBLEMS = "**This layout cannot run here; change it:**"

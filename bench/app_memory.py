@@ -36,9 +36,9 @@ from pathlib import Path
 from common import (MB, POLL_S, PROCS, REPO, BenchError, busy_cpu_s, ok, rate,  # also sets up sys.path
                     run_bench, tail)
 import psutil
-from studio_core.builtin import ensure_tiny_model
-from studio_core.runs.events import FINAL_STATES
-from studio_core.procs import run_processes
+from studio_core.data.builtin import ensure_tiny_model
+from studio_core.rundir.events import FINAL_STATES
+from studio_core.machine.procs import run_processes
 from studio_core.runs.manager import RunManager
 
 CHROMIUM = "/usr/bin/chromium"

@@ -14,7 +14,7 @@ in the 64, 128, 256 and 512 buckets): small talk from builtin:chat as earlier tu
 builtin:qa questions. Each goes through `model.generate` in two ways, greedy, exactly --max-new-tokens
 new tokens (min_new_tokens = max_new_tokens, so an early end-of-sequence cannot shorten a run):
 
-    static   as studio_core/generation.py does it: the prompt left-padded to its bucket (BUCKETS and
+    static   as studio_core/serve/generation.py does it: the prompt left-padded to its bucket (BUCKETS and
              buckets_for imported from there), cache_implementation="static", max_cache_len fixed (1024)
     dynamic  Transformers' default DynamicCache, the prompt unpadded
 
@@ -75,8 +75,8 @@ from common import BenchError, Noise, own_cpu_s, run_bench, wait_quiet  # sets s
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
-from studio_core.builtin import BUILTIN_DATASETS, ensure_tiny_model
-from studio_core.generation import buckets_for
+from studio_core.data.builtin import BUILTIN_DATASETS, ensure_tiny_model
+from studio_core.serve.generation import buckets_for
 
 MODES = ("static", "dynamic")
 # Prompt lengths to aim at (tokens): each prompt is the longest conversation under its target.

@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from studio_core.runs.events import FINAL_STATES  # noqa: E402
-from studio_core.procs import kill_run_processes  # noqa: E402
+from studio_core.rundir.events import FINAL_STATES  # noqa: E402
+from studio_core.machine.procs import kill_run_processes  # noqa: E402
 from studio_core.runs.manager import RunManager  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"

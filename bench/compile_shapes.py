@@ -17,7 +17,7 @@ automatic dynamic shapes off when torch_compile is on). Four variants of it:
     pad-128    pad_to_multiple_of=128: one shape, more padding (what Neuron's "auto" would pick)
     packed     packing=true, packing_strategy=wrapped: one shape, samples cut into 128-token rows
 
-For each: the shape forecast (studio_core/forecast.py, run on the resolved spec, as the page and
+For each: the shape forecast (studio_core/training/forecast.py, run on the resolved spec, as the page and
 `launch.py plan` run it), then a real run through RunManager.start(), waited on until `finished`.
 Compared:
 - shapes: the forecast's distinct batch shapes vs those the run's `shape` events saw reach the
@@ -51,14 +51,14 @@ from pathlib import Path
 
 from common import (REPO, BenchError, Noise, ok, run_bench, run_until_final,  # sets sys.path
                     tail, wait_quiet)
-from studio_core.builtin import ensure_tiny_model
-from studio_core.runs.events import read as read_events
-from studio_core.forecast import forecast_in_subprocess
-from studio_core.hardware import cpu_hardware
-from studio_core.runs.events import WARMUP_STEPS
+from studio_core.data.builtin import ensure_tiny_model
+from studio_core.rundir.events import read as read_events
+from studio_core.training.forecast import forecast_in_subprocess
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.rundir.events import WARMUP_STEPS
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView
-from studio_core.spec import RunSpec, SpecError, validated
+from studio_core.recipe.spec import RunSpec, SpecError, validated
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 VARIANTS = {  # name -> the overrides it adds to the recipe

@@ -10,8 +10,8 @@ core with the machine's other core in use by others part of the time; longer on 
 It prints a table and writes every figure to bench/results/eval_buckets.json (overwritten each run).
 
 What it measures: throughput (prompts/s) and the distinct input shapes that reach the model while it
-answers an evaluation set of --prompts prompts of mixed lengths, as studio_core/eval_worker.py answers one:
-a studio_core.generation.Generator (max_cache_len --max-cache-len, default the eval process's 1024),
+answers an evaluation set of --prompts prompts of mixed lengths, as studio_core/evaluate/eval_worker.py answers one:
+a studio_core.serve.generation.Generator (max_cache_len --max-cache-len, default the eval process's 1024),
 greedy, exactly --max-new-tokens new tokens per prompt. The sides:
 
     bucketed    Generator.generate as it is: the prompt left-padded to its bucket (BUCKETS that fit with
@@ -79,8 +79,8 @@ from common import REPO, RESULTS_DIR, BenchError, Noise, own_cpu_s  # sets sys.p
 
 import torch
 
-from studio_core.builtin import BUILTIN_DATASETS, ensure_tiny_model
-from studio_core.generation import Generator, buckets_for
+from studio_core.data.builtin import BUILTIN_DATASETS, ensure_tiny_model
+from studio_core.serve.generation import Generator, buckets_for
 
 SIDES = ("bucketed", "unbucketed", "dynamic")
 SHORTEST, LONGEST = 20, 700  # the prompts' target lengths (tokens), before fitting into the cache

@@ -23,7 +23,7 @@ Method.
    open and only the supervisor's hardware samples coming, and the page's requests to the queue.
 4. Latency, --samples times (default 100) per tab: after a random pause (0.2-1.2 s, so appends fall
    at every phase of the page's timer) the bench appends one `progress` event with the next step
-   through studio_core.runs.events, as the worker does, and waits for the tab's progress bar
+   through studio_core.rundir.events, as the worker does, and waits for the tab's progress bar
    (`.run-progress`, its data-step) to show that step.
    The time is taken in the page, not by the bench polling it (a poll would add its own interval and
    CPU): a MutationObserver notes `performance.timeOrigin + performance.now()` when the new step
@@ -52,13 +52,13 @@ from common import PROCS, REPO, BenchError, busy_cpu_s, ok, run_bench, wait_quie
 from app_memory import CHROMIUM, CHROMIUM_ARGS, free_port, wait_http
 from runs_tab_cpu import child_env, tree_cpu_s
 import psutil
-from studio_core.builtin import ensure_tiny_model
-from studio_core.hardware import cpu_hardware
-from studio_core.procs import run_processes
-from studio_core.runs import events
-from studio_core.runs.folder import EVENTS
+from studio_core.data.builtin import ensure_tiny_model
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.machine.procs import run_processes
+from studio_core.rundir import events
+from studio_core.rundir.folder import EVENTS
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec, validated
+from studio_core.recipe.spec import RunSpec, validated
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 MAX_STEPS = 1_000_000
@@ -95,7 +95,7 @@ def start_still_run(manager: RunManager) -> tuple[str, list[psutil.Process], int
             raise BenchError(f"run {view.id} made no step in {RUN_TIMEOUT_S} s "
                              f"({manager.view(view.id).live_state})")
         time.sleep(0.2)
-    ranks = [p for p in run_processes(view.id) if "studio_core.worker" in " ".join(p.cmdline())]
+    ranks = [p for p in run_processes(view.id) if "studio_core.training.worker" in " ".join(p.cmdline())]
     if not ranks:
         raise BenchError(f"run {view.id}: no worker process found to freeze")
     for rank in ranks:

@@ -61,7 +61,7 @@ from pathlib import Path
 from common import PROCS, REPO, BenchError, busy_cpu_s, ok, tail, run_bench  # also sets up sys.path
 from app_memory import CHROMIUM, CHROMIUM_ARGS, app_usage, browser_cpu_s, free_port, wait_http
 import psutil
-from studio_core.procs import kill_run_processes
+from studio_core.machine.procs import kill_run_processes
 
 RUN_ID = re.compile(r"^(\d{8}-\d{6})-(.+)-([0-9a-f]{6})$")
 ID_TIME = "%Y%m%d-%H%M%S"

@@ -35,10 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import PROCS, REPO, BenchError, Noise, run_bench, run_until_final, wait_quiet  # sets sys.path
-from studio_core.builtin import BUILTIN_DATASETS, ensure_tiny_model
-from studio_core.hardware import cpu_hardware
+from studio_core.data.builtin import BUILTIN_DATASETS, ensure_tiny_model
+from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec
+from studio_core.recipe.spec import RunSpec
 
 QUIET_WAIT_S, QUIET_CORES = 60, 0.3
 KEY = "bench-key-0123456789"

@@ -65,12 +65,12 @@ from common import PROCS, REPO, BenchError, ok, run_bench, tail, wait_quiet  # a
 sys.path.insert(0, str(REPO / "tests"))
 from slurm_cluster import SlurmCluster, available  # noqa: E402
 
-from studio_core.builtin import ensure_tiny_model  # noqa: E402
-from studio_core.hardware import cpu_hardware  # noqa: E402
-from studio_core.runs.events import FINAL_STATES  # noqa: E402
-from studio_core.runs.events import read as read_events  # noqa: E402
+from studio_core.data.builtin import ensure_tiny_model  # noqa: E402
+from studio_core.machine.hardware import cpu_hardware  # noqa: E402
+from studio_core.rundir.events import FINAL_STATES  # noqa: E402
+from studio_core.rundir.events import read as read_events  # noqa: E402
 from studio_core.runs.manager import RunManager  # noqa: E402
-from studio_core.spec import RunSpec  # noqa: E402
+from studio_core.recipe.spec import RunSpec  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 MAX_STEPS = 20

@@ -13,7 +13,7 @@ The run: the built-in tiny Qwen3 model and Q&A set, recipes/tiny-sft.yaml with m
 (--max-steps, default 600) and the CPU settings the studio's planner applies. (A) the studio:
 RunManager(tmp).start(spec, cpu_hardware()), waited on until `finished`. (B) bench/plain_sft.py,
 a plain TRL SFTTrainer script under `torchrun --standalone --nproc-per-node=1`, given the SFTConfig
-keyword arguments studio_core/worker.py builds from the studio's resolved spec, pinned (taskset) to
+keyword arguments studio_core/training/worker.py builds from the studio's resolved spec, pinned (taskset) to
 the same OS CPU as the studio's run (the bench's runs folder is its own, so every studio run takes
 core 0) and with its OMP_NUM_THREADS: both train on the same core with the same threads. After one
 uncounted 20-step warm-up of each (page cache, the compile cache), --rounds rounds (default 5), the
@@ -62,13 +62,13 @@ from pathlib import Path
 
 from common import (PROCS, REPO, BenchError, Noise, ok, run_bench, run_until_final,  # sets sys.path
                     tail, wait_quiet)
-from studio_core.builtin import BUILTIN_DATASETS, ensure_tiny_model
-from studio_core.runs.events import read as read_events
-from studio_core.hardware import cpu_hardware, studio_cpus
-from studio_core.cores import parse_cores
+from studio_core.data.builtin import BUILTIN_DATASETS, ensure_tiny_model
+from studio_core.rundir.events import read as read_events
+from studio_core.machine.hardware import cpu_hardware, studio_cpus
+from studio_core.machine.cores import parse_cores
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec, validated
-from studio_core.trl_schema import trl_schema
+from studio_core.recipe.spec import RunSpec, validated
+from studio_core.recipe.trl_schema import trl_schema
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 PLAIN_SCRIPT = REPO / "bench" / "plain_sft.py"
@@ -84,7 +84,7 @@ def bench_spec(max_steps: int) -> RunSpec:
 
 
 def plain_sft_kwargs(resolved: RunSpec) -> dict:
-    """The SFTConfig keyword arguments studio_core/worker.py builds from a resolved spec."""
+    """The SFTConfig keyword arguments studio_core/training/worker.py builds from a resolved spec."""
     schema = trl_schema()
     model_fields, script_fields = set(schema["ModelConfig"]), set(schema["ScriptArguments"])
     args = dict(resolved.args)

@@ -15,7 +15,7 @@ compiles C++ kernels for real, so a new batch shape costs seconds to minutes her
 minutes on Neuron. Two variants, through RunManager.start() like a click on Start:
 
     default     TRL's default: each batch padded to its longest sample, in random order
-    suggested   the forecast's best suggestion for the default's spec (studio_core/forecast.py,
+    suggested   the forecast's best suggestion for the default's spec (studio_core/training/forecast.py,
                 run as the page and `launch.py plan` run it), applied as --set overrides
 
 Each run gets a compile cache of its own (STUDIO_COMPILE_CACHE in a fresh folder): every run
@@ -46,12 +46,12 @@ import sys
 import time
 
 from common import REPO, BenchError, Noise, run_bench, run_until_final, tail, wait_quiet  # sets sys.path
-from studio_core.builtin import WIDE_DATASET, ensure_tiny_model, ensure_wide_sample
-from studio_core.forecast import forecast_in_subprocess
-from studio_core.hardware import cpu_hardware
-from studio_core.runs.events import read as read_events
+from studio_core.data.builtin import WIDE_DATASET, ensure_tiny_model, ensure_wide_sample
+from studio_core.training.forecast import forecast_in_subprocess
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.rundir.events import read as read_events
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec, SpecError, validated
+from studio_core.recipe.spec import RunSpec, SpecError, validated
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 QUIET_WAIT_S, QUIET_CORES = 30, 0.3

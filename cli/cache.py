@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from cli.options import runs_folder
-from studio_core import compile_cache
-from studio_core.hardware import detect_hardware
+from studio_core.machine import compile_cache
+from studio_core.machine.hardware import detect_hardware
 from studio_core.runs.manager import RunManager
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 
 from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
-from studio_core.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
-from studio_core.cores import format_cores
+from studio_core.serve.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
+from studio_core.machine.cores import format_cores
 from studio_core.runs.manager import RunManager
 
 

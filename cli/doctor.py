@@ -1,11 +1,11 @@
 """doctor: check this machine for the studio, one line per check; exit 0 only when all pass.
-With --smoke: the first-run kit (studio_core/smoke.py), the studio's own jobs end to end and
+With --smoke: the first-run kit (studio_core/doctor/smoke.py), the studio's own jobs end to end and
 one report file to attach to a bug report; exit 0 only when every step passed."""
 
 from __future__ import annotations
 
 from cli.options import runs_folder
-from studio_core import doctor, smoke
+from studio_core.doctor import doctor, smoke
 
 
 def cmd_doctor(args) -> int:

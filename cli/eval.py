@@ -7,8 +7,8 @@ import json
 import sys
 
 from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
-from studio_core.chat import MAX_CACHE_LEN
-from studio_core.evaluation import METRICS, EvalError, EvalProcess, EvalRequest, check_request, format_summary
+from studio_core.serve.chat import MAX_CACHE_LEN
+from studio_core.evaluate.evaluation import METRICS, EvalError, EvalProcess, EvalRequest, check_request, format_summary
 
 
 def cmd_eval(args) -> int:

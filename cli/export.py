@@ -8,9 +8,9 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from cli.options import CommandLineError, check_new_folder, check_one_core, runs_folder
-from studio_core import hub
-from studio_core.export import ExportError, check_out, export_run
-from studio_core.hardware import detect_hardware
+from studio_core.export import hub
+from studio_core.export.export import ExportError, check_out, export_run
+from studio_core.machine.hardware import detect_hardware
 from studio_core.runs.manager import RunManager
 
 

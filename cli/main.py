@@ -15,12 +15,12 @@ from cli.export import cmd_export
 from cli.options import CommandLineError, sbatch_args_joined, whole_number
 from cli.serve import cmd_serve
 from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
-from studio_core import compile_cache
-from studio_core.chat import MAX_CACHE_LEN
-from studio_core.hardware import INSTANCES, CpuCoresError
-from studio_core.runs import folder
+from studio_core.machine import compile_cache
+from studio_core.serve.chat import MAX_CACHE_LEN
+from studio_core.machine.hardware import INSTANCES, CpuCoresError
+from studio_core.rundir import folder
 from studio_core.runs.manager import RunNotFound, default_runs_dir
-from studio_core.spec import SpecError
+from studio_core.recipe.spec import SpecError
 
 USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
 

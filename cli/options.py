@@ -11,11 +11,11 @@ from pathlib import Path
 
 import yaml
 
-from studio_core import slurm as slurm_values
-from studio_core.cores import parse_cores
-from studio_core.hardware import Hardware, cpu_hardware, detect_hardware, instance_hardware
+from studio_core.backends import slurm_tools as slurm_values
+from studio_core.machine.cores import parse_cores
+from studio_core.machine.hardware import Hardware, cpu_hardware, detect_hardware, instance_hardware
 from studio_core.runs.manager import default_runs_dir
-from studio_core.spec import RunSpec, SpecError, read_yaml
+from studio_core.recipe.spec import RunSpec, SpecError, read_yaml
 
 
 class CommandLineError(ValueError):

@@ -1,5 +1,5 @@
 """serve: the web app, local-only unless a login is given; or, given a run or model, an
-OpenAI-compatible endpoint for it (studio_core/openai_api.py), local-only unless an API key is."""
+OpenAI-compatible endpoint for it (studio_core/serve/openai_api.py), local-only unless an API key is."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def serve_model(args) -> int:
     """An OpenAI-compatible endpoint for a run's model, in a chat process on a core of its own,
     until Ctrl-C."""
     from cli.options import check_one_core, hardware_for
-    from studio_core.chat import MAX_CACHE_LEN, ChatError, ChatProcess
-    from studio_core.openai_api import ApiServer
+    from studio_core.serve.chat import MAX_CACHE_LEN, ChatError, ChatProcess
+    from studio_core.serve.openai_api import ApiServer
 
     if args.auth or args.auth_file:
         raise CommandLineError("--auth / --auth-file are the web app's logins; a model's endpoint takes "

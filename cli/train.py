@@ -10,13 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from cli.options import CommandLineError, check_new_file, hardware_for, load_spec, runs_folder
-from studio_core import precompile, sources
-from studio_core.forecast import forecast_in_subprocess
+from studio_core.training import precompile
+from studio_core.data import sources
+from studio_core.training.forecast import forecast_in_subprocess
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import (FINAL_STATES, RunView, format_seconds, format_time, late_compile_text,
                                    studio_cost_text)
-from studio_core.scripts import launch_script, slurm_script
-from studio_core.spec import SpecError
+from studio_core.training.scripts import launch_script, slurm_script
+from studio_core.recipe.spec import SpecError
 
 
 def cmd_plan(args) -> int:

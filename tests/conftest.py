@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.hardware import CPU_CORES_ENV
+from studio_core.machine.hardware import CPU_CORES_ENV
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
@@ -41,7 +41,7 @@ def run_folders(runs_dir):
 @pytest.fixture
 def manager(tmp_path):
     """A run manager over a fresh runs folder; no trainer outlives the test."""
-    from studio_core.procs import kill_run_processes
+    from studio_core.machine.procs import kill_run_processes
     from studio_core.runs.manager import RunManager
 
     runs = RunManager(tmp_path / "runs")
@@ -53,7 +53,7 @@ def manager(tmp_path):
 # --- the fast subset: `python -m pytest -q -m fast` ------------------------------------------
 # What a fast test must not start, as it appears on a child's command line: a run (its
 # supervisor, torchrun, a rank), the browser, or `launch.py` training or serving the app.
-NOT_IN_A_FAST_TEST = ("studio_core.supervisor", "torch.distributed.run", "studio_core.worker", "chromium",
+NOT_IN_A_FAST_TEST = ("studio_core.training.supervisor", "torch.distributed.run", "studio_core.training.worker", "chromium",
                       "playwright")
 SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs", "two_process_runs", "grpo_runs"}
 
@@ -142,7 +142,7 @@ def shared_runs(tmp_path_factory, name: str, specs: dict, side_by_side: int = 2)
     find their ids; the runs train in their own processes, so every worker just waits for them."""
     from filelock import FileLock
 
-    from studio_core.hardware import cpu_hardware
+    from studio_core.machine.hardware import cpu_hardware
     from studio_core.runs.manager import RunManager
 
     base = tmp_path_factory.getbasetemp()
@@ -170,7 +170,7 @@ def shared_runs(tmp_path_factory, name: str, specs: dict, side_by_side: int = 2)
 def sft_runs(tmp_path_factory):
     """A full SFT run and a LoRA SFT run of the tiny model on the built-in question and answer
     set (recipes/tiny-sft.yaml, recipes/tiny-sft-lora.yaml, 300 steps), finished: {"full", "lora"}."""
-    from studio_core.spec import RunSpec
+    from studio_core.recipe.spec import RunSpec
 
     return shared_runs(tmp_path_factory, "sft", {"full": RunSpec.load(RECIPES / "tiny-sft.yaml"),
                                                  "lora": RunSpec.load(RECIPES / "tiny-sft-lora.yaml")})
@@ -181,7 +181,7 @@ def grpo_runs(tmp_path_factory):
     """A LoRA GRPO run of the tiny model with the recipe's two reward functions, 2 steps, a metrics
     event every 2, finished: {"lora"}. test_trainers checks it trained; test_eval scores its
     answers under its rewards."""
-    from studio_core.spec import RunSpec
+    from studio_core.recipe.spec import RunSpec
 
     spec = RunSpec.load(RECIPES / "tiny-grpo-lora.yaml").with_overrides(["max_steps=2", "logging_steps=2"])
     return shared_runs(tmp_path_factory, "grpo", {"lora": spec}, side_by_side=1)
@@ -191,7 +191,7 @@ def grpo_runs(tmp_path_factory):
 def two_process_runs(tmp_path_factory):
     """A local data-parallel run, finished: tiny SFT on 2 processes, 40 steps, a loss every
     step: {"run"}. Read it through RunManager(runs_dir); test_slurm compares a 2-node run with it."""
-    from studio_core.spec import RunSpec
+    from studio_core.recipe.spec import RunSpec
 
     spec = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["studio.nproc=2", "max_steps=40",
                                                                    "logging_steps=1"])
@@ -202,7 +202,7 @@ def history_specs() -> dict:
     """The specs of history_runs: two SFT runs of 20 steps that differ in learning rate, run name,
     max_grad_norm and report_to (sft-b logs to TensorBoard and Trackio too, for test_tracking), and
     a DPO run of 4 steps: {"sft-a", "sft-b", "dpo"}."""
-    from studio_core.spec import RunSpec
+    from studio_core.recipe.spec import RunSpec
 
     def tiny(recipe: str, *overrides: str) -> RunSpec:
         return RunSpec.load(RECIPES / recipe).with_overrides(["max_steps=20", "logging_steps=5", *overrides])

@@ -9,7 +9,7 @@ would on the device.
 Renaming PrivateUse1 can be done once per process and never undone, and a renamed "neuron" makes
 `torch.neuron` look available: install it only in a child process, never in pytest's own:
 
-    python tests/fake_device.py -m studio_core.chat_worker     # that module, on the fake device
+    python tests/fake_device.py -m studio_core.serve.chat_worker     # that module, on the fake device
     python tests/fake_device.py path/to/script.py               # that script, on the fake device
 
 A child the studio starts itself (the chat process, the evaluation process) gets it through

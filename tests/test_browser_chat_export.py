@@ -24,7 +24,7 @@ import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from studio_browser import App, expect
-from studio_core.chat import EMPTY_ANSWER
+from studio_core.serve.chat import EMPTY_ANSWER
 
 
 def full_run(app, sft_runs) -> str:

@@ -21,9 +21,9 @@ import pytest
 
 from studio_browser import app, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from studio_browser import ROOT, App, expect, run_state, set_number
-from studio_core.hardware import cpu_hardware
+from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec
+from studio_core.recipe.spec import RunSpec
 
 SLOW = 30_000  # ms: the page waits on the app, which shares two cores with whatever else runs
 

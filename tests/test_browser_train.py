@@ -147,7 +147,7 @@ def test_every_element_id_in_the_page_is_unique_with_every_part_shown(page):
 
 
 def test_the_core_map_marks_the_cores_others_hold_and_names_them(new_page, app):
-    from studio_core import leases
+    from studio_core.machine import leases
 
     holder = "20261130-000000-other-abcdef"
     with leases.acquire(app.runs_dir, "cpu", [0], holder=holder, kind="run"):  # as a run's supervisor does
@@ -172,7 +172,7 @@ def test_the_core_map_marks_the_cores_others_hold_and_names_them(new_page, app):
 
 
 def test_learning_rate_starts_at_trls_default_for_another_model_unless_typed(page):
-    from studio_core.trl_schema import trainer_fields
+    from studio_core.recipe.trl_schema import trainer_fields
 
     def shown(trainer_text: str) -> float:
         expect(box).to_contain_text(trainer_text)

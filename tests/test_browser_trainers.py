@@ -13,7 +13,7 @@ import pytest
 from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
 from app.run_panel import trainer_frame
 from studio_browser import drawn_lines, expect, run_state, set_number
-from studio_core import trainers
+from studio_core.recipe import trainers
 from test_trainers import STEPS, check_trained
 
 

@@ -1,4 +1,4 @@
-"""Tests for the offline built-in model and datasets (studio_core.builtin)."""
+"""Tests for the offline built-in model and datasets (studio_core.data.builtin)."""
 
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -10,8 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from datasets import load_dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from studio_core import builtin  # noqa: E402
-from studio_core.builtin import (  # noqa: E402
+from studio_core.data import builtin  # noqa: E402
+from studio_core.data.builtin import (  # noqa: E402
     BUILTIN_DATASETS,
     BUILTIN_MODEL,
     TINY_MODEL_FOLDER,

@@ -2,7 +2,7 @@
 long conversation, stop, unload, and core leases shared with training runs; prompts rendered
 as SFT training rendered them, reasoning shown apart, empty answers said so.
 
-Every chat here is a real chat process (studio_core.chat_worker) on the tiny model, and
+Every chat here is a real chat process (studio_core.serve.chat_worker) on the tiny model, and
 the runs are real torchrun runs of the recipes. The tests marked fast render templates with
 the tiny model's real tokenizer, or show texts, and start nothing.
 """
@@ -15,13 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from studio_core import leases
-from studio_core.builtin import BUILTIN_MODEL, BUILTIN_DATASETS, ensure_tiny_model
-from studio_core.chat import (EMPTY_ANSWER, ChatError, ChatProcess, opens_thinking, shown, split_reasoning,
+from studio_core.machine import leases
+from studio_core.data.builtin import BUILTIN_MODEL, BUILTIN_DATASETS, ensure_tiny_model
+from studio_core.serve.chat import (EMPTY_ANSWER, ChatError, ChatProcess, opens_thinking, shown, split_reasoning,
                               template_kwargs)
-from studio_core.generation import buckets_for
-from studio_core.hardware import cpu_hardware
-from studio_core.spec import RunSpec
+from studio_core.serve.generation import buckets_for
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.recipe.spec import RunSpec
 from test_runs import LONG, wait_until_training
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

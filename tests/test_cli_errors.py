@@ -18,10 +18,10 @@ import pytest
 
 from cli.main import main
 from conftest import RECIPES, run_folders
-from studio_core.export import OUTPUT_INFO
-from studio_core.hardware import CPU_CORES_ENV, studio_cpus
-from studio_core.runs import events, folder
-from studio_core.spec import RunSpec
+from studio_core.export.export import OUTPUT_INFO
+from studio_core.machine.hardware import CPU_CORES_ENV, studio_cpus
+from studio_core.rundir import events, folder
+from studio_core.recipe.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "20250101-000000-finished-run-abc123"  # a finished run with a saved model and no checkpoint

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.compile_cache import (CacheInUse, clear, compile_cache_dir, compile_cache_env,
+from studio_core.machine.compile_cache import (CacheInUse, clear, compile_cache_dir, compile_cache_env,
                                        compile_cache_root, summary)
-from studio_core.runs.events import FINAL_STATES
-from studio_core.hardware import cpu_hardware, instance_hardware
+from studio_core.rundir.events import FINAL_STATES
+from studio_core.machine.hardware import cpu_hardware, instance_hardware
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec
+from studio_core.recipe.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny-sft.yaml"

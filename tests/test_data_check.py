@@ -1,4 +1,4 @@
-"""Tests for the dataset checks (studio_core.data_check): TRL's types and formats, bad files,
+"""Tests for the dataset checks (studio_core.recipe.data_check): TRL's types and formats, bad files,
 what each trainer needs, column mapping, and the built-in DPO and GRPO samples."""
 
 import json
@@ -12,9 +12,9 @@ import pytest
 from datasets import Dataset, load_dataset
 from trl.data_utils import is_conversational
 
-from studio_core import trainers
-from studio_core.builtin import BUILTIN_DATASETS
-from studio_core.data_check import (
+from studio_core.recipe import trainers
+from studio_core.data.builtin import BUILTIN_DATASETS
+from studio_core.recipe.data_check import (
     DatasetKind,
     apply_column_map,
     check_mapping,
@@ -24,12 +24,12 @@ from studio_core.data_check import (
     suggest_column_map,
     suggest_fix,
 )
-from studio_core.data_files import read_rows
-from studio_core.data_scan import scan_file
+from studio_core.data.files import read_rows
+from studio_core.recipe.data_scan import scan_file
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 
-DATA = Path(__file__).parent.parent / "studio_core" / "data"
+DATA = Path(__file__).parent.parent / "studio_core" / "data" / "samples"
 USER = {"role": "user", "content": "What colour is the studio mascot?"}
 GOOD = {"role": "assistant", "content": "The studio mascot is teal."}
 BAD = {"role": "assistant", "content": "The studio mascot is orange."}
@@ -442,7 +442,7 @@ def test_kind_is_a_small_dataclass():
 
 def test_import_stays_light():
     # The web app imports this module; it must not pull in datasets, torch or trl.
-    code = ("import sys, studio_core.data_check; "
+    code = ("import sys, studio_core.recipe.data_check; "
             "print(sorted(m for m in ('datasets', 'torch', 'trl', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parent.parent)
@@ -712,7 +712,7 @@ def test_the_pages_dataset_report_reads_as_sentences(tmp_path):
     """The Train tab's report: no empty "(unknown, )" for columns it cannot place, and each
     sentence a paragraph of its own ("Fits SFT." ran into the line before)."""
     from app.train_tab import dataset_report
-    from studio_core.spec import RunSpec
+    from studio_core.recipe.spec import RunSpec
 
     fits, _, _ = dataset_report(RunSpec(dataset_name=BUILTIN_DATASETS["builtin:qa"]))
     assert "\n\n**Fits SFT.**" in fits

@@ -6,7 +6,7 @@ the real Neuron paths run (`device_map="neuron"`, bf16, generate's inputs on CPU
 mixes a CPU tensor with a device tensor fails as it would on the device. The tiny model runs on
 it directly (Generator.score and generate, tuned and base), as the chat process (a chat and the
 OpenAI endpoint over it) and as the evaluation process (the losses it scores, lm-eval's task).
-The rule itself (studio_core.placement) is checked in this process on PyTorch's `meta` device.
+The rule itself (studio_core.machine.placement) is checked in this process on PyTorch's `meta` device.
 
     .venv/bin/python -m pytest -q tests/test_device_placement.py
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+from studio_core.data.builtin import BUILTIN_MODEL, ensure_tiny_model
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -76,7 +76,7 @@ def test_a_forwards_inputs_go_where_the_models_parameters_are_also_under_a_lora_
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from studio_core.placement import model_device, on_model_device
+    from studio_core.machine.placement import model_device, on_model_device
 
     ids, config = torch.tensor([[1, 2, 3]]), AutoConfig.from_pretrained(ensure_tiny_model())
     with torch.device("meta"):
@@ -98,8 +98,8 @@ GENERATOR = """
 import json, math, torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
-from studio_core.builtin import ensure_tiny_model
-from studio_core.generation import Generator
+from studio_core.data.builtin import ensure_tiny_model
+from studio_core.serve.generation import Generator
 
 tiny = str(ensure_tiny_model())
 adapter = "ADAPTER"
@@ -112,7 +112,7 @@ for kind, target in (("lora", {"adapter": adapter}), ("full", {"base": tiny})):
     out[kind] = {"device": str(next(g.model.parameters()).device), "dtype": str(next(g.model.parameters()).dtype),
                  "scores": {side: g.score(messages, "The studio mascot is teal.", side) for side in ("tuned", "base")}}
 out["answer"] = g.generate(messages, which="base", max_new_tokens=3)
-from studio_core.placement import on_model_device
+from studio_core.machine.placement import on_model_device
 ids = torch.tensor([[1, 2]])
 out["generate_inputs"] = on_model_device(g.model, generate=True, input_ids=ids)["input_ids"].device.type
 out["forward_inputs"] = on_model_device(g.model, input_ids=ids)["input_ids"].device.type
@@ -135,9 +135,9 @@ def test_the_generator_scores_and_answers_on_the_device_tuned_and_base(tmp_path)
 def test_the_chat_process_and_the_endpoint_over_it_answer_on_the_device(tmp_path, fake_children):
     import openai
 
-    from studio_core.chat import ChatProcess
-    from studio_core.hardware import instance_hardware
-    from studio_core.openai_api import ApiServer
+    from studio_core.serve.chat import ChatProcess
+    from studio_core.machine.hardware import instance_hardware
+    from studio_core.serve.openai_api import ApiServer
 
     chat = ChatProcess.start(BUILTIN_MODEL, tmp_path / "runs", instance_hardware("trn2.3xlarge"), max_cache_len=128)
     server = None
@@ -160,8 +160,8 @@ def test_the_chat_process_and_the_endpoint_over_it_answer_on_the_device(tmp_path
 
 
 def test_the_evaluation_scores_its_losses_and_runs_lm_eval_on_the_device(tmp_path, fake_children):
-    from studio_core.evaluation import EvalProcess, EvalRequest
-    from studio_core.hardware import instance_hardware
+    from studio_core.evaluate.evaluation import EvalProcess, EvalRequest
+    from studio_core.machine.hardware import instance_hardware
 
     include = tmp_path / "tasks"  # an lm-eval task of the user's, offline, as in tests/test_eval.py
     include.mkdir()

@@ -23,9 +23,10 @@ import pytest
 from app.train_tab import hardware_text
 from hub_standin import HubStandIn
 from imds_standin import ImdsStandIn
-from studio_core import doctor, leases
-from studio_core.compile_cache import compile_cache_dir, summary
-from studio_core.hardware import TORCH_XLA_PROBLEM, Hardware, instance_type
+from studio_core.doctor import doctor
+from studio_core.machine import leases
+from studio_core.machine.compile_cache import compile_cache_dir, summary
+from studio_core.machine.hardware import TORCH_XLA_PROBLEM, Hardware, instance_type
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = ["backend", "versions", "torch_xla", "devices", "collective", "compile", "cache", "monitor",

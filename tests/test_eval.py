@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from conftest import RECIPES
-from studio_core import leases
-from studio_core.builtin import BUILTIN_DATASETS
-from studio_core.evaluation import EvalProcess, EvalRequest, read_rows_file
-from studio_core.hardware import cpu_hardware
-from studio_core.rewards import reward_functions
-from studio_core.spec import RunSpec
+from studio_core.machine import leases
+from studio_core.data.builtin import BUILTIN_DATASETS
+from studio_core.evaluate.evaluation import EvalProcess, EvalRequest, read_rows_file
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.recipe.rewards import reward_functions
+from studio_core.recipe.spec import RunSpec
 
 
 def questions(dataset: str = "builtin:qa") -> dict[str, str]:
@@ -100,7 +100,7 @@ def test_a_grpo_run_is_scored_under_its_own_rewards(grpo_runs, tmp_path):
 
 
 def test_a_held_out_fraction_is_evaluated_in_training_and_after_on_the_same_rows(tmp_path):
-    from studio_core.forecast import forecast_in_subprocess
+    from studio_core.training.forecast import forecast_in_subprocess
     from studio_core.runs.manager import RunManager
 
     manager = RunManager(tmp_path / "runs")
@@ -132,7 +132,7 @@ def test_a_held_out_fraction_is_evaluated_in_training_and_after_on_the_same_rows
 
 @pytest.mark.fast
 def test_the_card_carries_every_evaluation_and_lm_evals_scores():
-    from studio_core.export import _evaluations_text, eval_results
+    from studio_core.export.export import _evaluations_text, eval_results
 
     older = {"time": 1_790_000_000, "data": "builtin:qa", "split": "train", "rows": 12, "max_new_tokens": 32,
              "results": {"tuned": {"exact_match": 0.5, "rouge_l": 0.7}, "base": {"exact_match": 0.0}}}
@@ -151,7 +151,7 @@ def test_the_card_carries_every_evaluation_and_lm_evals_scores():
 @pytest.mark.fast
 def test_models_evaluated_from_the_cli_are_offered_with_their_evaluations(tmp_path):
     from app.eval_tab import download_folder, targets
-    from studio_core.evaluation import evaluated_models, evaluations_of
+    from studio_core.evaluate.evaluation import evaluated_models, evaluations_of
     from studio_core.runs.manager import RunManager
 
     manager = RunManager(tmp_path / "runs")

@@ -1,4 +1,4 @@
-"""The run's event stream (studio_core.runs.events): the constructors, the file a UI tails, and
+"""The run's event stream (studio_core.rundir.events): the constructors, the file a UI tails, and
 the one fold every reader uses."""
 
 import inspect
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.runs import events
-from studio_core.runs.events import EventReader, append, fold, read
+from studio_core.rundir import events
+from studio_core.rundir.events import EventReader, append, fold, read
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 

@@ -23,12 +23,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from child_env import with_child_environment
 from hub_standin import HubStandIn, point_hub_client_at
-from studio_core import hub, leases
-from studio_core.builtin import BUILTIN_DATASETS
-from studio_core.export import (REPO_LINE, ExportError, _card_text, card_data, card_for_repo, export_info, export_run,
+from studio_core.export import hub
+from studio_core.machine import leases
+from studio_core.data.builtin import BUILTIN_DATASETS
+from studio_core.export.export import (REPO_LINE, ExportError, _card_text, card_data, card_for_repo, export_info, export_run,
                                  read_output_info, run_summary)
-from studio_core.compile_cache import compile_cache_root
-from studio_core.hardware import Hardware, instance_hardware
+from studio_core.machine.compile_cache import compile_cache_root
+from studio_core.machine.hardware import Hardware, instance_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 QA = [json.loads(line)["messages"] for line in Path(BUILTIN_DATASETS["builtin:qa"]).read_text().splitlines()]
@@ -60,7 +61,7 @@ def exports(trained_runs, tmp_path_factory):
     is exported as on a trn2.3xlarge (it loads on CPU there too), its child's environment kept."""
     manager, ids = trained_runs
     out = tmp_path_factory.mktemp("exports")
-    adapter, env = with_child_environment("studio_core.export", lambda: export_run(
+    adapter, env = with_child_environment("studio_core.export.export", lambda: export_run(
         manager.runs_dir / ids["lora"], out / "adapter", hardware=instance_hardware("trn2.3xlarge")))
     return {
         "full": Path(export_run(manager.runs_dir / ids["full"], out / "full")["folder"]),

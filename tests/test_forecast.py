@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.forecast import forecast, forecast_in_subprocess
-from studio_core.hardware import cpu_hardware, instance_hardware
-from studio_core.runs.events import read as read_events
-from studio_core.spec import RunSpec, SpecError
+from studio_core.training.forecast import forecast, forecast_in_subprocess
+from studio_core.machine.hardware import cpu_hardware, instance_hardware
+from studio_core.rundir.events import read as read_events
+from studio_core.recipe.spec import RunSpec, SpecError
 from test_runs import launch_py
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from cli.main import main as cli_main
-from studio_core.chat import ChatError, resolve
-from studio_core.export import _card_text
-from studio_core.hardware import cpu_hardware
-from studio_core.rewards import check_rewards
+from studio_core.serve.chat import ChatError, resolve
+from studio_core.export.export import _card_text
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.recipe.rewards import check_rewards
 from studio_core.runs.manager import RunManager, RunNotFound
-from studio_core.spec import RunSpec, SpecError, check_args
+from studio_core.recipe.spec import RunSpec, SpecError, check_args
 
 REPO = Path(__file__).resolve().parent.parent
 GRPO = RunSpec.load(REPO / "recipes" / "tiny-grpo.yaml")

@@ -14,11 +14,11 @@ import shutil
 
 import pytest
 
-from studio_core import sources
-from studio_core.builtin import ensure_tiny_model
-from studio_core.runs import events as ev
-from studio_core.spec import RunSpec, SpecError, validate
-from studio_core.train_data import load_checked_datasets
+from studio_core.data import sources
+from studio_core.data.builtin import ensure_tiny_model
+from studio_core.rundir import events as ev
+from studio_core.recipe.spec import RunSpec, SpecError, validate
+from studio_core.training.train_data import load_checked_datasets
 from test_hub_dataset import publish
 from test_hub_download import hub  # noqa: F401 (fixture: the loopback Hub, an empty Hub cache)
 from test_runs import REPO

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from studio_core.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
-from studio_core.chat import ChatProcess
-from studio_core.evaluation import EvalError, EvalProcess, EvalRequest, check_request, read_rows_file
-from studio_core.hardware import cpu_hardware
+from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
+from studio_core.serve.chat import ChatProcess
+from studio_core.evaluate.evaluation import EvalError, EvalProcess, EvalRequest, check_request, read_rows_file
+from studio_core.machine.hardware import cpu_hardware
 
 QA = [json.loads(line) for line in BUILTIN_DATASETS["builtin:qa"].read_text().splitlines() if line.strip()]
 

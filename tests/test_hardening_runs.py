@@ -18,14 +18,14 @@ import pytest
 
 from conftest import RECIPES, run_folders
 from test_cli_errors import cli, no_app  # noqa: F401 (no_app: a fixture)
-from studio_core.chat import ChatError, resolve
-from studio_core.checkpoints import RESUME_ENV
-from studio_core.evaluation import EvalRequest, check_request
-from studio_core.export import OUTPUT_INFO, REPO_LINE, ExportError, export_run
-from studio_core.hardware import cpu_hardware
-from studio_core.runs import events, folder
+from studio_core.serve.chat import ChatError, resolve
+from studio_core.rundir.checkpoints import RESUME_ENV
+from studio_core.evaluate.evaluation import EvalRequest, check_request
+from studio_core.export.export import OUTPUT_INFO, REPO_LINE, ExportError, export_run
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.rundir import events, folder
 from studio_core.runs.manager import RunManager, RunNotFound
-from studio_core.spec import RunSpec
+from studio_core.recipe.spec import RunSpec, load_spec
 
 RUN = "20250101-000000-finished-run-abc123"
 DAMAGES = {  # what a damaged spec.yaml holds -> what the message says is wrong with it
@@ -86,7 +86,7 @@ def test_the_engine_reads_a_damaged_spec_by_the_same_rule(tmp_path):
     view = RunManager(runs).view(RUN)
     assert view.spec_problem == DAMAGES["not-utf8"][1]
     with pytest.raises(folder.DamagedRun, match=r"spec.yaml of run .* cannot be read \(not UTF-8 text"):
-        folder.load_spec(run_dir)
+        load_spec(run_dir)
     _, problems = check_request(EvalRequest(RUN), runs)  # the Evaluate tab's check
     assert any(f"spec.yaml of run {RUN} cannot be read (not UTF-8" in p for p in problems), problems
     with pytest.raises(ExportError, match=f"spec.yaml of run {RUN} cannot be read"):  # the Export tab's
@@ -183,7 +183,7 @@ def test_export_out_is_a_folder_outside_the_run(out, says, tmp_path, capsys):
 # --- item 3: the plan's warnings before a train starts ----------------------------------
 def test_train_prints_the_plans_warnings_before_the_run_starts(tmp_path):
     data = tmp_path / "odd.jsonl"
-    rows = [json.loads(line) for line in (RECIPES.parent / "studio_core" / "data" / "qa.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (RECIPES.parent / "studio_core" / "data" / "samples" / "qa.jsonl").read_text().splitlines()]
     rows[0] = {"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hello?"},
                             {"role": "assistant", "content": "Hello."}]}
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))

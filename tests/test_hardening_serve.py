@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from cli.serve import read_api_key
-from studio_core import leases
-from studio_core.builtin import BUILTIN_MODEL
-from studio_core.openai_request import ApiError, parse, too_long
+from studio_core.machine import leases
+from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.serve.openai_request import ApiError, parse, too_long
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "served-model"

@@ -1,5 +1,5 @@
 """Slurm values are refused, or written so that they cannot start a command (issue 29): the
-one rule for them (studio_core.slurm.check_options) in the command line, the form and the
+one rule for them (studio_core.backends.slurm_tools.check_options) in the command line, the form and the
 backend itself; the batch script's quoting, run by a real bash; `--sbatch-arg` as README writes
 it; and which node of a failed job failed first, from the node supervisors' records."""
 
@@ -17,10 +17,10 @@ from cli.main import main
 from studio_core.backends.base import SubmitError
 from studio_core.backends.slurm import (NODES, SCRIPT, SlurmBackend, batch_script, first_failed_node, node_records,
                                         record_node, sbatch_argv)
-from studio_core.hardware import cpu_hardware
-from studio_core.plan import plan
-from studio_core.slurm import check_options, sbatch_words
-from studio_core.spec import RunSpec, SpecError, validate
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.training.plan import plan
+from studio_core.backends.slurm_tools import check_options, sbatch_words
+from studio_core.recipe.spec import RunSpec, SpecError, validate
 
 pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ def test_a_script_for_tricky_but_valid_values_runs_no_command_but_srun(tmp_path)
                           env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "9"})
     assert done.returncode == 0, done.stderr
     assert (odd / "r1" / "train.log").read_text().splitlines() == [  # the job's output goes to the run folder
-        "--label", "--kill-on-bad-exit=1", sys.executable, "-m", "studio_core.supervisor", str(odd / "r1"),
+        "--label", "--kill-on-bad-exit=1", sys.executable, "-m", "studio_core.training.supervisor", str(odd / "r1"),
         launch.env["STUDIO_TEST_VALUE"]]
     assert json.loads((odd / "r1" / "launch.json").read_text())["env"]["STUDIO_TEST_VALUE"] == launch.env[
         "STUDIO_TEST_VALUE"]  # the job step's records, as data

@@ -14,9 +14,9 @@ import pytest
 
 from cli.main import main as cli_main
 from conftest import RECIPES
-from studio_core.hardware import cpu_hardware, instance_hardware
-from studio_core import plan
-from studio_core.spec import RunSpec, SpecError, validate
+from studio_core.machine.hardware import cpu_hardware, instance_hardware
+from studio_core.training import plan
+from studio_core.recipe.spec import RunSpec, SpecError, validate
 
 TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
 SFT = RunSpec.load(RECIPES / "tiny-sft.yaml")
@@ -192,7 +192,7 @@ def test_a_config_check_child_that_cannot_answer_is_replaced(monkeypatch, tmp_pa
     import subprocess
     import sys
 
-    from studio_core import trl_schema
+    from studio_core.recipe import trl_schema
 
     mute = subprocess.Popen([sys.executable, "-c", "import os, time; os.close(1); time.sleep(60)"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -27,9 +27,10 @@ import pytest
 
 from app import compare, doctor_tab, run_panel, runs_tab
 from hub_standin import HubStandIn
-from studio_core import doctor, history
-from studio_core.hardware import cpu_hardware
-from studio_core.runs import events as ev
+from studio_core.doctor import doctor
+from studio_core.runs import history
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.rundir import events as ev
 from studio_core.runs import view as view_texts
 from studio_core.runs.manager import RunManager
 
@@ -201,7 +202,7 @@ class _NotTheHub(http.server.BaseHTTPRequestHandler):
 def _cli_hub_line(env: dict) -> str:
     """The hub check's line as `launch.py doctor` gets it: a new process that reads its
     environment when it imports huggingface_hub."""
-    code = "from studio_core import doctor; print(doctor.hub().line())"
+    code = "from studio_core.doctor import doctor; print(doctor.hub().line())"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**{k: v for k, v in os.environ.items() if k != "TRANSFORMERS_OFFLINE"},
                                "PYTHONPATH": str(REPO), **env}, check=False)
@@ -268,7 +269,7 @@ def test_every_element_id_in_the_page_is_unique(tmp_path):
 def test_the_form_keeps_a_float_lora_alpha_and_writes_a_whole_one_whole():
     """PEFT takes lora_alpha as a float scale; the form rounded it to a whole number."""
     from app.train_form import form_values, spec_from_form
-    from studio_core.spec import RunSpec
+    from studio_core.recipe.spec import RunSpec
 
     spec = RunSpec.load(Path(__file__).resolve().parent.parent / "recipes" / "tiny-sft-lora.yaml")
     values = form_values(spec, trackers=["none"]) | {"target": "this machine", "lnc": 2}

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from studio_core.checkpoints import is_complete, is_disk_full, list_checkpoints, non_finite, remove_incomplete
-from studio_core.hardware import cpu_hardware
-from studio_core.procs import kill_run_processes
-from studio_core.runs import events
+from studio_core.rundir.checkpoints import is_complete, is_disk_full, list_checkpoints, non_finite, remove_incomplete
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.machine.procs import kill_run_processes
+from studio_core.rundir import events
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec
+from studio_core.recipe.spec import RunSpec
 from test_runs import LONG, tiny, wait_until_training
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

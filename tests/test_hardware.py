@@ -1,4 +1,4 @@
-"""Tests for studio_core.hardware: the instance table, LNC limits, and neuron-ls parsing.
+"""Tests for studio_core.machine.hardware: the instance table, LNC limits, and neuron-ls parsing.
 
 No Trainium here: detection is run against a stand-in `neuron-ls` script and a stand-in
 `torch_neuronx` module on PYTHONPATH, each playing the part of the AWS tool or package.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.hardware import (INSTANCES, cpu_hardware, detect_hardware, instance_hardware, parse_neuron_ls,
+from studio_core.machine.hardware import (INSTANCES, cpu_hardware, detect_hardware, instance_hardware, parse_neuron_ls,
                                    studio_cpus)
 
 GIB = 2**30
@@ -150,7 +150,7 @@ def test_detect_reads_lnc_from_the_environment_without_neuron_ls(fake_neuron, mo
 @pytest.mark.parametrize("stdout, code", [("unknown option --json-output", 2), ("not json", 0)])
 def test_detect_falls_back_to_torch_when_neuron_ls_fails(fake_neuron, caplog, stdout, code):
     fake_neuron(stdout, code)
-    with caplog.at_level(logging.WARNING, logger="studio_core.hardware"):
+    with caplog.at_level(logging.WARNING, logger="studio_core.machine.hardware"):
         hardware = detect_hardware()
     assert (hardware.backend, hardware.devices, hardware.chips) == ("neuron", 4, 1)
     assert "counting NeuronCores with torch-neuronx instead" in caplog.text
@@ -174,7 +174,7 @@ def test_cpu_core_numbers_map_onto_the_cpus_this_process_may_use():
     """As in a container limited to some CPUs: started on the last CPU only, the studio's core 0
     is that CPU, not CPU 0 (which it may not use)."""
     last = max(os.sched_getaffinity(0))
-    code = ("import os; from studio_core.hardware import cpu_hardware, pin_to_cpu_cores; "
+    code = ("import os; from studio_core.machine.hardware import cpu_hardware, pin_to_cpu_cores; "
             "assert cpu_hardware().cpu_count == 1; pin_to_cpu_cores([0]); print(sorted(os.sched_getaffinity(0)))")
     done = subprocess.run(["taskset", "-c", str(last), sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1], timeout=60)

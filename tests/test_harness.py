@@ -1,4 +1,4 @@
-"""lm-eval tasks on the built-in tiny model (studio_core.harness): YAML tasks of our own over
+"""lm-eval tasks on the built-in tiny model (studio_core.evaluate.harness): YAML tasks of our own over
 local JSONL files, each built so that its score is known in advance, on a model loaded once
 for the module; the checks before a run; and the module staying light for the web app.
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from studio_core import harness
-from studio_core.builtin import ensure_tiny_model
+from studio_core.evaluate import harness
+from studio_core.data.builtin import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
@@ -143,7 +143,7 @@ def test_the_checks_say_what_to_change(tasks, tmp_path):
 
 
 def test_importing_the_module_loads_neither_torch_nor_lm_eval():
-    code = ("import sys, studio_core.harness as h; assert h.available();"
+    code = ("import sys, studio_core.evaluate.harness as h; assert h.available();"
             "print(sorted(m for m in ('torch', 'lm_eval', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

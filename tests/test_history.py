@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from app.train_form import form_values, report_choices, spec_from_form
-from studio_core import history, trainers
-from studio_core.hardware import cpu_hardware
+from studio_core.runs import history
+from studio_core.recipe import trainers
+from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.view import RunView
-from studio_core.sizes import format_size
-from studio_core.spec import RunSpec
-from studio_core.trl_schema import trainer_fields
+from studio_core.machine.sizes import format_size
+from studio_core.recipe.spec import RunSpec
+from studio_core.recipe.trl_schema import trainer_fields
 from conftest import history_specs, run_folders
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

@@ -15,10 +15,10 @@ from huggingface_hub import HfApi
 
 from conftest import run_folders
 from hub_standin import HubStandIn
-from studio_core.builtin import ensure_tiny_model
-from studio_core.hardware import cpu_hardware
+from studio_core.data.builtin import ensure_tiny_model
+from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec, validate
+from studio_core.recipe.spec import RunSpec, validate
 from test_hub_download import TOKEN, hub  # noqa: F401 (fixture: the stand-in, an empty Hub cache)
 from test_runs import REPO, TINY, launch_py, tiny
 

@@ -18,9 +18,9 @@ from huggingface_hub import HfApi
 
 from conftest import run_folders
 from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
-from studio_core.builtin import ensure_tiny_model
-from studio_core.hardware import cpu_hardware
-from studio_core.spec import SpecError, validate
+from studio_core.data.builtin import ensure_tiny_model
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.recipe.spec import SpecError, validate
 from test_runs import tiny
 
 TOKEN = "hf_alice_publish_0123456789"

@@ -1,4 +1,4 @@
-"""Tests for studio_core.layout: core sets, process layouts, "next free" and TP groups.
+"""Tests for studio_core.machine.layout: core sets, process layouts, "next free" and TP groups.
 
 Table-driven over instance types and layouts, including the seed layouts: data parallel on
 a trn2.3xlarge (TRL's guide: 0,1 / 2,3 / 0-3 work, 1,2 does not) and TP 4 x FSDP 8 on half
@@ -7,9 +7,9 @@ a trn2.48xlarge (the TorchNeuron blog's Qwen3-8B run).
 
 import pytest
 
-from studio_core.hardware import Hardware, instance_hardware
-from studio_core.cores import format_cores, parse_cores
-from studio_core.layout import check_core_set, check_layout, mesh_sizes, pick_cores, tp_groups
+from studio_core.machine.hardware import Hardware, instance_hardware
+from studio_core.machine.cores import format_cores, parse_cores
+from studio_core.machine.layout import check_core_set, check_layout, mesh_sizes, pick_cores, tp_groups
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 

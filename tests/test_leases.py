@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.leases import CoresBusy, acquire, free_cores, holders, lock_path
+from studio_core.machine.leases import CoresBusy, acquire, free_cores, holders, lock_path
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 
@@ -23,7 +23,7 @@ RUN_A, RUN_B, RUN_C = (f"20261129-120000-sft-{c * 6}" for c in "abc")
 
 HOLDER = """
 import subprocess, sys, time
-from studio_core.leases import acquire
+from studio_core.machine.leases import acquire
 runs_dir, backend, cores, holder, kind, child = sys.argv[1:7]
 lease = acquire(runs_dir, backend, [int(c) for c in cores.split(",")], holder, kind)
 # close_fds=False: only the descriptors' own close-on-exec flag keeps the lock from the child
@@ -208,7 +208,7 @@ def test_bad_requests_say_what_to_change(tmp_path, backend, cores, kind, fix):
 def test_core_map_probes_never_make_a_start_fail(tmp_path):
     # The UI polls holders() all the time; its brief try-locks must not look like a holder.
     prober = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom studio_core.leases import holders\n"
+        [sys.executable, "-c", "import sys\nfrom studio_core.machine.leases import holders\n"
          "print('ready', flush=True)\nwhile True: holders(sys.argv[1], 'neuron', 4)", str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -222,9 +222,9 @@ def test_core_map_probes_never_make_a_start_fail(tmp_path):
 def test_a_preview_on_this_machine_shows_the_cores_start_would_take(tmp_path, spawn):
     """The plan of a launch here and now: next free cores (and their thread count on CPU), and
     held cores refused naming the holder, as Start would; for another instance, none of that."""
-    from studio_core.hardware import Hardware, instance_hardware
+    from studio_core.machine.hardware import Hardware, instance_hardware
     from studio_core.runs.manager import RunManager
-    from studio_core.spec import RunSpec, SpecError
+    from studio_core.recipe.spec import RunSpec, SpecError
 
     spawn([0], RUN_A, backend="cpu")
     manager, cpu = RunManager(tmp_path), Hardware(backend="cpu", devices=2, cpu_count=2)

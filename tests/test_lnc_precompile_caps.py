@@ -18,12 +18,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from studio_core.chat import ChatError, ChatProcess
-from studio_core.device_env import device_env
-from studio_core import doctor
-from studio_core.hardware import cpu_hardware, instance_hardware
-from studio_core.plan import plan
-from studio_core.spec import RunSpec
+from studio_core.serve.chat import ChatError, ChatProcess
+from studio_core.machine.device_env import device_env
+from studio_core.doctor import doctor
+from studio_core.machine.hardware import cpu_hardware, instance_hardware
+from studio_core.training.plan import plan
+from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app
 
@@ -103,7 +103,7 @@ def test_a_user_lnc_that_disagrees_is_refused_before_launch(monkeypatch, tmp_pat
     assert one.errors == [] and one.env["NEURON_CC_FLAGS"] == flags
     # a chat (and an evaluation, which starts the same way) is refused before its process starts
     with pytest.raises(ChatError, match=f"remove {option} from NEURON_CC_FLAGS"):
-        ChatProcess.spawn("studio_core.chat_worker", {"kind": "chat"}, tmp_path, TRN2_3XL, None)
+        ChatProcess.spawn("studio_core.serve.chat_worker", {"kind": "chat"}, tmp_path, TRN2_3XL, None)
     check = doctor.compiler_flags(TRN2_3XL)
     assert not check.ok and "runtime runs at LNC=2" in check.found and f"remove {option}" in check.fix
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.runs.events import read as read_events
-from studio_core.monitor import (NEURON_MONITOR_CONFIG, NeuronMonitor, ProcessSampler, RunMonitor, cuda_memory,
+from studio_core.rundir.events import read as read_events
+from studio_core.machine.monitor import (NEURON_MONITOR_CONFIG, NeuronMonitor, ProcessSampler, RunMonitor, cuda_memory,
                                  parse_neuron_monitor)
 
 

@@ -13,12 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from studio_core import leases, precompile
-from studio_core.compile_cache import neff_cache_folder, neff_keys
-from studio_core.compile_watch import CompileWatch, NeffCompileTimes, StepCache
-from studio_core.neff_watch import NeffStepWatch, cache_label, should_scan, step_cache_label
-from studio_core.runs import events
-from studio_core.runs.events import fold
+from studio_core.machine import leases
+from studio_core.training import precompile
+from studio_core.machine.compile_cache import neff_cache_folder, neff_keys
+from studio_core.training.compile_watch import CompileWatch, NeffCompileTimes, StepCache
+from studio_core.training.neff_watch import NeffStepWatch, cache_label, should_scan, step_cache_label
+from studio_core.rundir import events
+from studio_core.rundir.events import fold
 from studio_core.runs.view import RunView, compile_totals_text
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app

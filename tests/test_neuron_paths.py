@@ -17,15 +17,15 @@ from types import SimpleNamespace
 import pytest
 
 from child_env import with_child_environment
-from studio_core.builtin import BUILTIN_MODEL
-from studio_core.chat import ChatError, ChatProcess
-from studio_core.compile_cache import compile_cache_root
-from studio_core.compile_watch import CompileWatch, NeffCompileTimes
-from studio_core.device_env import RANK_CORES, VISIBLE, device_env, rank_cores, use_rank_core
-from studio_core.hardware import cpu_hardware, instance_hardware
-from studio_core.plan import plan
-from studio_core.runs.events import read as read_events
-from studio_core.spec import RunSpec
+from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.serve.chat import ChatError, ChatProcess
+from studio_core.machine.compile_cache import compile_cache_root
+from studio_core.training.compile_watch import CompileWatch, NeffCompileTimes
+from studio_core.machine.device_env import RANK_CORES, VISIBLE, device_env, rank_cores, use_rank_core
+from studio_core.machine.hardware import cpu_hardware, instance_hardware
+from studio_core.training.plan import plan
+from studio_core.rundir.events import read as read_events
+from studio_core.recipe.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = RunSpec.load(REPO / "recipes" / "tiny-sft.yaml")
@@ -33,7 +33,7 @@ TP_FSDP = RunSpec.load(REPO / "recipes" / "qwen3-8b-sft-tp4-fsdp8.yaml")
 
 WORKER_SETUP = """
 import json, os, sys
-import studio_core.worker
+import studio_core.training.worker
 print(json.dumps({"visible": os.environ.get("NEURON_RT_VISIBLE_CORES"), "torch": "torch" in sys.modules}))
 """
 
@@ -100,7 +100,7 @@ def test_the_chat_process_loads_with_the_neuron_environment_on_its_own_core(tmp_
         with pytest.raises(ChatError, match="cannot load") as refused:
             ChatProcess.start(BUILTIN_MODEL, tmp_path, instance_hardware("trn2.3xlarge"))
         return refused.value
-    error, env = with_child_environment("studio_core.chat_worker", load)
+    error, env = with_child_environment("studio_core.serve.chat_worker", load)
     assert env["HF_DEACTIVATE_ASYNC_LOAD"] == "1" and env["NEURON_LOGICAL_NC_CONFIG"] == "2"
     assert env["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(compile_cache_root() / "neuron" / "neff")
     assert env["NEURON_RT_VISIBLE_CORES"] == "0" and "STUDIO_NEURON_CORES" not in env

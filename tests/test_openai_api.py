@@ -19,9 +19,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from studio_core.builtin import BUILTIN_DATASETS
-from studio_core.openai_api import Turns
-from studio_core.openai_request import ApiError, chat_messages, sampling
+from studio_core.data.builtin import BUILTIN_DATASETS
+from studio_core.serve.openai_api import Turns
+from studio_core.serve.openai_request import ApiError, chat_messages, sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 QA = [json.loads(line)["messages"] for line in Path(BUILTIN_DATASETS["builtin:qa"]).read_text().splitlines()]

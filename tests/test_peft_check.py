@@ -1,4 +1,4 @@
-"""Tests for the LoRA settings check (studio_core.peft_check): each bad value gives its message,
+"""Tests for the LoRA settings check (studio_core.recipe.peft_check): each bad value gives its message,
 good values none, and every value is put through real TRL and PEFT on a tiny Qwen3 model, the
 way the worker builds the adapter (ModelConfig -> trl.get_peft_config -> peft.get_peft_model),
 so the check can neither refuse what PEFT trains as written nor pass what it would not."""
@@ -15,7 +15,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen3Config
 from trl import ModelConfig, get_peft_config
 
-from studio_core.peft_check import ALL_LINEAR, TASK_TYPES, peft_problems
+from studio_core.recipe.peft_check import ALL_LINEAR, TASK_TYPES, peft_problems
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 
@@ -116,7 +116,7 @@ def test_the_names_and_defaults_are_trl_and_peft_own():
 
 def test_import_stays_light():
     # The web app's process checks specs: the check must not pull in peft or torch.
-    code = "import sys, studio_core.peft_check; print(sorted(m for m in ('peft', 'torch') if m in sys.modules))"
+    code = "import sys, studio_core.recipe.peft_check; print(sorted(m for m in ('peft', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parent.parent)
     assert out.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""Tests for the planner (studio_core.plan): spec + hardware in, the exact launch out.
+"""Tests for the planner (studio_core.training.plan): spec + hardware in, the exact launch out.
 
 Pure data in, pure data out, so Trainium layouts are checked on a machine without one.
 """
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.cores import parse_cores
-from studio_core.device_env import rank_cores
-from studio_core.hardware import TORCH_XLA_PROBLEM, Hardware, instance_hardware
-from studio_core.plan import DYNAMIC_SHAPES_OFF, WORKER_MODULE, plan
-from studio_core.spec import RunSpec
+from studio_core.machine.cores import parse_cores
+from studio_core.machine.device_env import rank_cores
+from studio_core.machine.hardware import TORCH_XLA_PROBLEM, Hardware, instance_hardware
+from studio_core.training.plan import DYNAMIC_SHAPES_OFF, WORKER_MODULE, plan
+from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 

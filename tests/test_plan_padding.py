@@ -12,9 +12,9 @@ import pytest
 from cli.main import main
 from conftest import RECIPES
 from hub_standin import use_hub_cache
-from studio_core.hardware import Hardware, instance_hardware
-from studio_core.plan import plan
-from studio_core.spec import RunSpec
+from studio_core.machine.hardware import Hardware, instance_hardware
+from studio_core.training.plan import plan
+from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 
@@ -83,7 +83,7 @@ def test_the_rule_is_trls_own_on_this_cpu(value, tmp_path):
     # TRL resolves the value in the config's __post_init__; off Neuron "auto" pads nothing
     import trl
 
-    from studio_core.padding import resolve
+    from studio_core.training.padding import resolve
 
     config = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", pad_to_multiple_of=value)
     assert resolve(value, "cpu") == config.pad_to_multiple_of

@@ -1,4 +1,4 @@
-"""Precompile (studio_core/precompile.py): the run's batch shapes compiled before step 1 in
+"""Precompile (studio_core/training/precompile.py): the run's batch shapes compiled before step 1 in
 parallel jobs, so the run finds them in the compile cache; what cannot be precompiled is said
 before launch."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from studio_core.hardware import cpu_hardware
-from studio_core.plan import plan
-from studio_core.precompile import job_environment
-from studio_core.procs import run_processes
-from studio_core.runs.events import read as read_events
-from studio_core.spec import RunSpec, validate
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.training.plan import plan
+from studio_core.training.precompile import job_environment
+from studio_core.machine.procs import run_processes
+from studio_core.rundir.events import read as read_events
+from studio_core.recipe.spec import RunSpec, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny-sft.yaml"
@@ -114,7 +114,7 @@ def test_a_stop_during_precompile_ends_the_jobs_and_the_run(manager, tmp_path, m
     while not events_of(view, "precompile_start"):  # the jobs are running
         assert time.monotonic() < deadline and manager.view(view.id).live_state == "starting"
         time.sleep(0.5)
-    jobs = [p for p in run_processes(view.id) if "studio_core.precompile_worker" in " ".join(p.cmdline())]
+    jobs = [p for p in run_processes(view.id) if "studio_core.training.precompile_worker" in " ".join(p.cmdline())]
     assert jobs
 
     view = manager.stop(view.id)
@@ -141,7 +141,7 @@ def test_the_walk_finds_each_shape_once_in_order_and_ends_on_an_empty_loader():
     import torch
     from torch.utils.data import DataLoader
 
-    from studio_core.precompile import first_batch_of_each_shape
+    from studio_core.training.precompile import first_batch_of_each_shape
 
     def trainer(batches, max_steps):  # what the walk reads of a Trainer: its args and train loader
         args = SimpleNamespace(max_steps=max_steps, gradient_accumulation_steps=1, num_train_epochs=1)

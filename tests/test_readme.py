@@ -36,11 +36,11 @@ from transformers import AutoModelForCausalLM
 
 from conftest import run_folders
 from hub_standin import HubStandIn
-from studio_core.builtin import BUILTIN_DATASETS
-from studio_core.chat import EMPTY_ANSWER
-from studio_core.procs import kill_run_processes
+from studio_core.data.builtin import BUILTIN_DATASETS
+from studio_core.serve.chat import EMPTY_ANSWER
+from studio_core.machine.procs import kill_run_processes
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec
+from studio_core.recipe.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -196,7 +196,7 @@ def finished_run(s: Session, run_id: str, done: subprocess.CompletedProcess, exp
     assert (trained_with.max_steps, trained_with.run_name) == (max_steps, expected.run_name)
     assert trained_with.output_dir == str(view.dir / "output")
     launch = json.loads((view.dir / "launch.json").read_text())
-    assert f"--nproc-per-node={nproc}" in launch["argv"] and "studio_core.worker" in launch["argv"]
+    assert f"--nproc-per-node={nproc}" in launch["argv"] and "studio_core.training.worker" in launch["argv"]
     assert launch["env"]["STUDIO_RUN_ID"] == run_id
     saved = RunSpec.load(view.dir / "spec.yaml")  # the resolved spec
     assert saved.args["max_steps"] == max_steps and saved.run_name == expected.run_name

@@ -6,9 +6,9 @@ import pytest
 import trl
 import yaml
 
-from studio_core import data_check
-from studio_core.spec import RunSpec, read_yaml
-from studio_core import trainers
+from studio_core.recipe import data_check
+from studio_core.recipe.spec import RunSpec, read_yaml
+from studio_core.recipe import trainers
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 

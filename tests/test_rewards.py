@@ -1,4 +1,4 @@
-"""Tests for GRPO reward functions described in a recipe (studio_core.rewards).
+"""Tests for GRPO reward functions described in a recipe (studio_core.recipe.rewards).
 
 Broken user files are real files in tmp_path; the last test trains GRPO for 2 steps on the CPU
 with the built-in tiny model and all three kinds of reward.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from studio_core.rewards import (
+from studio_core.recipe.rewards import (
     ExactMatchReward,
     LengthReward,
     RegexReward,
@@ -47,7 +47,7 @@ def one_problem(rewards, rows=STANDARD_ROWS):
 
 @pytest.mark.fast
 def test_module_imports_neither_torch_nor_trl():
-    code = "import sys, studio_core.rewards; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
+    code = "import sys, studio_core.recipe.rewards; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -270,7 +270,7 @@ def test_grpo_trains_with_the_rewards(tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from studio_core.builtin import ensure_tiny_model
+    from studio_core.data.builtin import ensure_tiny_model
 
     path = user_file(tmp_path, "def always_one(completions, **kwargs):\n    return [1.0] * len(completions)\n")
     rewards = [{"name": "length", "target": 20}, {"name": "exact_match", "column": "reference", "weight": 2.0},

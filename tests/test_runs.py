@@ -16,15 +16,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from studio_core.runs.events import FINAL_STATES, read as read_events
-from studio_core import leases
-from studio_core.hardware import cpu_hardware, studio_cpus
-from studio_core.procs import kill_run_processes
-from studio_core.runs.folder import new_run_id
+from studio_core.rundir.events import FINAL_STATES, read as read_events
+from studio_core.machine import leases
+from studio_core.machine.hardware import cpu_hardware, studio_cpus
+from studio_core.machine.procs import kill_run_processes
+from studio_core.rundir.folder import new_run_id
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView
 from conftest import run_folders
-from studio_core.spec import RunSpec, SpecError
+from studio_core.recipe.spec import RunSpec, SpecError
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny-sft.yaml"
@@ -100,7 +100,7 @@ def broken_model(folder: Path) -> Path:
     only config.json, so validation passes, and loading the weights fails in the worker."""
     import shutil
 
-    from studio_core.builtin import ensure_tiny_model
+    from studio_core.data.builtin import ensure_tiny_model
 
     path = folder / "broken-model"
     shutil.copytree(ensure_tiny_model(), path)
@@ -179,9 +179,9 @@ def test_a_killed_rank_fails_the_run_and_takes_the_rest_down(manager):
 # --- the app goes away, the run does not -------------------------------------------------
 START_ELSEWHERE = """
 import sys
-from studio_core.hardware import cpu_hardware
+from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec
+from studio_core.recipe.spec import RunSpec
 spec = RunSpec.load(sys.argv[2]).with_overrides(sys.argv[3:])
 print(RunManager(sys.argv[1]).start(spec, cpu_hardware()).id)
 """
@@ -343,7 +343,7 @@ def test_relative_paths_are_made_absolute_for_the_worker(tmp_path, monkeypatch):
     # the worker runs in the run folder, so a dataset named relative to here must still be found
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "qa.jsonl").write_bytes((REPO / "studio_core" / "data" / "qa.jsonl").read_bytes())
+    (tmp_path / "data" / "qa.jsonl").write_bytes((REPO / "studio_core" / "data" / "samples" / "qa.jsonl").read_bytes())
     manager = RunManager(tmp_path / "runs")
     view = manager.start(tiny("dataset_name=data/qa.jsonl", "max_steps=3"), cpu_hardware())
     assert view.spec["dataset_name"] == str(tmp_path / "data" / "qa.jsonl")

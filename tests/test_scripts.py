@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.hardware import cpu_hardware, instance_hardware
-from studio_core.plan import plan
-from studio_core.scripts import launch_script, slurm_script
-from studio_core.spec import RunSpec
+from studio_core.machine.hardware import cpu_hardware, instance_hardware
+from studio_core.training.plan import plan
+from studio_core.training.scripts import launch_script, slurm_script
+from studio_core.recipe.spec import RunSpec
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 

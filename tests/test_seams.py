@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from studio_core import history, trainers
-from studio_core.chat import ChatError, ChatProcess
-from studio_core.data_check import detect, fit_problems, suggest_fix
-from studio_core.export import _card_text, run_summary
-from studio_core.hardware import cpu_hardware
-from studio_core.plan import plan
-from studio_core.runs import events
+from studio_core.runs import history
+from studio_core.recipe import trainers
+from studio_core.serve.chat import ChatError, ChatProcess
+from studio_core.recipe.data_check import detect, fit_problems, suggest_fix
+from studio_core.export.export import _card_text, run_summary
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.training.plan import plan
+from studio_core.rundir import events
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec, SpecError
+from studio_core.recipe.spec import RunSpec, SpecError
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 
@@ -119,14 +120,14 @@ def test_the_plan_says_where_the_run_executes_and_an_unknown_place_is_refused(tm
 
 # --- the studio's children keep the user's PYTHONPATH ----------------------------------------
 def test_a_childs_pythonpath_puts_the_repository_first_and_keeps_the_users(monkeypatch, tmp_path):
-    from studio_core import children
+    from studio_core.machine import children
 
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'mine'}:{tmp_path / 'also-mine'}")
     env = children.environment({"PYTHONPATH": str(children.REPO_ROOT), "OMP_NUM_THREADS": "1"})
     assert env["PYTHONPATH"].split(":") == [str(children.REPO_ROOT), str(tmp_path / "mine"),
                                             str(tmp_path / "also-mine")]
     assert env["OMP_NUM_THREADS"] == "1" and env["HOME"] == os.environ["HOME"]
-    done = children.run("studio_core.cores", env={}, capture_output=True, text=True, cwd=tmp_path)  # from anywhere
+    done = children.run("studio_core.machine.cores", env={}, capture_output=True, text=True, cwd=tmp_path)  # from anywhere
     assert done.returncode == 0, done.stderr
 
 

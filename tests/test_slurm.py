@@ -20,10 +20,10 @@ from slurm_cluster import SlurmCluster, available
 from studio_browser import browser  # noqa: F401 (a fixture)
 
 from studio_core.backends.slurm import JOB, job_of
-from studio_core.hardware import CPU_CORES_ENV, Hardware, cpu_hardware
-from studio_core.procs import run_processes
+from studio_core.machine.hardware import CPU_CORES_ENV, Hardware, cpu_hardware
+from studio_core.machine.procs import run_processes
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec, SpecError
+from studio_core.recipe.spec import RunSpec, SpecError
 
 pytestmark = pytest.mark.skipif(not available(), reason="Slurm is not installed (apt install slurm-wlm munge)")
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,7 +238,7 @@ def test_a_node_whose_supervisor_dies_is_named_as_the_one_that_failed_first(clus
     manager = RunManager(tmp_path / "runs")
     run = manager.start(slurm_spec(*LONG), NODE)
     manager.wait(run.id, until=lambda v: v.step >= 1 or not v.active, timeout=180)
-    [supervisor] = [p for p in cluster.processes("n2") if "studio_core.supervisor" in " ".join(p.cmdline())]
+    [supervisor] = [p for p in cluster.processes("n2") if "studio_core.training.supervisor" in " ".join(p.cmdline())]
     supervisor.kill()  # the other node's ranks then see only gloo's "Connection reset by peer"
     ended = manager.wait(run.id, timeout=180)
     assert ended.live_state == "failed"

@@ -5,10 +5,10 @@ import pytest
 
 from app.train_form import form_values, spec_from_form
 from studio_core.backends.slurm import batch_script, slurm_ending
-from studio_core.hardware import cpu_hardware, instance_hardware
-from studio_core.plan import plan
-from studio_core.slurm import Job, check_sbatch_args, check_time, parse_fields, parse_sinfo, parse_squeue
-from studio_core.spec import RunSpec, validate
+from studio_core.machine.hardware import cpu_hardware, instance_hardware
+from studio_core.training.plan import plan
+from studio_core.backends.slurm_tools import Job, check_sbatch_args, check_time, parse_fields, parse_sinfo, parse_squeue
+from studio_core.recipe.spec import RunSpec, validate
 
 pytestmark = pytest.mark.fast
 
@@ -90,7 +90,7 @@ def test_a_slurm_plan_names_no_core_sets_efa_on_trainium_and_submits_one_supervi
                  "#SBATCH --time=2-00:00:00", "#SBATCH --account=ml", "exec >>/fsx/runs/r1/train.log 2>&1",
                  "export FI_PROVIDER=efa", "srun --label --kill-on-bad-exit=1 --auto-resume=1"):
         assert line in script
-    assert "-m studio_core.supervisor /fsx/runs/r1" in script
+    assert "-m studio_core.training.supervisor /fsx/runs/r1" in script
     described = launch.describe()
     assert described.startswith("Command (runs on a Slurm cluster):")
     assert "sbatch --parsable --qos=high slurm.sh" in described
@@ -118,7 +118,7 @@ def test_an_auto_resumed_step_goes_on_from_the_newest_checkpoint_its_job_saved(t
     import json
     import os
 
-    from studio_core.supervisor import auto_resumed
+    from studio_core.training.supervisor import auto_resumed
 
     def checkpoint(step, mtime):
         folder = tmp_path / "output" / f"checkpoint-{step}"

@@ -16,13 +16,13 @@ import pytest
 
 from cli.main import main
 from studio_core.backends.slurm import batch_script
-from studio_core.compile_cache import compile_cache_root
-from studio_core.hardware import Hardware, instance_hardware
-from studio_core.plan import plan
-from studio_core.runs import events
+from studio_core.machine.compile_cache import compile_cache_root
+from studio_core.machine.hardware import Hardware, instance_hardware
+from studio_core.training.plan import plan
+from studio_core.rundir import events
 from studio_core.runs.manager import RunManager
-from studio_core.scripts import slurm_script
-from studio_core.spec import RunSpec
+from studio_core.training.scripts import slurm_script
+from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def test_the_exported_script_s_job_makes_a_run_the_studio_lists_and_starts_it_on
     first = run_as_job(script, tmp_path, "4242")
     assert first.returncode == 0, first.stderr + first.stdout
     assert (tmp_path / "srun.txt").read_text().startswith("srun --label --kill-on-bad-exit=1 ")
-    assert f"-m studio_core.supervisor {run_dir}" in (tmp_path / "srun.txt").read_text()
+    assert f"-m studio_core.training.supervisor {run_dir}" in (tmp_path / "srun.txt").read_text()
     # the folder Start would have written, and the job recorded in it
     assert (run_dir / "spec.yaml").read_text() == job.spec.to_yaml()
     launch = json.loads((run_dir / "launch.json").read_text())

@@ -1,4 +1,4 @@
-"""`launch.py doctor --smoke` (studio_core/smoke.py), the first-run kit, for real on this CPU
+"""`launch.py doctor --smoke` (studio_core/doctor/smoke.py), the first-run kit, for real on this CPU
 machine: the built-in tiny model through the studio's own jobs (precompile and a run that must
 hit the cache, a compiled SFT run, a 2-process run, a chat, an evaluation), then one report
 file. A busy machine fails each step with who holds the cores; the report never carries a
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from studio_core import leases, smoke
-from studio_core.hardware import Hardware, cpu_hardware
+from studio_core.machine import leases
+from studio_core.doctor import smoke
+from studio_core.machine.hardware import Hardware, cpu_hardware
 from studio_core.runs.manager import RunManager
 
 REPO = Path(__file__).resolve().parent.parent

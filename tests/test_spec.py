@@ -1,4 +1,4 @@
-"""Tests for the run spec (studio_core.spec): recipes in and out, overrides, and the
+"""Tests for the run spec (studio_core.recipe.spec): recipes in and out, overrides, and the
 messages that say what to change when a spec cannot launch."""
 
 import json
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
-from studio_core.hardware import Hardware, instance_hardware
-from studio_core.plan import plan
-from studio_core.spec import Layout, RunSpec, SpecError, validate, validated
+from studio_core.data.builtin import BUILTIN_MODEL, ensure_tiny_model
+from studio_core.machine.hardware import Hardware, instance_hardware
+from studio_core.training.plan import plan
+from studio_core.recipe.spec import Layout, RunSpec, SpecError, validate, validated
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 REPO_RECIPES = Path(__file__).parent.parent / "recipes"
@@ -493,8 +493,8 @@ def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path):
 def test_models_in_the_local_hub_cache_are_listed_and_pass_offline(tmp_path):
     from huggingface_hub import try_to_load_from_cache
 
-    from studio_core.builtin import ensure_tiny_model
-    from studio_core.sources import cached_models
+    from studio_core.data.builtin import ensure_tiny_model
+    from studio_core.data.sources import cached_models
 
     # the Hub cache's own layout: refs/main names a snapshot holding the files
     repo = tmp_path / "hub" / "models--acme--tiny"

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from studio_core.compile_watch import EventBuffer, ShapeWatch, StepCost
-from studio_core.runs import events
-from studio_core.runs.events import fold, read
+from studio_core.training.compile_watch import EventBuffer, ShapeWatch, StepCost
+from studio_core.rundir import events
+from studio_core.rundir.events import fold, read
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import studio_cost_text
 

@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from studio_core import trainers
-from studio_core.builtin import BUILTIN_DATASETS
+from studio_core.recipe import trainers
+from studio_core.data.builtin import BUILTIN_DATASETS
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app: in `pytest -m fast`
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("studio_core", "app", "cli")
-ENTRY_POINTS = {"studio_core.worker", "studio_core.supervisor", "studio_core.chat_worker", "studio_core.eval_worker",
-                "studio_core.doctor_child", "studio_core.precompile_worker"}
+ENTRY_POINTS = {"studio_core.training.worker", "studio_core.training.supervisor", "studio_core.serve.chat_worker", "studio_core.evaluate.eval_worker",
+                "studio_core.doctor.doctor_child", "studio_core.training.precompile_worker"}
 # What the app may not reach into: run folders' files, leases, processes (the run manager does)
-NOT_FOR_THE_APP = ("studio_core.leases", "studio_core.checkpoints", "studio_core.runs.events",
-                   "studio_core.runs.folder", "studio_core.procs", "studio_core.backends", *ENTRY_POINTS)
+NOT_FOR_THE_APP = ("studio_core.machine.leases", "studio_core.rundir.checkpoints", "studio_core.rundir.events",
+                   "studio_core.rundir.folder", "studio_core.machine.procs", "studio_core.backends", *ENTRY_POINTS)
 
 
 def modules() -> dict[str, Path]:
@@ -109,7 +109,7 @@ def test_a_trainer_is_named_only_by_its_registry_entry_recipes_sample_and_tests(
                    if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         if strings & added:
             touched[name] = sorted(strings & added)
-    assert touched == {"studio_core.trainers": sorted(added)}
+    assert touched == {"studio_core.recipe.trainers": sorted(added)}
     recipes = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")
                      if any(f"tiny-{key}" in p.name for key in added))
     assert recipes == sorted(f"tiny-{key}{lora}.yaml" for key in added for lora in ("", "-lora"))

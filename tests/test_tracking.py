@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from studio_core import history
-from studio_core.hardware import cpu_hardware
-from studio_core.plan import plan
-from studio_core.spec import RunSpec
+from studio_core.runs import history
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.training.plan import plan
+from studio_core.recipe.spec import RunSpec
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 TRACKIO = Path(sys.executable).with_name("trackio")  # the studio environment's own command

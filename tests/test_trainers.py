@@ -13,12 +13,12 @@ import pytest
 
 from huggingface_hub import ModelCard
 
-from studio_core import trainers
-from studio_core.export import export_run
-from studio_core.hardware import cpu_hardware
-from studio_core.runs.folder import OUTPUT_INFO, output_info
+from studio_core.recipe import trainers
+from studio_core.export.export import export_run
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.rundir.folder import OUTPUT_INFO, output_info
 from studio_core.runs.manager import RunManager
-from studio_core.spec import RunSpec
+from studio_core.recipe.spec import RunSpec
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 STEPS = {"sft": 300, "dpo": 10, "kto": 10, "grpo": 2, "rloo": 2, "reward": 10}  # sft: its recipes' own
@@ -96,7 +96,7 @@ def assert_scores(output: Path, lora: bool) -> None:
     if lora:  # on its base as an exported card's code loads it: the built-in one is rebuilt, not downloaded
         from peft import PeftConfig, PeftModel
 
-        from studio_core.builtin import BUILTIN_MODEL, ensure_tiny_model
+        from studio_core.data.builtin import BUILTIN_MODEL, ensure_tiny_model
 
         base = PeftConfig.from_pretrained(output).base_model_name_or_path
         base = ensure_tiny_model() if base == BUILTIN_MODEL else base

@@ -16,17 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from studio_core import sources
-from studio_core.builtin import BUILTIN_DATASETS, WIDE_DATASET, WIDE_ROWS, WIDE_SAMPLE_FILE, cache_dir
-from studio_core.data_check import detect, fit_problems
-from studio_core.data_scan import scan_file
-from studio_core.forecast import forecast
-from studio_core.spec import RunSpec
+from studio_core.data import sources
+from studio_core.data.builtin import BUILTIN_DATASETS, WIDE_DATASET, WIDE_ROWS, WIDE_SAMPLE_FILE
+from studio_core.machine.cache import cache_dir
+from studio_core.recipe.data_check import detect, fit_problems
+from studio_core.recipe.data_scan import scan_file
+from studio_core.training.forecast import forecast
+from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast  # starts no run, torchrun, browser or app
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
-MAKE = "import sys; from pathlib import Path; from studio_core.builtin import ensure_wide_sample; " \
+MAKE = "import sys; from pathlib import Path; from studio_core.data.builtin import ensure_wide_sample; " \
        "ensure_wide_sample(Path(sys.argv[1]))"
 
 

@@ -1,6 +1,6 @@
 """The local backend: the run executes on this machine, under a supervisor process of its own.
 
-    python -m studio_core.supervisor RUN_DIR      (started detached: its own session)
+    python -m studio_core.training.supervisor RUN_DIR      (started detached: its own session)
 
 The supervisor holds the run's core leases, starts torchrun with the plan's command and
 environment, samples the hardware, waits, and writes the final `status` event, also when a
@@ -9,7 +9,7 @@ restarted app finds it again (a reused pid is told apart by the start time).
 
 A run is alive while its supervisor is, or, should the supervisor have been killed, while
 its torchrun still holds the run's cores (it holds copies of the lease until it and its
-ranks have ended; see studio_core.supervisor). How it ended comes from the final status
+ranks have ended; see studio_core.training.supervisor). How it ended comes from the final status
 event, else from the supervisor's own record (`ended.json`), else it was lost.
 """
 
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import psutil
 
-from studio_core import children, leases
+from studio_core.machine import children, leases
 from studio_core.backends.base import Ending, RunBackend
-from studio_core.procs import kill_run_processes
-from studio_core.runs import events
-from studio_core.runs.events import FINAL_STATES
-from studio_core.runs.folder import ENDED, EVENTS, LAUNCH, LOG, read_json, write_json
+from studio_core.machine.procs import kill_run_processes
+from studio_core.rundir import events
+from studio_core.rundir.events import FINAL_STATES
+from studio_core.rundir.folder import ENDED, EVENTS, LAUNCH, LOG, read_json, write_json
 
 SUPERVISOR = "supervisor.json"
 STARTING_GRACE_S = 30  # how long a folder may exist before its supervisor.json does
@@ -49,7 +49,7 @@ class LocalBackend(RunBackend):
 
     def submit(self, run_dir: Path, launch, backend: str) -> None:
         with open(run_dir / LOG, "ab") as log:
-            supervisor = children.start("studio_core.supervisor", run_dir, env=launch.env, stdin=subprocess.DEVNULL,
+            supervisor = children.start("studio_core.training.supervisor", run_dir, env=launch.env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
         write_json(run_dir / SUPERVISOR, {"pid": supervisor.pid,
                                           "create_time": psutil.Process(supervisor.pid).create_time()})

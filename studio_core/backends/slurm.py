@@ -2,7 +2,7 @@
 
 The studio writes a batch script into the run folder (slurm.sh) and submits it with
 `sbatch`; the job id goes to slurm.json. The script's `srun` starts one supervisor per node
-(`python -m studio_core.supervisor RUN_DIR`, as a local run has), which runs that node's
+(`python -m studio_core.training.supervisor RUN_DIR`, as a local run has), which runs that node's
 torchrun with a c10d rendezvous on the first node, samples that node's hardware, and, on
 the first node, writes the run's final status. Each node's supervisor also records its own
 start and end (slurm-nodes/), so that a failed job says which node failed first, not only the
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import psutil
 
-from studio_core import slurm
+from studio_core.backends import slurm_tools as slurm
 from studio_core.backends.base import Ending, RunBackend, SubmitError
-from studio_core.children import REPO_ROOT
-from studio_core.runs import events
-from studio_core.runs.folder import EVENTS, LOG, launch_record, read_json, write_json
+from studio_core.machine.children import REPO_ROOT
+from studio_core.rundir import events
+from studio_core.rundir.folder import EVENTS, LOG, launch_record, read_json, write_json
 
 SCRIPT = "slurm.sh"
 NODES = "slurm-nodes"  # a record per job and node (record_node): node, host, job_id, started, ended, exit_code, stopped
@@ -345,7 +345,7 @@ def _one_line(text: str) -> str:
 
 # The batch job's first step (scripts.job_start), as the script runs it: the run folder made on a first
 # start by plain sbatch, the job recorded in it; the plan's records come on stdin (PAYLOAD_END ends them).
-JOB_START = "import sys; from studio_core.scripts import job_start; sys.exit(job_start(*sys.argv[1:]))"
+JOB_START = "import sys; from studio_core.training.scripts import job_start; sys.exit(job_start(*sys.argv[1:]))"
 PAYLOAD_END = "STUDIO_RUN_RECORDS"
 
 
@@ -391,7 +391,7 @@ def batch_script(plan) -> str:
               *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
               *slurm.sbatch_words(extra if isinstance(extra, list) else [])[0]]  # plain sbatch gets them too
     srun = ["srun", "--label", "--kill-on-bad-exit=1", *(["--auto-resume=1"] if options.get("auto_resume") else []),
-            plan.argv[0], "-m", "studio_core.supervisor", run_dir]
+            plan.argv[0], "-m", "studio_core.training.supervisor", run_dir]
     records = {"spec.yaml": plan.spec.to_yaml().splitlines(), "launch.json": launch_record(plan)}
     return "\n".join([
         "#!/usr/bin/env bash",

@@ -19,16 +19,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from studio_core import backends, leases, sources
-from studio_core.checkpoints import RESUME_ENV, clear_control, list_checkpoints, request_save_and_stop
-from studio_core.compile_cache import compile_cache_root
-from studio_core.cores import format_cores, parse_cores
-from studio_core.hardware import Hardware
-from studio_core.plan import Plan, plan, trl_problems
-from studio_core.runs import events, folder
-from studio_core.runs.events import ACTIVE_STATES, FINAL_STATES
+from studio_core import backends
+from studio_core.machine import leases
+from studio_core.data import sources
+from studio_core.rundir.checkpoints import RESUME_ENV, clear_control, list_checkpoints, request_save_and_stop
+from studio_core.machine.compile_cache import compile_cache_root
+from studio_core.machine.cores import format_cores, parse_cores
+from studio_core.machine.hardware import Hardware
+from studio_core.training.plan import Plan, plan, trl_problems
+from studio_core.rundir import events, folder
+from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES
 from studio_core.runs.view import RunView
-from studio_core.spec import RunSpec, SpecError, validated, with_absolute_paths
+from studio_core.recipe.spec import RunSpec, SpecError, load_spec, validated, with_absolute_paths
 
 DEFAULT_RUNS_DIR = "~/trn-studio/runs"
 WAIT_POLL_S = 0.2
@@ -175,7 +177,7 @@ class RunManager:
         if view.spec_problem:
             raise SpecError([f"run {run_id} cannot be resumed: its {folder.SPEC} {view.spec_problem}"])
         try:
-            spec = folder.load_spec(view.dir)  # resolved and checked when the run began
+            spec = load_spec(view.dir)  # resolved and checked when the run began
         except folder.DamagedRun as error:
             raise SpecError([f"run {run_id} cannot be resumed: {error}"]) from None
         found = list_checkpoints(view.dir)

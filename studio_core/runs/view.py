@@ -1,5 +1,5 @@
 """A run as the page, the CLI and history see it: its folder's events folded into its state
-(studio_core.runs.events), kept current by reading the events added since, and corrected by
+(studio_core.rundir.events), kept current by reading the events added since, and corrected by
 its backend when the run's processes are gone without a final status.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from studio_core import backends
-from studio_core.checkpoints import RESUME_ENV, list_checkpoints
-from studio_core.runs import folder
-from studio_core.runs.events import ACTIVE_STATES, FINAL_STATES, STATES, EventReader, RunState
+from studio_core.rundir.checkpoints import RESUME_ENV, list_checkpoints
+from studio_core.rundir import folder
+from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES, STATES, EventReader, RunState
 
 __all__ = ["ACTIVE_STATES", "FINAL_STATES", "STATES", "RunView", "late_compile_text", "studio_cost_text"]
 
@@ -203,7 +203,7 @@ class RunView(RunState):
         return self.training_seconds()
 
     def output_info(self) -> dict | None:
-        """What the run saved (studio_core.runs.folder.output_info), or None before it has."""
+        """What the run saved (studio_core.rundir.folder.output_info), or None before it has."""
         return folder.output_info(self.dir)
 
     def size(self) -> int:

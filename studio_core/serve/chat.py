@@ -1,0 +1,310 @@
+"""Chat with a run's model, or any model, in a chat process of its own.
+
+The model lives in `studio_core.serve.chat_worker`, a child process, never in the web app:
+the app stays light, and Unload gives the memory and the cores back. The chat takes
+its core through the same leases as training runs (kind "chat"): a core a run holds is
+refused with the run's name, and a run cannot take the chat's core.
+
+    chat = ChatProcess.start("20261130-...-tiny-sft-1a2b3c", runs_dir, hardware)
+    for event in chat.generate([{"role": "user", "content": "Hi"}]):
+        ...  # {"type": "token", "text": ...} as they come, then {"type": "done", ...}
+    chat.unload()
+
+The prompt is rendered as training rendered the turn before an answer (`template_kwargs`:
+Qwen3's template needs enable_thinking=False for that). What a model writes is shown through
+`split_reasoning` and `shown`: a <think>...</think> block apart from the answer, no tags,
+no runs of blank lines, and a placeholder for an empty answer.
+
+No torch import here: this module runs in the web app's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from studio_core.machine import children, leases
+from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.machine.compile_cache import compile_cache_root
+from studio_core.machine.device_env import device_env, flags_problem
+from studio_core.machine.hardware import Hardware
+from studio_core.rundir import folder
+
+MAX_CACHE_LEN = 1024  # the static cache's fixed length: prompt bucket + answer must fit
+LOAD_TIMEOUT_S = 600
+REPLY_TIMEOUT_S = 600
+THINK, END_THINK = "<think>", "</think>"
+EMPTY_ANSWER = "(empty answer: the model produced only special tokens or whitespace)"
+UNTRAINED = f"untrained: {BUILTIN_MODEL} is randomly initialised, so its answers are noise or empty"
+
+
+class ChatError(ValueError):
+    """The chat cannot start or answer; the message says what to change. `code`: what kind of
+    failure, where the chat process says (context_length_exceeded)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ChatTarget:
+    label: str  # what the user picked: a run id or a model
+    model: str  # the folder or Hub id to load
+    tokenizer: str
+    adapter: str | None = None  # a LoRA run's adapter folder, on `model`
+    base: str | None = None  # a full run's base model, for side by side
+    trust_remote_code: bool = False
+    untrained: tuple[str, ...] = ()  # the sides ("tuned", "base") that are the random built-in model
+
+
+def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
+    """A run id (its saved model or adapter) or a model (builtin, Hub id, local folder)."""
+    name = name.strip()
+    if not name:
+        raise ChatError("pick a finished run or name a model (a Hub id or a local folder)")
+    run_dir = Path(runs_dir).expanduser() / name
+    outside = next((p for p in (Path(name).expanduser(), run_dir) if not folder.is_run_id(name) and folder.is_run(p)),
+                   None)
+    if outside is not None:
+        outside = outside.resolve()
+        raise ChatError(f"{name} is a run folder, not a run id of {runs_dir}: give its id {outside.name} with its "
+                        f"runs folder (--runs-dir {outside.parent}), or its model folder {outside / folder.OUTPUT}")
+    if folder.is_run_id(name) and folder.is_run(run_dir):
+        try:
+            folder.read_spec(run_dir)  # a damaged run folder is named the way every command names it
+        except folder.DamagedRun as error:
+            raise ChatError(str(error)) from None
+        output = run_dir / folder.OUTPUT
+        info = folder.output_info(run_dir)
+        if info is None:
+            raise ChatError(f"run {name} has no saved model yet (it saves when training finishes); pick a "
+                            "finished run")
+        if info.get("task", "text-generation") != "text-generation":
+            raise ChatError(f"run {name} trained a reward model: it gives a text a score and does not write "
+                            "answers, so there is nothing to chat with; export it to use it")
+        base = _model_path(info["base_model"])
+        untrained = ("base",) if info["base_model"] == BUILTIN_MODEL else ()
+        if info["kind"] == "adapter":
+            return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base,
+                              untrained=untrained)
+        return ChatTarget(name, model=str(output), tokenizer=str(output), base=base, untrained=untrained)
+    if name != BUILTIN_MODEL and "/" not in name and not Path(name).exists():
+        raise ChatError(f"{name!r} is neither a run in {runs_dir} nor a model folder or Hub id (org/name)")
+    path = _model_path(name)
+    return ChatTarget(name, model=path, tokenizer=path, untrained=("tuned",) if name == BUILTIN_MODEL else ())
+
+
+def _model_path(name: str) -> str:
+    if name == BUILTIN_MODEL:
+        from studio_core.data.builtin import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return name
+
+
+def template_kwargs(tokenizer) -> dict:
+    """The chat template's arguments that make a prompt end where training put the answer.
+
+    TRL's SFTTrainer renders a conversation with the tokenizer's own template and no
+    arguments (only a row's `chat_template_kwargs`); Qwen3's then writes the last answer after
+    an empty `<think>\n\n</think>\n\n`, and a generation prompt ends there only with
+    enable_thinking=False. The first arguments whose prompt plus the answer begins the
+    rendered conversation win."""
+    if not tokenizer.chat_template:
+        return {}
+    turns = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    trained = tokenizer.apply_chat_template(turns, tokenize=False)
+    for kwargs in ({}, {"enable_thinking": False}):
+        prompt = tokenizer.apply_chat_template(turns[:1], add_generation_prompt=True, tokenize=False, **kwargs)
+        if trained.startswith(prompt + "A"):
+            return kwargs
+    return {}
+
+
+def opens_thinking(tokenizer, kwargs: dict) -> bool:
+    """Whether the generation prompt leaves a <think> block open, so answers start inside it."""
+    if not tokenizer.chat_template:
+        return False
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=True,
+                                           tokenize=False, **kwargs)
+    return prompt.rfind(THINK) > prompt.rfind(END_THINK)
+
+
+def split_reasoning(text: str, thinking: bool = False) -> tuple[str, str]:
+    """(reasoning, answer) of what a model wrote: text inside <think>...</think> is reasoning,
+    the rest the answer, and no tag is kept. `thinking`: the text starts inside a block (the
+    prompt opened it). A stray </think> just goes, so a streamed answer only ever grows."""
+    parts = {True: [], False: []}
+    for piece in re.split(f"({re.escape(THINK)}|{re.escape(END_THINK)})", text):
+        if piece in (THINK, END_THINK):
+            thinking = piece == THINK
+        else:
+            parts[thinking].append(piece)
+    return "".join(parts[True]), "".join(parts[False])
+
+
+def shown(text: str) -> str:
+    """Text as shown: stripped, a run of blank lines kept as one."""
+    return re.sub(r"\n[ \t]*(\n[ \t]*)+\n", "\n\n", text.strip())
+
+
+class ChatProcess:
+    """A running chat process and the pipe to it. One generation at a time."""
+
+    def __init__(self, proc: subprocess.Popen, target: ChatTarget, ready: dict, events: queue.Queue):
+        self.proc, self.target, self.info, self._events = proc, target, ready, events
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    @classmethod
+    def start(cls, name: str, runs_dir: str | Path, hardware: Hardware, cores: str | None = None,
+              max_cache_len: int = MAX_CACHE_LEN) -> ChatProcess:
+        """Resolve the target, take a free core (or the ones asked for), load the model."""
+        target = resolve(name, runs_dir)
+        setup = {"target": asdict(target), "max_cache_len": max_cache_len, "kind": "chat"}
+        proc, events, stderr_tail, _ = cls.spawn("studio_core.serve.chat_worker", setup, runs_dir, hardware, cores)
+        try:
+            first = events.get(timeout=LOAD_TIMEOUT_S)
+        except queue.Empty:
+            kill(proc)
+            raise ChatError(f"the chat process did not load {target.label} within {LOAD_TIMEOUT_S} s") from None
+        if first.get("type") != "ready":
+            kill(proc)
+            proc.wait()
+            message = first.get("message") or "\n".join(stderr_tail[-8:]) or "it exited"
+            raise ChatError(f"chat on {target.label}: {message}")
+        return cls(proc, target, first, events)
+
+    @staticmethod
+    def spawn(module: str, setup: dict, runs_dir, hardware: Hardware, cores: str | None, without: tuple = ()):
+        """Start a process that loads a model on a core of its own (the chat's, an evaluation's):
+        the core is chosen and the process holds its lease before this returns. Its first stdin
+        line is `setup` with the runs folder, backend and cores added; its stdout lines are JSON
+        events; `without`: environment variables it must not get. Returns (process, event queue, its
+        stderr's last lines, the cores)."""
+        if flags_problem(hardware):  # the studio's NEURON_CC_FLAGS name another LNC than the runtime's
+            raise ChatError(flags_problem(hardware))
+        with leases.choosing(runs_dir):  # until the process holds the core chosen here
+            chosen = choose_one_core(runs_dir, hardware, cores, "evaluation" if setup["kind"] == "eval" else "chat")
+            env = device_env(hardware, compile_cache_root(), chosen)
+            proc = children.start(module, env=env, without=without, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+            events: queue.Queue = queue.Queue()
+            stderr_tail: list[str] = []
+            threading.Thread(target=_read_events, args=(proc.stdout, events), daemon=True).start()
+            threading.Thread(target=_keep_tail, args=(proc.stderr, stderr_tail), daemon=True).start()
+            setup = {**setup, "runs_dir": str(Path(runs_dir).expanduser()), "backend": hardware.backend,
+                     "cores": chosen}
+            proc.stdin.write(json.dumps(setup) + "\n")
+            proc.stdin.flush()
+            leases.wait_held(runs_dir, hardware.backend, chosen, proc)
+        return proc, events, stderr_tail, chosen
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def cores(self) -> list[int]:
+        return self.info["cores"]
+
+    @property
+    def thinking(self) -> bool:
+        """Whether answers start inside a <think> block (for `split_reasoning`)."""
+        return self.info["thinking"]
+
+    def generate(self, messages: list[dict] | None, which: str = "tuned", temperature: float = 0.0,
+                 top_p: float = 1.0, max_new_tokens: int = 128, **more):
+        """Yield token events as the model writes, then the done event (raises ChatError on failure,
+        with `code` "context_length_exceeded" for a prompt too long). `more`: the chat process's other
+        request fields (text, seed, whole: see chat_worker)."""
+        with self._lock:
+            if not self.alive:
+                raise ChatError("the chat process has ended; load the model again")
+            self._next_id += 1
+            rid = self._next_id
+            self._send({"op": "generate", "id": rid, "which": which, "messages": messages,
+                        "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, **more})
+            while True:
+                try:
+                    event = self._events.get(timeout=REPLY_TIMEOUT_S)
+                except queue.Empty:
+                    raise ChatError(f"no answer within {REPLY_TIMEOUT_S} s") from None
+                if event.get("type") == "eof":
+                    raise ChatError("the chat process ended while answering (out of memory?)")
+                if event.get("id") != rid:
+                    continue  # what is left of an earlier, abandoned generation
+                if event["type"] == "error":
+                    raise ChatError(event["message"], event.get("code"))
+                yield event
+                if event["type"] == "done":
+                    return
+
+    def stop_generation(self) -> None:
+        """End the running generation after its current token."""
+        if self.alive:
+            self._send({"op": "stop"})
+
+    def unload(self, timeout: float = 30) -> None:
+        """End the chat process: its memory and its cores are free again."""
+        if self.alive:
+            self._send({"op": "stop"})
+            self._send({"op": "quit"})
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill(self.proc)
+        self.proc.wait()
+
+    def _send(self, request: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            raise ChatError("the chat process has ended; load the model again") from None
+
+
+def choose_one_core(runs_dir: str | Path, hardware: Hardware, cores: str | None, kind: str) -> list[int]:
+    """A chat's or an evaluation's core (`kind`): the one asked for if free, else the first free one."""
+    try:
+        return leases.choose(runs_dir, hardware, 1, cores or None)
+    except leases.NoFreeCores as none:
+        raise ChatError(f"no free {hardware.backend} core for the {kind}: all {none.count} are held "
+                        f"({none.holding}); stop one of them first") from none
+    except ValueError as error:
+        raise ChatError(f"cores: {error}") from error
+
+
+def _read_events(stream, events: queue.Queue) -> None:
+    for line in stream:
+        try:
+            events.put(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a stray print from a library, not an event
+    events.put({"type": "eof"})
+
+
+def _keep_tail(stream, tail: list[str]) -> None:
+    for line in stream:
+        tail.append(line.rstrip())
+        del tail[:-50]
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """Kill the process's whole group (it started a session of its own) and wait a little for it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + 10
+    while proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)

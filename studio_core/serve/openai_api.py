@@ -1,0 +1,379 @@
+"""An OpenAI-compatible endpoint over a chat process: the tuned model for the user's own code.
+
+    GET  /v1/models             the one model served (its name: the run id or model given)
+    POST /v1/chat/completions   a conversation, rendered by the model's chat template as the chat
+                                renders it; streamed as server-sent events with "stream": true
+    POST /v1/completions        a plain prompt, no template
+    GET  /v1/studio/stats       the studio's own figures: requests, queue, the input shapes so far
+
+It answers through a ChatProcess (studio_core/serve/chat.py): the same loading, static KV cache, prompt
+buckets and core lease as the Chat tab, so however many requests come, the model sees at most a
+prefill shape per bucket plus the one-token decode shape (on Neuron each is a compilation).
+Requests are answered one at a time, in arrival order: batching them would add a shape per batch
+size and bucket. At most `max_queue` wait; one more gets 503 at once. A client that disconnects
+from a stream ends its generation after the current token and gives up its place.
+
+A request is checked whole before it takes its place (`parse`, in studio_core/serve/openai_request.py:
+a strict pydantic model of OpenAI's fields, then their ranges), so no bad field fails once it holds
+a turn, and a turn is given back however its answer ends. OpenAI's fields that this server does
+not implement (tools, logprobs, penalties, response_format...) are refused unless they hold their
+default: never ignored.
+`Answering.close` (the server's stop: SIGTERM, Unload) ends every request at once: the one being
+answered after its current token, the waiting ones with 503.
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a request the
+model cannot take (and what to change), 401 without the right key when one is set, 404 for another
+model's name, 503 when the queue is full or the server is ending. The key is compared in constant
+time and never logged.
+
+Built on FastAPI and uvicorn, which Gradio brings. No torch here: this runs in the app's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections import deque
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from studio_core.serve.chat import ChatError
+from studio_core.serve.generation import buckets_for
+from studio_core.serve.openai_request import CACHE_SETTING, ApiError, parse, too_long
+
+MAX_QUEUE = 32
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down: ask again once it is back", code="server_shutting_down",
+                    kind="server_error")
+
+
+class Turns:
+    """Requests take turns at the model in arrival order; at most `limit` wait (Full beyond).
+    Once closed, no one enters and every waiter gets Closed."""
+
+    class Full(Exception):
+        pass
+
+    class Closed(Exception):
+        pass
+
+    def __init__(self, limit: int):
+        self.limit, self.waiting, self.cond, self.closed = limit, deque(), threading.Condition(), False
+
+    def enter(self) -> object:
+        with self.cond:
+            if self.closed:
+                raise Turns.Closed()
+            if len(self.waiting) > self.limit:  # the one answering now is not waiting
+                raise Turns.Full()
+            ticket = object()
+            self.waiting.append(ticket)
+            return ticket
+
+    def wait(self, ticket: object) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.closed or self.waiting[0] is ticket)
+            if self.closed:
+                raise Turns.Closed()
+
+    def leave(self, ticket: object) -> None:
+        with self.cond:
+            self.waiting.remove(ticket)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    @property
+    def queued(self) -> int:
+        return max(0, len(self.waiting) - 1)
+
+
+# --- answering ----------------------------------------------------------------------------
+class Answering:
+    """The model's side: turns, generation through the chat process, stop strings, counts.
+    `setting`: what the user changes to serve a longer cache (for the too-long message)."""
+
+    def __init__(self, chat, model: str, max_queue: int = MAX_QUEUE, setting: str = CACHE_SETTING):
+        self.chat, self.model, self.turns, self.setting = chat, model, Turns(max_queue), setting
+        self.max_cache_len = chat.info["max_cache_len"]
+        self.shapes: list = []
+        self.counts = {"requests": 0, "completed": 0, "stopped": 0, "failed": 0}
+        self.cancels: set[threading.Event] = set()  # one per request in progress, set by close()
+
+    def enter(self) -> tuple[object, threading.Event]:
+        """A turn in the queue and the event that cancels its answer; ApiError 503 if full or closed."""
+        try:
+            ticket = self.turns.enter()
+        except Turns.Closed:
+            raise shutting_down() from None
+        except Turns.Full:
+            raise ApiError(503, f"the server is busy: {self.turns.limit} requests are waiting; try again "
+                           "shortly", code="queue_full", kind="server_error") from None
+        cancel = threading.Event()
+        self.cancels.add(cancel)
+        self.counts["requests"] += 1
+        return ticket, cancel
+
+    def close(self) -> None:
+        """End every request now: the answer being written after its current token, the waiting ones."""
+        self.turns.close()
+        for cancel in list(self.cancels):
+            cancel.set()
+
+    def run(self, ticket, request: dict, pieces=None, cancel: threading.Event | None = None) -> dict:
+        """In a worker thread: wait for the turn, generate, hand each new piece of the answer to
+        `pieces` (a callable) as it comes, return {text, finish_reason, usage}. Raises ApiError.
+        The turn is given back however this ends. With stop strings, the last characters that
+        could begin one are held back until the next piece shows whether they do. `cancel` set
+        (the client left, the server ends): the generation is stopped after its current token,
+        or never started."""
+        cancel = cancel or threading.Event()
+        cut, text, sent, done = None, "", 0, {}
+        try:
+            stop_strings = request.pop("stop")
+            hold = max((len(s) for s in stop_strings), default=1) - 1
+            try:
+                self.turns.wait(ticket)
+            except Turns.Closed:
+                raise shutting_down() from None
+            if cancel.is_set():
+                self.counts["stopped"] += 1
+                raise shutting_down() if self.turns.closed else ApiError(499, "the client left", kind="server_error")
+            for event in self.chat.generate(**request, whole=True):
+                if event["type"] != "token":
+                    done = event
+                    continue
+                if cancel.is_set() and cut is None:
+                    cut = len(text)
+                    self.chat.stop_generation()
+                if cut is not None:
+                    continue  # after a stop string or the client's leaving: what is still coming is dropped
+                text += event["text"]
+                hit = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=None)
+                if hit is not None:
+                    cut, text = hit, text[:hit]
+                    self.chat.stop_generation()
+                ready = len(text) if cut is not None else max(sent, len(text) - hold)
+                if pieces is not None and ready > sent:
+                    pieces(text[sent:ready])
+                    sent = ready
+            if pieces is not None and len(text) > sent and not cancel.is_set():
+                pieces(text[sent:])
+        except ChatError as error:
+            self.counts["failed"] += 1
+            if error.code == "context_length_exceeded":
+                message = too_long(str(error), self.max_cache_len, request["max_new_tokens"], self.setting)
+                raise ApiError(400, message, "messages", "context_length_exceeded") from None
+            raise ApiError(500, f"the model failed: {error}", kind="server_error") from None
+        finally:
+            self.turns.leave(ticket)
+            self.cancels.discard(cancel)
+        self.shapes = done.get("shapes", self.shapes)
+        new_tokens = done.get("new_tokens", 0)
+        if cancel.is_set():
+            self.counts["stopped"] += 1
+            self.counts["stopped_after_tokens"] = new_tokens  # how far the last abandoned answer got
+            if self.turns.closed:
+                raise ApiError(503, f"the server is shutting down: the answer was cut after {new_tokens} tokens; "
+                               "ask again once it is back", code="server_shutting_down", kind="server_error")
+        else:
+            self.counts["completed"] += 1
+        finish = "stop" if cut is not None or new_tokens < request["max_new_tokens"] else "length"
+        prompt_tokens = done.get("prompt_tokens", 0)
+        return {"text": text, "finish_reason": finish,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new_tokens,
+                          "total_tokens": prompt_tokens + new_tokens}}
+
+
+def _answer_in_thread(answering: Answering, ticket, fields: dict, cancel: threading.Event, streamed: bool,
+                      rid: str) -> asyncio.Queue:
+    """Start the answer's worker thread, which owns the turn from here on: it gives it back however
+    the answer ends. The queue gets the pieces (when `streamed`), then the result or an ApiError."""
+    loop, items = asyncio.get_running_loop(), asyncio.Queue()
+
+    def put(item) -> None:
+        try:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+        except RuntimeError:  # the server's loop has ended (shutdown): nobody is left to read it
+            cancel.set()
+
+    def work() -> None:
+        try:
+            put(answering.run(ticket, fields, put if streamed else None, cancel))
+        except ApiError as error:
+            put(error)
+        except Exception as error:  # a bug here must still answer the client and free the turn (run did)
+            put(ApiError(500, f"the server failed: {type(error).__name__}: {error}", kind="server_error"))
+
+    try:
+        threading.Thread(target=work, name=f"answer-{rid}", daemon=True).start()
+    except BaseException:
+        answering.turns.leave(ticket)
+        answering.cancels.discard(cancel)
+        raise
+    return items
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer whose generation is cancelled however the response ends early (the client
+    left, even before the first byte; the server stopped)."""
+
+    def __init__(self, content, cancel: threading.Event):
+        super().__init__(content, media_type="text/event-stream")
+        self.cancel = cancel
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cancel.set()  # after a whole answer this changes nothing: its run has returned
+
+
+# --- the web app --------------------------------------------------------------------------
+def build_api(answering: Answering, api_key: str | None = None):
+    """The FastAPI app of the routes above."""
+
+    async def check_key(request: Request) -> None:
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                what = "no API key was given" if not token else "the API key is not this server's"
+                raise ApiError(401, f"{what}: send it as 'Authorization: Bearer KEY' (the openai client's "
+                               "api_key)", code="invalid_api_key")
+
+    api = FastAPI(title="trn-studio OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(check_key)])
+
+    @api.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": answering.model, "object": "model", "created": int(time.time()),
+                                            "owned_by": "trn-studio"}]}
+
+    @api.get("/v1/studio/stats")
+    async def stats():
+        return {**answering.counts, "queued": answering.turns.queued, "shapes": answering.shapes,
+                "buckets": buckets_for(answering.max_cache_len, 1), "max_cache_len": answering.max_cache_len}
+
+    async def answer(request: Request, kind: str):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body must be JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        fields, stream, usage_wanted = parse(body, kind, answering.model, answering.max_cache_len)
+        ticket, cancel = answering.enter()
+        made, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        items = _answer_in_thread(answering, ticket, fields, cancel, stream, rid)
+        if stream:
+            return _Stream(_stream(items, kind, rid, made, answering.model, usage_wanted), cancel)
+        result = await items.get()
+        if isinstance(result, ApiError):
+            raise result
+        return _whole_response(kind, rid, made, answering.model, result)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, "chat")
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, "text")
+
+    return api
+
+
+def _whole_response(kind: str, rid: str, made: int, model: str, result: dict) -> dict:
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
+                  "finish_reason": result["finish_reason"], "logprobs": None}
+        return {"id": rid, "object": "chat.completion", "created": made, "model": model, "choices": [choice],
+                "usage": result["usage"]}
+    choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"], "logprobs": None}
+    return {"id": rid, "object": "text_completion", "created": made, "model": model, "choices": [choice],
+            "usage": result["usage"]}
+
+
+def _chunk(kind: str, rid: str, made: int, model: str, text: str | None, finish: str | None,
+           first: bool = False) -> dict:
+    if kind == "chat":
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": "chat.completion.chunk", "created": made, "model": model, "choices": [choice]}
+    choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    return {"id": rid, "object": "text_completion", "created": made, "model": model, "choices": [choice]}
+
+
+async def _stream(items: asyncio.Queue, kind: str, rid: str, made: int, model: str, usage_wanted: bool):
+    """Server-sent events: the pieces as the model writes them, the finish reason, [DONE]; an error
+    after the headers are sent goes in the stream, in OpenAI's shape."""
+
+    def sse(data) -> str:
+        return f"data: {json.dumps(data)}\n\n"
+
+    if kind == "chat":
+        yield sse(_chunk(kind, rid, made, model, None, None, first=True))
+    while isinstance(item := await items.get(), str):
+        yield sse(_chunk(kind, rid, made, model, item, None))
+    if isinstance(item, ApiError):
+        yield sse(item.body())
+    else:
+        yield sse(_chunk(kind, rid, made, model, None, item["finish_reason"]))
+        if usage_wanted:
+            yield sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                       "created": made, "model": model, "choices": [], "usage": item["usage"]})
+    yield "data: [DONE]\n\n"
+
+
+class ApiServer:
+    """uvicorn serving build_api() in a thread of this process, until stop()."""
+
+    def __init__(self, chat, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 max_queue: int = MAX_QUEUE, setting: str = CACHE_SETTING):
+        import uvicorn
+
+        self.answering = Answering(chat, model, max_queue, setting)
+        self.host, self.port = host, port
+        # requests are ended by Answering.close first; the grace only covers a client slow to read the last bytes
+        config = uvicorn.Config(build_api(self.answering, api_key), host=host, port=port, log_level="warning",
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=3)
+        self.server = uvicorn.Server(config)
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout: float = 30) -> ApiServer:
+        self.thread = threading.Thread(target=self.server.run, name="openai-api", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"cannot serve on {self.host}:{self.port} (is the port in use?)")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """End every request (503 to the waiting ones, the one answering cut after its token), then
+        the server."""
+        self.answering.close()
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=10)
