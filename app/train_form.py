@@ -15,7 +15,7 @@ import shlex
 import gradio as gr
 import yaml
 
-from studio_core.backends import slurm_tools as slurm
+from studio_core.backends.slurm import tools as slurm
 from studio_core.recipe import trainers
 from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.machine.hardware import INSTANCES, Hardware, instance_hardware

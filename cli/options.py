@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from studio_core.backends import slurm_tools as slurm_values
+from studio_core.backends.slurm import tools as slurm_values
 from studio_core.machine.cores import parse_cores
 from studio_core.machine.hardware import Hardware, cpu_hardware, detect_hardware, instance_hardware
 from studio_core.runs.manager import default_runs_dir

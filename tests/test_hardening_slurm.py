@@ -1,5 +1,5 @@
 """Slurm values are refused, or written so that they cannot start a command (issue 29): the
-one rule for them (studio_core.backends.slurm_tools.check_options) in the command line, the form and the
+one rule for them (studio_core.backends.slurm.tools.check_options) in the command line, the form and the
 backend itself; the batch script's quoting, run by a real bash; `--sbatch-arg` as README writes
 it; and which node of a failed job failed first, from the node supervisors' records."""
 
@@ -15,11 +15,11 @@ import pytest
 
 from cli.main import main
 from studio_core.backends.base import SubmitError
-from studio_core.backends.slurm import (NODES, SCRIPT, SlurmBackend, batch_script, first_failed_node, node_records,
+from studio_core.backends.slurm.backend import (NODES, SCRIPT, SlurmBackend, batch_script, first_failed_node, node_records,
                                         record_node, sbatch_argv)
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.training.plan import plan
-from studio_core.backends.slurm_tools import check_options, sbatch_words
+from studio_core.backends.slurm.tools import check_options, sbatch_words
 from studio_core.recipe.spec import RunSpec, SpecError, validate
 
 pytestmark = pytest.mark.fast

@@ -19,7 +19,7 @@ import pytest
 from slurm_cluster import SlurmCluster, available
 from studio_browser import browser  # noqa: F401 (a fixture)
 
-from studio_core.backends.slurm import JOB, job_of
+from studio_core.backends.slurm.backend import JOB, job_of
 from studio_core.machine.hardware import CPU_CORES_ENV, Hardware, cpu_hardware
 from studio_core.machine.procs import run_processes
 from studio_core.runs.manager import RunManager

@@ -4,10 +4,10 @@ user's Slurm settings checked, a Slurm plan and its batch script, the form's Slu
 import pytest
 
 from app.train_form import form_values, spec_from_form
-from studio_core.backends.slurm import batch_script, slurm_ending
+from studio_core.backends.slurm.backend import batch_script, slurm_ending
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
 from studio_core.training.plan import plan
-from studio_core.backends.slurm_tools import Job, check_sbatch_args, check_time, parse_fields, parse_sinfo, parse_squeue
+from studio_core.backends.slurm.tools import Job, check_sbatch_args, check_time, parse_fields, parse_sinfo, parse_squeue
 from studio_core.recipe.spec import RunSpec, validate
 
 pytestmark = pytest.mark.fast

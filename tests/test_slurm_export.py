@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from studio_core.backends.slurm import batch_script
+from studio_core.backends.slurm.backend import batch_script
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.hardware import Hardware, instance_hardware
 from studio_core.training.plan import plan

@@ -41,7 +41,9 @@ def imports(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            # `from package import module` depends on that module; `from module import name`, on the module
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                     for alias in node.names]
         else:
             continue
         found |= {name for name in names if name in known}
@@ -77,6 +79,34 @@ def test_dependencies_point_one_way():
             assert not re.search(r"^\s*(import|from) gradio", text, re.M), f"{name} imports gradio"
         if name.startswith("app"):
             assert not any(m.startswith("cli") for m in GRAPH[name]), name
+
+
+# studio_core's folders, bottom to top: a module imports only from its own folder or from one
+# below it (docs/architecture.md says what each holds).
+FOLDERS = ("machine", "rundir", "backends", "data", "recipe", "training", "runs", "serve", "evaluate", "export",
+           "doctor")
+
+
+def folder_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "studio_core" and len(parts) > 2 else None
+
+
+def test_studio_core_is_in_folders_and_none_imports_from_a_folder_above_its_own():
+    loose = [name for name in modules() if name.startswith("studio_core.") and folder_of(name) is None
+             and name.count(".") == 1 and name.split(".")[1] not in FOLDERS]
+    assert loose == [], f"modules at studio_core's top level: put each in its folder {FOLDERS}"
+    assert {folder_of(name) for name in modules() if folder_of(name)} == set(FOLDERS)
+    upward = [f"{name} -> {use}" for name, uses in GRAPH.items() if folder_of(name)
+              for use in uses if folder_of(use) and FOLDERS.index(folder_of(use)) > FOLDERS.index(folder_of(name))]
+    assert upward == []
+
+
+def test_the_folder_order_check_sees_an_upward_import():
+    """The check above reads what it should: rundir/ below recipe/ is kept, so the run folder names the spec's file
+    without reading a spec (recipe.spec.load_spec reads it)."""
+    assert "studio_core.rundir.folder" in GRAPH["studio_core.recipe.spec"]
+    assert FOLDERS.index(folder_of("studio_core.recipe.spec")) > FOLDERS.index(folder_of("studio_core.rundir.folder"))
 
 
 def test_entry_points_are_not_imported_as_libraries():

@@ -1,14 +1,14 @@
 """Run backends: where a run's processes execute (base.py says what each one does).
 
 `studio.run_on` in a spec names the backend; a run folder's launch.json says which one
-started it: this machine (local.py) or a Slurm cluster (slurm.py).
+started it: this machine (local.py) or a Slurm cluster (slurm/).
 """
 
 from __future__ import annotations
 
 from studio_core.backends.base import Ending, RunBackend, SubmitError
 from studio_core.backends.local import LocalBackend
-from studio_core.backends.slurm import SlurmBackend
+from studio_core.backends.slurm.backend import SlurmBackend
 
 BACKENDS: dict[str, RunBackend] = {backend.name: backend for backend in (LocalBackend(), SlurmBackend())}
 DEFAULT = "local"

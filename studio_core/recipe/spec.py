@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from studio_core.recipe import data_check, data_scan, eval_data, peft_check, rewards, trainers
-from studio_core.backends import slurm_tools as slurm
+from studio_core.backends.slurm import tools as slurm
 from studio_core.data import sources
 from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.data.files import read_rows

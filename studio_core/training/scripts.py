@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from studio_core.backends import slurm_tools as slurm
-from studio_core.backends.slurm import JOB, SCRIPT, batch_script, export_lines, mesh_note, record_job
+from studio_core.backends.slurm import tools as slurm
+from studio_core.backends.slurm.backend import JOB, SCRIPT, batch_script, export_lines, mesh_note, record_job
 from studio_core.machine.children import REPO_ROOT
 from studio_core.training.plan import WORKER_MODULE, Plan
 from studio_core.rundir import events, folder

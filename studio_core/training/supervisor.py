@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from studio_core.machine import children, leases
-from studio_core.backends import slurm_tools as slurm
-from studio_core.backends.slurm import AUTO_RESUME_ENV, JOB, record_node
+from studio_core.backends.slurm import tools as slurm
+from studio_core.backends.slurm.backend import AUTO_RESUME_ENV, JOB, record_node
 from studio_core.rundir.checkpoints import (
     DISK_FULL_ERRNOS,
     DISK_FULL_WORDS,

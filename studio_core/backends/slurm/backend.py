@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from studio_core.backends import slurm_tools as slurm
+from studio_core.backends.slurm import tools as slurm
 from studio_core.backends.base import Ending, RunBackend, SubmitError
 from studio_core.machine.children import REPO_ROOT
 from studio_core.rundir import events
