@@ -25,7 +25,7 @@ from studio_core.machine.cores import format_cores
 from studio_core.evaluate.evaluation import EvalError, EvalProcess, EvalRequest
 from studio_core.machine.hardware import Hardware
 from studio_core.runs.history import runs_with_a_model
-from studio_core.runs.manager import RunManager
+from studio_core.runs.manager import RunManager, file_safe
 from studio_core.runs.view import format_time
 
 # The rows table: the texts first, in columns wide enough to read (px), then a score column per
@@ -177,7 +177,7 @@ def download_folder(runs_dir: Path) -> Path:
 def download_copy(folder: Path, run_id: str, summary: dict, rows: list[dict]) -> str:
     """The rows as a JSONL file in `folder`, which the page may hand out."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{evaluation.file_safe(run_id)}-eval-{Path(summary['dir']).name}.jsonl"
+    path = folder / f"{file_safe(run_id)}-eval-{Path(summary['dir']).name}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 

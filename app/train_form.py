@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import shlex
 
 import gradio as gr
 import yaml
 
-from studio_core.backends.slurm import tools as slurm
+from app import fields as option_fields
+from studio_core import backends
+from studio_core.backends import BACKENDS, DEFAULT
 from studio_core.recipe import trainers
 from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
-from studio_core.machine.hardware import INSTANCES, Hardware, instance_hardware
-from studio_core.recipe.spec import TRACKERS, Layout, RunSpec, SpecError, check_args
+from studio_core.machine.hardware import INSTANCES, LNC_VALUES, Hardware, Target
+from studio_core.recipe.spec import TRACKERS, Layout, RunSpec, SpecError
+from studio_core.recipe.validate import check_args
 from studio_core.recipe.trainers import FormField
 from studio_core.recipe.trl_schema import trainer_fields
 
 THIS_MACHINE = "this machine"
-RUN_ON = [("this machine", "local"), ("Slurm", "slurm")]
+LAYOUT_LABELS = option_fields.labels(Layout)  # the layout's widgets' labels: Layout's metadata, with its flags
+TARGET_LABELS = option_fields.labels(Target)  # Plan for and LNC, beside --instance and --lnc
 # The form's starting values suit the built-in tiny model: from random weights, it learns its
 # facts in seconds at this rate. Any other model starts at TRL's default for the trainer.
 TINY_LEARNING_RATE = 2e-3
@@ -167,19 +170,21 @@ class TrainForm:
         with gr.Accordion("Layout: processes, parallelism, cores", open=False,
                           elem_id="layout-box") as self.layout_box:
             with gr.Row():
-                w["nproc"] = gr.Number(1, label="Processes (torchrun nproc)", precision=0, minimum=1,
+                w["nproc"] = gr.Number(1, label=LAYOUT_LABELS["nproc"], precision=0, minimum=1,
                                        info=f"one per core; up to {most} here", elem_id="nproc")
-                w["tp_size"] = gr.Number(1, label="TP size", precision=0, minimum=1, elem_id="tp_size",
+                w["tp_size"] = gr.Number(1, label=LAYOUT_LABELS["tp_size"], precision=0, minimum=1, elem_id="tp_size",
                                          info="tensor parallel (Neuron/CUDA)")
-                w["fsdp_size"] = gr.Number(1, label="FSDP size", precision=0, minimum=1, elem_id="fsdp_size",
-                                           info="TP x FSDP = processes")
+                w["fsdp_size"] = gr.Number(1, label=LAYOUT_LABELS["fsdp_size"], precision=0, minimum=1,
+                                           elem_id="fsdp_size", info="TP x FSDP = processes")
             with gr.Row():
-                w["cores"] = gr.Textbox(label="Cores", placeholder="next free", elem_id="cores",
+                w["cores"] = gr.Textbox(label=LAYOUT_LABELS["cores"], placeholder="next free", elem_id="cores",
                                         info="e.g. 0-3 or 0,1; empty: the first free valid block")
-                w["target"] = gr.Dropdown([THIS_MACHINE, *INSTANCES], value=THIS_MACHINE, label="Plan for",
+                w["target"] = gr.Dropdown([THIS_MACHINE, *INSTANCES], value=THIS_MACHINE,
+                                          label=TARGET_LABELS["instance"],
                                           info="another instance type: preview and export only",
                                           elem_id="target")
-                w["lnc"] = gr.Dropdown([2, 1], value=2, label="LNC (instance types)", elem_id="lnc")
+                w["lnc"] = gr.Dropdown(sorted(LNC_VALUES, reverse=True), value=Target.lnc, label=TARGET_LABELS["lnc"],
+                                       elem_id="lnc")
             with gr.Row():  # studio_core/training/precompile.py
                 w["precompile"] = gr.Checkbox(False, label="Precompile: compile the run's batch shapes before step 1, "
                                               "in parallel", elem_id="precompile",
@@ -189,29 +194,22 @@ class TrainForm:
                                                  info="parallel compile processes, each on a free core; 0: one per "
                                                  "core, at most 8 (on Neuron also within the host's vCPUs and "
                                                  "memory)", elem_id="precompile_jobs")
-            w["run_on"] = gr.Radio(RUN_ON, value="local", label="Run on", elem_id="run_on",
-                                   info="Slurm: the studio submits the run with sbatch (use it on the cluster's login "
-                                   "node); Processes is then per node, and Plan for is the nodes' type")
-            partitions, partition_info = slurm_partitions()
-            # a Column, not a Group: Gradio 6 gives a Group's elem_id to two nested elements (two #slurm-box)
-            with gr.Column(visible=False, elem_id="slurm-box", variant="panel") as self.slurm_box:
-                with gr.Row():
-                    w["partition"] = gr.Dropdown(partitions, value=None, allow_custom_value=True, label="Partition",
-                                                 info=partition_info, elem_id="partition")
-                    w["nodes"] = gr.Number(1, label="Nodes", precision=0, minimum=1, elem_id="nodes",
-                                           info="each runs the processes above; HSDP replicates across nodes")
-                    w["time"] = gr.Textbox(label="Time limit", placeholder="partition default", elem_id="time",
-                                           info="as sbatch reads it: 90 (minutes), 1:30:00, 2-00:00:00")
-                with gr.Row():
-                    w["account"] = gr.Textbox(label="Account", placeholder="your default", elem_id="account")
-                    w["sbatch_args"] = gr.Textbox(label="Other sbatch options", elem_id="sbatch_args",
-                                                  placeholder="e.g. --qos=high --gres=neuron:16",
-                                                  info="the studio sets --output, --nodes, --job-name and the like "
-                                                  "itself")
-                    w["auto_resume"] = gr.Checkbox(False, label="HyperPod auto-resume (srun --auto-resume=1)",
-                                                   elem_id="auto_resume", interactive=slurm.auto_resume_supported(),
-                                                   info="offered when this cluster's srun has --auto-resume "
-                                                   "(SageMaker HyperPod)")
+            elsewhere = backends.with_options()
+            w["run_on"] = gr.Radio([(backend.label, name) for name, backend in BACKENDS.items()], value=DEFAULT,
+                                   label="Run on", elem_id="run_on",
+                                   info="; ".join(f"{backend.label}: the studio submits the run to "
+                                                  f"{backend.description} (start it where it can submit)"
+                                                  for backend in elsewhere)
+                                   + "; Processes is then per node, and Plan for is the nodes' type")
+            self.option_boxes = {}  # backend -> the box of its options, shown when the run goes there
+            for backend in elsewhere:
+                # a Column, not a Group: Gradio 6 gives a Group's elem_id to two nested elements (two #slurm-box)
+                with gr.Column(visible=False, elem_id=f"{backend.name}-box", variant="panel") as box:
+                    several = backend.max_nodes != 1 and "nodes" not in w  # the one Nodes, in the first such box
+                    w.update(option_fields.widgets(backend.options_type, first=None if not several else lambda: {
+                        "nodes": gr.Number(1, label=LAYOUT_LABELS["nodes"], precision=0, minimum=1, elem_id="nodes",
+                                           info="each runs the processes above; HSDP replicates across nodes")}))
+                self.option_boxes[backend.name] = box
             self.core_map = gr.HTML("", elem_id="core-map")
         with gr.Accordion("LoRA", open=False):
             w["use_peft"] = gr.Checkbox(False, label="Train a LoRA adapter instead of the full model",
@@ -313,61 +311,36 @@ def spec_from_form(v: dict) -> RunSpec:
         args["report_to"] = v["report_to"]
     args |= _yaml(v["extra"], "Other TRL settings", dict)
     keep = [c.strip() for c in (v["keep_columns"] or "").split(",") if c.strip()]
-    on_slurm = v.get("run_on") == "slurm"
+    backend = run_backend(v)
+    here = backend.local_cores  # a run on this machine's cores, else on nodes of its own
     return RunSpec(trainer=trainer, model_name_or_path=(v["model"] or "").strip(),
                    dataset_name=(v["dataset"] or "").strip(),
                    dataset_config=(v["dataset_config"] or "").strip() or None,
                    dataset_train_split=(v["dataset_split"] or "").strip() or "train",
                    run_name=(v["run_name"] or "").strip() or None, args=args,
                    layout=Layout(nproc=int(v["nproc"] or 1), tp_size=int(v["tp_size"] or 1),
-                                 fsdp_size=int(v["fsdp_size"] or 1), run_on=v.get("run_on") or "local",
-                                 cores=None if on_slurm else (v["cores"] or "").strip() or None,
-                                 nodes=int(v.get("nodes") or 1) if on_slurm else 1,
-                                 slurm=slurm_options(v) if on_slurm else {}),
+                                 fsdp_size=int(v["fsdp_size"] or 1), run_on=backend.name,
+                                 cores=(v["cores"] or "").strip() or None if here else None,
+                                 nodes=1 if here else int(v.get("nodes") or 1),
+                                 options=option_fields.read(v, backend.options_type) if backend.options_type else None),
                    column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards,
                    eval_fraction=float(v["eval_fraction"]) if v.get("eval_fraction") else None,
                    eval_dataset=(v.get("eval_dataset") or "").strip() or None,
                    precompile=bool(v.get("precompile")), precompile_jobs=int(v.get("precompile_jobs") or 0) or None)
 
 
-def slurm_partitions() -> tuple[list[str], str]:
-    """The cluster's partitions (from sinfo) and the line under the choice."""
-    try:
-        found = slurm.partitions()
-    except slurm.SlurmError as error:
-        return [], f"no Slurm here: {error}"
-    default = next((p.name for p in found.values() if p.default), None)
-    return list(found), ", ".join(f"{p.name}: {p.nodes} node(s)" + (" (default)" if p.name == default else "")
-                                  for p in found.values())
-
-
-SLURM_LABELS = {"partition": "Partition", "time": "Time limit", "account": "Account",
-                "sbatch_args": "Other sbatch options"}
-
-
-def slurm_options(v: dict) -> dict:
-    """The studio.slurm block from the form's Slurm widgets (only what is filled in)."""
-    try:
-        extra = slurm.split_args(v.get("sbatch_args") or "")
-    except ValueError as error:
-        raise SpecError([f"Other sbatch options: {error} (check the quotes)"]) from error
-    options = {key: (v.get(key) or "").strip() for key in ("partition", "time", "account")}
-    options = {key: value for key, value in options.items() if value} | ({"sbatch_args": extra} if extra else {})
-    problems = slurm.check_options(options, SLURM_LABELS)  # the one rule for Slurm values, under the widgets' names
-    if problems:
-        raise SpecError(problems)
-    extra = slurm.sbatch_words(extra)[0]  # as sbatch gets them: "--qos high" is kept as --qos=high
-    return options | ({"sbatch_args": extra} if extra else {}) | ({"auto_resume": True} if v.get("auto_resume") else {})
+def run_backend(v: dict):
+    """The run backend the form sends the run to (its Run on)."""
+    return BACKENDS.get(v.get("run_on") or DEFAULT, BACKENDS[DEFAULT])
 
 
 def target_hardware(v: dict, detected: Hardware) -> Hardware:
-    """The hardware the form plans for: this machine, or a known instance type."""
-    if v["target"] in (None, THIS_MACHINE):
-        return detected
+    """The hardware the form plans for: this machine (`detected` itself), or a known instance type."""
+    target = Target(None if v["target"] in (None, THIS_MACHINE) else v["target"], int(v["lnc"] or Target.lnc))
     try:
-        return instance_hardware(v["target"], lnc=int(v["lnc"] or 2))
+        return target.hardware(lambda: detected)
     except ValueError as error:
-        raise SpecError([f"Plan for: {error}"]) from error
+        raise SpecError([f"{TARGET_LABELS['instance']}: {error}"]) from error
 
 
 def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
@@ -407,9 +380,6 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
          "precompile": spec.precompile is True, "precompile_jobs": spec.precompile_jobs or 0,
          "nproc": spec.layout.nproc, "tp_size": spec.layout.tp_size, "fsdp_size": spec.layout.fsdp_size,
          "cores": spec.layout.cores or "", "run_on": spec.layout.run_on, "nodes": spec.layout.nodes,
-         "partition": spec.layout.slurm.get("partition"), "time": spec.layout.slurm.get("time", ""),
-         "account": spec.layout.slurm.get("account", ""), "auto_resume": bool(spec.layout.slurm.get("auto_resume")),
-         "sbatch_args": shlex.join(spec.layout.slurm.get("sbatch_args", [])),
          "max_steps": max(num("max_steps") or 0, 0), "num_train_epochs": num("num_train_epochs"),
          "learning_rate": num("learning_rate"), "per_device_train_batch_size": num("per_device_train_batch_size"),
          "logging_steps": num("logging_steps"), "gradient_accumulation_steps": num("gradient_accumulation_steps"),
@@ -418,7 +388,10 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
          "save_steps": 0 if get("save_strategy") == "no" else num("save_steps"),
          "use_peft": get("use_peft") is True, "trust_remote_code": get("trust_remote_code") is True,
          "report_to": choice("report_to", trackers, "none")}
-    entry = trainers.get(spec.trainer)
+    for backend in BACKENDS.values():  # each place's options: the run's own, the others' empty
+        if backend.options_type is not None:
+            v |= option_fields.shown(backend.options(spec.layout), backend.options_type)
+    entry = spec.trainer_entry
     if entry.uses_max_length:
         v["max_length"] = 0 if get("max_length") is None else num("max_length")
     for field in entry.fields:

@@ -7,7 +7,6 @@ engine's.
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -17,17 +16,17 @@ import yaml
 
 from app import forecast_panel, run_panel
 from app.core_map import core_map_html
-from app.train_form import (THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
-                            learning_rate_start, spec_from_form, target_hardware, trainer_info)
-from studio_core.recipe import data_check, data_scan, trainers
+from app.train_form import (TARGET_LABELS, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
+                            learning_rate_start, run_backend, spec_from_form, target_hardware, trainer_info)
+from studio_core.recipe import data_check, dataset_check, trainers
 from studio_core.data import sources
 from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.machine.cores import parse_cores
-from studio_core.data.files import read_rows
 from studio_core.machine.hardware import Hardware
 from studio_core.machine.layout import check_layout, pick_cores
-from studio_core.runs.manager import RunManager
-from studio_core.training.scripts import launch_script, slurm_script
+from studio_core.runs.manager import RunManager, file_safe
+from studio_core.backends import EXPORT
+from studio_core.training.scripts import launch_script, submit_script
 from studio_core.recipe.spec import SpecError
 
 
@@ -40,42 +39,39 @@ def problems_markdown(error: SpecError) -> str:
 
 
 def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
-    """What the pre-launch check sees in a local dataset: rows, type, fit, bad records further
-    on, and the suggested fix as data (data_check.suggest_fix) for the page to apply."""
+    """What the pre-launch check (dataset_check.check_file, the one Start runs) sees in a local
+    dataset: rows, type, fit, bad records further on, and the suggested fix as data
+    (data_check.suggest_fix) for the page to apply."""
     path = sources.dataset_file(spec.dataset_name)
     if path is None:
         return ("A Hub dataset or a dataset folder is not read before launch: the run downloads its split, "
                 "then checks its first rows the same way before it loads the model, and fails at once, "
                 "saying what to change, if they do not fit."), None, {}
     try:
-        rows = read_rows(path, 5)
+        check = dataset_check.check_file(spec, path)
     except (OSError, ValueError) as error:
         return f"**Cannot read the dataset:** {error}", None, {}
     text_field = spec.args.get("dataset_text_field", "text")
-    fix = data_check.suggest_fix(rows, spec.trainer, spec.column_map, spec.keep_columns, text_field)
-    try:
-        mapped = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
-    except ValueError as error:  # the column map or keep-columns do not fit this dataset
-        lines = [f"**Column map or kept columns do not fit this dataset:** {error}"]
+    fix = data_check.suggest_fix(check.read, spec.trainer, spec.column_map, spec.keep_columns, text_field)
+    if check.rows is None:  # the column map or keep-columns do not fit this dataset
+        lines = [f"**Column map or kept columns do not fit this dataset:** {'; '.join(check.problems)}"]
         return _paragraphs(lines + [describe_fix(fix)] * bool(fix)), None, fix
-    kind = data_check.detect(mapped, text_field)
-    problems = data_check.fit_problems(kind, spec.trainer)
+    kind = check.kind
     named = ", ".join(part for part in (kind.type, kind.format) if part and part != "unknown")
     lines = [f"**Detected:** {kind.description}" + (f" ({named})" if named else "")
              + f"; columns: {', '.join(kind.columns) or 'none'}"]
-    if problems:
-        lines += ["**Does not fit this trainer:**", *[f"- {p}" for p in problems]]
+    if check.scan is None:  # the first rows do not fit the trainer
+        lines += ["**Does not fit this trainer:**", *[f"- {p}" for p in check.problems]]
         lines += [describe_fix(fix)] * bool(fix)
     else:
-        scan = data_scan.scan_file(path, spec.column_map, spec.keep_columns, text_field)
-        if scan:
-            lines += ["**Records to fix before training:**", *[f"- {p}" for p in scan]]
+        if check.problems:
+            lines += ["**Records to fix before training:**", *[f"- {p}" for p in check.problems]]
         else:
-            lines.append(f"**Fits {trainers.get(spec.trainer).name}.**")
-        if scan.warnings:
+            lines.append(f"**Fits {spec.trainer_entry.name}.**")
+        if check.warnings:
             lines += ["**Warnings (these records train, but likely not as meant):**",
-                      *[f"- {w}" for w in scan.warnings]]
-    preview = pd.DataFrame([{k: str(v)[:200] for k, v in row.items()} for row in mapped])
+                      *[f"- {w}" for w in check.warnings]]
+    preview = pd.DataFrame([{k: str(v)[:200] for k, v in row.items()} for row in check.rows])
     return _paragraphs(lines), preview, fix
 
 
@@ -189,43 +185,47 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
             return problems_markdown(error)
         return "Every reward function was built and called on the dataset's first rows: no problem found."
 
+    def planned(values, whole: bool = False):
+        """The form's values (by name), the hardware it plans for, and the plan Preview shows;
+        with `whole`, a plan with errors is refused (SpecError), as an export needs it whole."""
+        v = form.named(values)
+        target = target_hardware(v, hardware)
+        launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware,
+                              elsewhere=target is not hardware)
+        if whole and launch.errors:
+            raise SpecError(launch.errors)
+        return v, target, launch
+
     def on_preview(values):
         try:
-            v = form.named(values)
-            target = target_hardware(v, hardware)
-            launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware,
-                                  elsewhere=target is not hardware)
+            launch = planned(values)[2]
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
         return "", gr.update(value=launch.describe(), visible=True)
 
     def on_export(values):
         try:
-            v = form.named(values)
-            target = target_hardware(v, hardware)
-            launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware,
-                                  elsewhere=target is not hardware)
-            if launch.errors:
-                raise SpecError(launch.errors)
+            v, target, launch = planned(values, whole=True)
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
-        try:  # the batch script Start would submit on Slurm, for a run of its own (a new id)
+        try:  # the batch script Start would submit to the cluster, for a run of its own (a new id)
             job = manager.export_plan(spec_from_form(v), target, elsewhere=target is not hardware)
-            texts = (launch_script(launch), slurm_script(job))
+            texts = (launch_script(launch), submit_script(job))
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
         except ValueError as error:  # a runs folder whose path no script can name
             return problems_markdown(SpecError([str(error)])), gr.update(visible=False)
         folder = manager.runs_dir / "exports"
         folder.mkdir(exist_ok=True)
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", launch.spec.display_name)
-        paths = [folder / f"{name}-launch.sh", folder / f"{name}-slurm.sh"]
+        name = file_safe(launch.spec.display_name)
+        paths = [folder / f"{name}-launch.sh", folder / f"{name}-{EXPORT.name}.sh"]
         for path, text in zip(paths, texts):
             path.write_text(text)
             path.chmod(0o755)
         run_id, nodes = Path(job.argv[-1]).name, job.spec.layout.nodes
-        return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` (Slurm, {nodes} node(s), run `{run_id}`: "
-                "`sbatch` it on the cluster and the Runs tab lists the run, as if Start had submitted it)."), \
+        return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` ({EXPORT.label}, {nodes} node(s), "
+                f"run `{run_id}`: `sbatch` it on the cluster and the Runs tab lists the run, as if Start had "
+                "submitted it)."), \
             gr.update(value=[str(p) for p in paths], visible=True)
 
     def layout_problems(v) -> tuple[str, list[str]]:
@@ -234,7 +234,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
             target, spec = target_hardware(v, hardware), spec_from_form(v)
         except (SpecError, ValueError, TypeError) as error:
             return "", [str(error)]
-        nodes = spec.layout.nodes if spec.layout.run_on == "slurm" else 0
+        nodes = 0 if run_backend(v).local_cores else spec.layout.nodes
         held = manager.core_holders(target) if target is hardware and not nodes else {}
         try:
             cores = parse_cores(spec.layout.cores) if spec.layout.cores else pick_cores(
@@ -266,13 +266,14 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         except SpecError as error:
             yield problems_markdown(error), gr.update(), gr.update()
             return
-        checks = "the dataset and the reward functions (on its first rows)" if trainers.get(
-            spec.trainer).rewards else "the dataset"
+        checks = "the dataset and the reward functions (on its first rows)" if spec.trainer_entry.rewards \
+            else "the dataset"
         yield f"Starting: checking the settings, {checks}, and planning the cores ...", gr.update(), gr.update()
         try:
-            if v["target"] != THIS_MACHINE and v["run_on"] != "slurm":
-                raise SpecError([f"Plan for: {v['target']} is not this machine ({hardware.describe()}); "
-                                 "Preview or Export the launch script for it, or plan for this machine"])
+            if v["target"] != THIS_MACHINE and run_backend(v).local_cores:
+                raise SpecError([f"{TARGET_LABELS['instance']}: {v['target']} is not this machine "
+                                 f"({hardware.describe()}); Preview or Export the launch script for it, or plan "
+                                 "for this machine"])
             view = manager.start(spec, target_hardware(v, hardware))
         except SpecError as error:
             yield problems_markdown(error), gr.update(), gr.update()
@@ -299,8 +300,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         w[name].change(check_extra, [w["trainer"], w["extra"]], form.extra_check, show_progress="hidden")
     preview_btn.click(on_preview, inputs, [message, plan_box])
     export_btn.click(on_export, inputs, [message, exports])
-    w["run_on"].change(lambda run_on: (gr.update(visible=run_on == "slurm"), gr.update(interactive=run_on != "slurm")),
-                       w["run_on"], [form.slurm_box, w["cores"]], show_progress="hidden")
+    w["run_on"].change(lambda run_on: [*(gr.update(visible=run_on == name) for name in form.option_boxes),
+                                       gr.update(interactive=run_backend({"run_on": run_on}).local_cores)],
+                       w["run_on"], [*form.option_boxes.values(), w["cores"]], show_progress="hidden")
     layout_io = (on_layout, inputs | {message}, [form.core_map, message])
     for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc", "run_on", "nodes"):
         w[name].change(*layout_io, show_progress="hidden", concurrency_id="core-map")

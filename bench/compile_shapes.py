@@ -58,7 +58,8 @@ from studio_core.machine.hardware import cpu_hardware
 from studio_core.rundir.events import WARMUP_STEPS
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView
-from studio_core.recipe.spec import RunSpec, SpecError, validated
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import validated
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 VARIANTS = {  # name -> the overrides it adds to the recipe

@@ -58,7 +58,8 @@ from studio_core.machine.procs import run_processes
 from studio_core.rundir import events
 from studio_core.rundir.folder import EVENTS
 from studio_core.runs.manager import RunManager
-from studio_core.recipe.spec import RunSpec, validated
+from studio_core.recipe.spec import RunSpec
+from studio_core.recipe.validate import validated
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 MAX_STEPS = 1_000_000

@@ -41,7 +41,8 @@ from studio_core.data.builtin import ensure_tiny_model
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.rundir.events import read as read_events
 from studio_core.runs.manager import RunManager
-from studio_core.recipe.spec import RunSpec, validated
+from studio_core.recipe.spec import RunSpec
+from studio_core.recipe.validate import validated
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 SUGGESTED = ["train_sampling_strategy=group_by_length", "pad_to_multiple_of=64", "max_length=1024"]

@@ -67,7 +67,8 @@ from studio_core.rundir.events import read as read_events
 from studio_core.machine.hardware import cpu_hardware, studio_cpus
 from studio_core.machine.cores import parse_cores
 from studio_core.runs.manager import RunManager
-from studio_core.recipe.spec import RunSpec, validated
+from studio_core.recipe.spec import RunSpec
+from studio_core.recipe.validate import validated
 from studio_core.recipe.trl_schema import trl_schema
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"

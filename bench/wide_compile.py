@@ -51,7 +51,8 @@ from studio_core.training.forecast import forecast_in_subprocess
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.rundir.events import read as read_events
 from studio_core.runs.manager import RunManager
-from studio_core.recipe.spec import RunSpec, SpecError, validated
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import validated
 
 RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 QUIET_WAIT_S, QUIET_CORES = 30, 0.3

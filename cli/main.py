@@ -12,15 +12,16 @@ from cli.chat import cmd_chat
 from cli.doctor import cmd_doctor
 from cli.eval import add_parser as add_eval_parser
 from cli.export import cmd_export
-from cli.options import CommandLineError, sbatch_args_joined, whole_number
+from cli.fields import add_flags, add_layout_flags, flags, values_joined
+from cli.options import CommandLineError, repeated_flags, whole_number
 from cli.serve import cmd_serve
 from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
+from studio_core.backends import EXPORT, with_options
 from studio_core.machine import compile_cache
 from studio_core.serve.chat import MAX_CACHE_LEN
-from studio_core.machine.hardware import INSTANCES, CpuCoresError
-from studio_core.rundir import folder
-from studio_core.runs.manager import RunNotFound, default_runs_dir
-from studio_core.recipe.spec import SpecError
+from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
+from studio_core.runs.manager import DamagedRun, RunNotFound, default_runs_dir, run_id_given
+from studio_core.recipe.spec import Layout, SpecError
 
 USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
 
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
     # serve is the default command: `launch.py --port 8000` is `launch.py serve --port 8000`
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["serve", *argv]
-    args = parser().parse_args(sbatch_args_joined(argv))  # --sbatch-arg --qos=high
+    args = parser().parse_args(values_joined(argv, repeated_flags()))  # --sbatch-arg --qos=high
     try:
         run_ids(args)
         return args.func(args)
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
         print(f"{error.args[0]}: `launch.py runs` lists the runs (add --runs-dir for another runs folder)",
               file=sys.stderr)
         return 2
-    except folder.DamagedRun as error:
+    except DamagedRun as error:
         print(error, file=sys.stderr)
         return 2
     except (CommandLineError, CpuCoresError) as error:
@@ -83,11 +84,7 @@ def run_ids(args) -> None:
         given = getattr(args, name, None)
         if not isinstance(given, str):
             continue
-        run_id = folder.run_id_of(runs_dir, given)
-        setattr(args, name, run_id)
-        run_dir = runs_dir / run_id
-        if args.command != "stop" and folder.is_run_id(run_id) and folder.is_run(run_dir):
-            folder.read_spec(run_dir)
+        setattr(args, name, run_id_given(runs_dir, given, read=args.command != "stop"))
 
 
 def did_you_mean(word: str) -> str:
@@ -136,23 +133,19 @@ def parser() -> argparse.ArgumentParser:
                          help="a recipe YAML file (see recipes/)")
         sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a recipe key, e.g. --set max_steps=50 --set studio.nproc=2")
-        sub.add_argument("--instance", choices=sorted(INSTANCES),
+        target = flags(Target)  # --instance, --lnc
+        sub.add_argument(target["instance"], dest="instance", choices=sorted(INSTANCES),
                          help="plan for this instance type instead of the detected hardware")
         sub.add_argument("--backend", choices=("cpu",), help="plan for the CPU even if a device is present")
-        sub.add_argument("--lnc", type=int, choices=(1, 2), default=2, help="with --instance: the LNC setting")
-        for option, key, kind in (("--nproc", "nproc", whole_number(1)), ("--tp", "tp_size", whole_number(1)),
-                                  ("--fsdp", "fsdp_size", whole_number(1)), ("--cores", "cores", str)):
-            sub.add_argument(option, dest=key, type=kind, help=f"the layout's {key} (same as --set studio.{key}=...)")
-        slurm = sub.add_argument_group("Slurm", "run on a Slurm cluster (from its login node); --nproc is per node")
-        slurm.add_argument("--slurm", action="store_true", help="submit the run to Slurm (sbatch) instead of "
-                           "running it here" if name == "train" else "plan a run on Slurm (no cluster needed)")
-        slurm.add_argument("--nodes", type=whole_number(1), help="nodes of the job (default 1; with --slurm-script: 2)")
-        slurm.add_argument("--partition", help="the partition (default: the cluster's default)")
-        slurm.add_argument("--time", help="the job's time limit, as sbatch reads it: 90, 1:30:00, 2-00:00:00")
-        slurm.add_argument("--account", help="the account charged for the job")
-        slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
-                           help="another sbatch option, e.g. --sbatch-arg=--qos=high (repeat for more)")
-        slurm.add_argument("--auto-resume", action="store_true", help="SageMaker HyperPod: srun --auto-resume=1")
+        sub.add_argument(target["lnc"], dest="lnc", type=int, choices=LNC_VALUES, default=Target.lnc,
+                         help=f"with {target['instance']}: the LNC setting")
+        add_layout_flags(sub, Layout, whole_number, {"nodes": f"a run on a cluster; with --{EXPORT.name}-script: 2"})
+        for backend in with_options():  # a place runs can go besides this machine: its flag and options
+            group = sub.add_argument_group(backend.label, f"run on {backend.description}; --nproc is per node")
+            group.add_argument(f"--{backend.name}", action="store_true", help=(
+                f"submit the run to {backend.label} instead of running it here" if name == "train" else
+                f"plan a run on {backend.label} (nothing is submitted)"))
+            add_flags(group, backend.options_type)
         sub.add_argument("--precompile", action="store_true",
                          help="compile the run's batch shapes before step 1, in parallel processes (needs "
                               "torch_compile; same as --set studio.precompile=true)")
@@ -161,7 +154,8 @@ def parser() -> argparse.ArgumentParser:
                               "at most 8, and on Neuron within the host's vCPUs and memory)")
         if name == "plan":
             sub.add_argument("--export-script", metavar="FILE", help="also write a runnable bash launch script")
-            sub.add_argument("--slurm-script", metavar="FILE", help="also write the Slurm batch script Start would "
+            sub.add_argument(f"--{EXPORT.name}-script", dest="submit_script", metavar="FILE", help=f"also write the "
+                             f"{EXPORT.label} batch script Start would "
                              "submit, for a new run on --nodes nodes (default 2): `sbatch FILE` starts it, and "
                              "`launch.py runs` lists it")
             sub.add_argument("--no-forecast", action="store_true",
@@ -204,7 +198,7 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--update", action="store_true", help="push as a new commit to a repo that exists")
     export.add_argument("--cores", help="on the CPU backend, the CPU core the export holds (default: next free)")
     cache = command("cache", cmd_cache, "show the compile cache's folder, size and entries, or clear it")
-    cache.add_argument("--backend", choices=compile_cache.BACKENDS,
+    cache.add_argument("--backend", choices=compile_cache.DEVICES,
                        help="whose cache (default: this machine's backend)")
     cache.add_argument("--clear", action="store_true", help="delete it; refused while a run is active")
     doctor = command("doctor", cmd_doctor, "check this machine for the studio, a line per check; exit 0 when "

@@ -7,15 +7,17 @@ import argparse
 import json
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
-from studio_core.backends.slurm import tools as slurm_values
+from cli import fields
+from studio_core.backends import BACKENDS, with_options
 from studio_core.machine.cores import parse_cores
-from studio_core.machine.hardware import Hardware, cpu_hardware, detect_hardware, instance_hardware
+from studio_core.machine.hardware import Hardware, Target, cpu_hardware, detect_hardware
 from studio_core.runs.manager import default_runs_dir
-from studio_core.recipe.spec import RunSpec, SpecError, read_yaml
+from studio_core.recipe.spec import Layout, RunSpec, SpecError, read_yaml
 
 
 class CommandLineError(ValueError):
@@ -23,72 +25,54 @@ class CommandLineError(ValueError):
 
 
 def hardware_for(args):
-    if getattr(args, "instance", None):
-        try:
-            return instance_hardware(args.instance, lnc=args.lnc)
-        except ValueError as error:
-            raise SpecError([f"--instance/--lnc: {error}"]) from error
-    if getattr(args, "backend", None) == "cpu":
-        return cpu_hardware()
-    return detect_hardware()
+    """The hardware of --instance (at --lnc), else of this machine (the CPU alone with --backend cpu)."""
+    target = Target(getattr(args, "instance", None), getattr(args, "lnc", Target.lnc))
+    try:
+        return target.hardware(cpu_hardware if getattr(args, "backend", None) == "cpu" else detect_hardware)
+    except ValueError as error:
+        raise SpecError([f"{'/'.join(fields.flags(Target).values())}: {error}"]) from error
 
 
 def load_spec(args) -> RunSpec:
     problems = [problem for item in args.set for problem in yaml_problem(item)]
     if problems:
         raise SpecError(problems)
-    layout = [f"studio.{key}={value}" for key in ("nproc", "tp_size", "fsdp_size")
-              if (value := getattr(args, key)) is not None]
-    if args.cores is not None:
-        layout.append(f"studio.cores={json.dumps(args.cores)}")  # a core set is text, even "3" (JSON quotes as YAML)
+    # the layout's flags but --nodes (a backend's, below); JSON quotes a core set, text even as "3", as YAML reads it
+    layout = [f"studio.{key}={json.dumps(value)}" for key in fields.layout_flags(Layout)
+              if key != "nodes" and (value := getattr(args, key)) is not None]
     if getattr(args, "jobs", None) is not None and not args.precompile:
         raise SpecError(["--jobs goes with --precompile (the number of parallel compile processes)"])
     if getattr(args, "precompile", False):
         layout += ["studio.precompile=true", *([f"studio.precompile_jobs={args.jobs}"] if args.jobs else [])]
     spec = read_recipe(args.recipe).with_overrides([*args.set, *layout])  # checked once, by plan or start
-    slurm = {key: value for key, value in (("partition", args.partition), ("time", args.time),
-                                           ("account", args.account)) if value is not None}
-    slurm |= {"sbatch_args": args.sbatch_arg} if args.sbatch_arg else {}
-    problems = check_slurm_options(slurm)
-    if problems:
-        raise SpecError(problems)
-    if args.sbatch_arg:  # as sbatch gets them: ["--qos high"] is saved as ["--qos=high"]
-        slurm["sbatch_args"] = slurm_values.sbatch_words(args.sbatch_arg)[0]
-    slurm |= {"auto_resume": True} if args.auto_resume else {}
-    if args.slurm or spec.layout.run_on == "slurm":  # the flag, or a recipe written for Slurm
-        spec.layout.run_on = "slurm"
-        if slurm and not isinstance(spec.layout.slurm, dict):
-            raise SpecError([f"studio.slurm: {spec.layout.slurm!r} is not a mapping: write it as "
-                             "{partition: trn, time: '1:00:00'}, or leave it out and give --partition, --time"])
-        spec.layout.slurm = {**spec.layout.slurm, **slurm} if slurm else spec.layout.slurm
-        spec.layout.nodes = args.nodes if args.nodes is not None else spec.layout.nodes
-    else:
-        given = [{"sbatch_args": "--sbatch-arg"}.get(key, f"--{key.replace('_', '-')}") for key in slurm]
-        given += ["--nodes"] if args.nodes is not None and not getattr(args, "slurm_script", None) else []
-        if given:
-            raise SpecError([f"{', '.join(given)}: these are for a run on Slurm: add --slurm"])
+    chosen = next((name for name in BACKENDS if getattr(args, name, False)), None)  # --slurm
+    spec.layout.run_on = chosen or spec.layout.run_on  # the flag, or a recipe written for that backend
+    for backend in with_options():
+        set_options(args, spec, backend)
     return spec
 
 
-# The Slurm options as the command line names them, for its messages.
-SLURM_OPTIONS = {"partition": "--partition", "time": "--time", "account": "--account", "sbatch_args": "--sbatch-arg"}
+def set_options(args, spec: RunSpec, backend) -> None:
+    """The backend's options given on the command line, over the recipe's (studio.<backend name>):
+    checked by the options' own rule, under the flags' names; refused when the run goes elsewhere."""
+    given = fields.given(args, backend.options_type)
+    problems = backend.options_type(**given).check(labels=fields.flags(backend.options_type))
+    if problems:
+        raise SpecError(problems)
+    if spec.layout.run_on != backend.name:
+        named = [fields.flags(backend.options_type)[key] for key in given]
+        named += ["--nodes"] if args.nodes is not None and not getattr(args, "submit_script", None) else []
+        if named:
+            raise SpecError([f"{', '.join(named)}: these are for a run on {backend.label}: add --{backend.name}"])
+        return
+    if given:
+        spec.layout.options = replace(backend.options(spec.layout), **given).settled()
+    spec.layout.nodes = args.nodes if args.nodes is not None else spec.layout.nodes
 
 
-def check_slurm_options(given: dict) -> list[str]:
-    """The Slurm options given on the command line, by the one rule for Slurm values
-    (slurm.check_options), each problem under the option's name."""
-    return slurm_values.check_options(given, SLURM_OPTIONS)
-
-
-def sbatch_args_joined(argv: list[str]) -> list[str]:
-    """`--sbatch-arg --qos=high` as `--sbatch-arg=--qos=high`: argparse takes a value that starts
-    with - for an option of its own, so an sbatch option written after --sbatch-arg (as README
-    writes it) would be refused. The word after --sbatch-arg is its value, whatever it is."""
-    out, words = [], iter(argv)
-    for word in words:
-        following = next(words, None) if word == "--sbatch-arg" else None
-        out.append(word if following is None else f"--sbatch-arg={following}")
-    return out
+def repeated_flags() -> set[str]:
+    """The flags of the backends' options that take one value each time they are given."""
+    return fields.repeated(backend.options_type for backend in with_options())
 
 
 def yaml_problem(item: str) -> list[str]:

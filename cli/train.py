@@ -9,20 +9,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from cli.fields import layout_flags
 from cli.options import CommandLineError, check_new_file, hardware_for, load_spec, runs_folder
+from studio_core.backends import EXPORT
 from studio_core.training import precompile
 from studio_core.data import sources
 from studio_core.training.forecast import forecast_in_subprocess
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import (FINAL_STATES, RunView, format_seconds, format_time, late_compile_text,
                                    studio_cost_text)
-from studio_core.training.scripts import launch_script, slurm_script
-from studio_core.recipe.spec import SpecError
+from studio_core.training.scripts import launch_script, submit_script
+from studio_core.recipe.spec import Layout, SpecError
 
 
 def cmd_plan(args) -> int:
     scripts = {option: check_new_file(option, path) for option, path in
-               (("--export-script", args.export_script), ("--slurm-script", args.slurm_script)) if path}
+               (("--export-script", args.export_script), (f"--{EXPORT.name}-script", args.submit_script)) if path}
     spec = load_spec(args)
     hardware = hardware_for(args)
     manager = RunManager(runs_folder(args))
@@ -43,14 +45,14 @@ def cmd_plan(args) -> int:
     for option, path in scripts.items():
         if option == "--export-script":
             text, note = launch_script(launch), "one machine"
-        else:  # the batch script Start would submit, for a run of its own (a new id), on Slurm's nodes
+        else:  # the batch script Start would submit, for a run of its own (a new id), on the cluster's nodes
             job = manager.export_plan(spec, hardware, args.nodes, elsewhere=bool(args.instance))
             try:
-                text = slurm_script(job)
+                text = submit_script(job)
             except ValueError as error:
                 raise CommandLineError(f"{option}: {error}") from None
             run_id, runs = Path(job.argv[-1]).name, runs_option(args)
-            note = (f"Slurm, {job.spec.layout.nodes} node(s), run {run_id}: submit it with `sbatch {path}`; "
+            note = (f"{EXPORT.label}, {job.spec.layout.nodes} node(s), run {run_id}: submit it with `sbatch {path}`; "
                     f"`launch.py runs{runs}` then lists the run, `launch.py stop {run_id}{runs}` stops it")
         try:
             path.write_text(text)
@@ -70,8 +72,8 @@ def runs_option(args) -> str:
 def cmd_train(args) -> int:
     manager = RunManager(runs_folder(args, write=True))
     if args.resume:
-        given = [name for name, value in (("the recipe", args.recipe), ("--set", args.set), ("--nproc", args.nproc),
-                                          ("--tp", args.tp_size), ("--fsdp", args.fsdp_size), ("--cores", args.cores),
+        layout = [(flag, getattr(args, key)) for key, flag in layout_flags(Layout).items() if key != "nodes"]
+        given = [name for name, value in (("the recipe", args.recipe), ("--set", args.set), *layout,
                                           ("--precompile", args.precompile or None), ("--jobs", args.jobs))
                  if value not in (None, [])]
         if given:

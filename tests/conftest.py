@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -30,12 +31,20 @@ if _WORKER.startswith("gw") and len(_CPUS) > 1 and CPU_CORES_ENV not in os.envir
     _FIRST = int(_WORKER[2:]) % len(_CPUS)
     os.environ[CPU_CORES_ENV] = ",".join(map(str, _CPUS[_FIRST:] + _CPUS[:_FIRST]))
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "recipes"
+LAUNCH_TIMEOUT_S = 180  # a hang guard for a CLI command: a 20-step run takes ~10 s on 2 cores
 
 
 def run_folders(runs_dir):
     """The run folders in a runs folder, without the studio's own state (.leases/)."""
     return [p for p in runs_dir.iterdir() if not p.name.startswith(".")]
+
+
+def launch_py(*args: str, env: dict | None = None, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`launch.py ARGS` as a user runs it, from the repository root, in this environment plus `env`."""
+    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, check=False, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture
@@ -95,9 +104,9 @@ def _fast_tests_start_nothing_heavy(request, monkeypatch):
 # comes before test_history: it trains the history runs, one core at a time, while the other
 # worker is busy with a long file, and test_history later finds them made.)
 SLOW_FILES_FIRST = [
-    "test_smoke.py", "test_slurm.py", "test_runs.py", "test_hardening_worker.py", "test_forecast.py", "test_precompile.py", "test_readme.py",
+    "test_smoke.py", "test_slurm.py", "test_runs.py", "test_hardening_worker.py", "test_forecast.py", "test_readme.py",
     "test_browser_runs.py", "test_hardening_eval.py", "test_hardening_serve.py", "test_device_placement.py", "test_hardening_runs.py",
-    "test_browser_train.py", "test_trainers.py", "test_browser_trainers.py", "test_resume.py", "test_export.py",
+    "test_browser_train.py", "test_trainers.py", "test_browser_trainers.py", "test_resume.py", "test_precompile.py", "test_export.py",
     "test_chat.py", "test_openai_api.py", "test_eval.py", "test_harness.py", "test_browser_chat_export.py",
     "test_history.py", "test_browser_data.py", "test_doctor.py", "test_compile_cache.py", "test_spec.py",
     "test_hub_dataset.py", "test_neuron_paths.py",

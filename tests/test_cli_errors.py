@@ -89,7 +89,7 @@ CASES = [
     ("plan {r} --slurm --set studio.slurm=3 --instance trn2.3xlarge --no-forecast --runs-dir {d}", 2,
      "studio.slurm: must be a mapping"),
     ("plan {r} --slurm --partition p --set studio.slurm=3 --instance trn2.3xlarge --no-forecast --runs-dir {d}", 2,
-     "studio.slurm: 3 is not a mapping: write it as"),
+     "studio.slurm: must be a mapping"),
     ("plan {r} --export-script {t}/nodir/run.sh --instance trn2.3xlarge --no-forecast --runs-dir {d}", 2,
      "does not exist: make it first (mkdir -p"),
     ("plan {r} --export-script {t}/adir --instance trn2.3xlarge --no-forecast --runs-dir {d}", 2,

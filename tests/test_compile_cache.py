@@ -7,13 +7,11 @@ here its folder, environment and layout (NEFF files two shard folders down) are 
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import launch_py
 from studio_core.machine.compile_cache import (CacheInUse, clear, compile_cache_dir, compile_cache_env,
                                        compile_cache_root, summary)
 from studio_core.rundir.events import FINAL_STATES
@@ -23,11 +21,6 @@ from studio_core.recipe.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny-sft.yaml"
-
-
-def launch_py(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=False, env={**os.environ, **env})
 
 
 # --- where the cache is -----------------------------------------------------------------
@@ -40,7 +33,7 @@ def test_one_folder_per_backend_under_the_studio_cache(monkeypatch, tmp_path):
     assert compile_cache_env("neuron", "/c") == {"TORCHINDUCTOR_CACHE_DIR": "/c/neuron/inductor",
                                                  "TORCH_NEURONX_NEFF_CACHE_DIR": "/c/neuron/neff"}
     assert compile_cache_env("cpu", "/c") == {"TORCHINDUCTOR_CACHE_DIR": "/c/cpu/inductor"}
-    with pytest.raises(ValueError, match="cpu, cuda, neuron"):
+    with pytest.raises(ValueError, match="neuron, cuda, cpu"):
         compile_cache_dir("tpu")
 
 

@@ -11,16 +11,13 @@ the same moment), and in each the second process must take both graphs from the 
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from app.train_tab import hardware_text
+from conftest import launch_py
 from hub_standin import HubStandIn
 from imds_standin import ImdsStandIn
 from studio_core.doctor import doctor
@@ -28,14 +25,8 @@ from studio_core.machine import leases
 from studio_core.machine.compile_cache import compile_cache_dir, summary
 from studio_core.machine.hardware import TORCH_XLA_PROBLEM, Hardware, instance_type
 
-REPO = Path(__file__).resolve().parent.parent
 NAMES = ["backend", "versions", "torch_xla", "devices", "collective", "compile", "cache", "monitor",
          "runs folder", "hub"]
-
-
-def launch_py(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, check=False, env={**os.environ, **env})
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """The shape forecast against what really reaches the model, and the compile events of real runs.
 
 Each run is a real torchrun run of the tiny model with torch_compile on and automatic dynamic
-shapes off (the planner's rule), on Dynamo's cheap "eager" backend: Dynamo still traces and
-recompiles per shape, so the shapes and compilations are those of a Trainium run, only fast.
+shapes off (the planner's rule), on Dynamo's cheap "eager" backend (the unpadded SFT run on
+"aot_eager", so its compile events show the backward too): Dynamo still traces and recompiles
+per shape, so the shapes and compilations are those of a Trainium run, only fast.
 
 The tests call the forecast in this process (`forecast`: the same walk without a Python start
 and a TRL import each time); the child process the app and the CLI run it in is tested through
@@ -15,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import launch_py, run_folders
 from studio_core.training.forecast import forecast, forecast_in_subprocess
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
+from studio_core.machine.procs import kill_run_processes
 from studio_core.rundir.events import read as read_events
 from studio_core.recipe.spec import RunSpec, SpecError
-from test_runs import launch_py
+from studio_core.runs.manager import RunManager
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 COMPILED = ["torch_compile=true", "torch_compile_backend=eager", "logging_steps=4"]
@@ -27,7 +30,8 @@ COMPILED = ["torch_compile=true", "torch_compile_backend=eager", "logging_steps=
 # data makes (a forecast of 12 steps finds no other), since compiling is what a step here costs:
 # the DPO run compiles again at every step.
 CASES = {
-    "sft-unpadded": ("tiny-sft.yaml", [], 6),  # its third shape comes at step 6
+    # its third shape comes at step 6; on aot_eager, 8 steps: test_compile_events_of_a_real_run reads this run too
+    "sft-unpadded": ("tiny-sft.yaml", ["torch_compile_backend=aot_eager"], 8),
     "sft-padded-128": ("tiny-sft.yaml", ["pad_to_multiple_of=128"], 3),
     "sft-packed-wrapped": ("tiny-sft.yaml", ["packing=true", "packing_strategy=wrapped"], 3),
     "dpo-padded": ("tiny-dpo.yaml", ["pad_to_multiple_of=16"], 3),
@@ -41,14 +45,29 @@ def recipe(name: str, *overrides: str) -> RunSpec:
     return RunSpec.load(RECIPES / name).with_overrides(list(overrides))
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_forecast_equals_the_shapes_that_reach_the_model(case, manager):
+def trained(manager, case: str):
+    """The case's run, finished, and the forecast of the spec its plan hands the worker."""
     name, overrides, steps = CASES[case]
     spec = recipe(name, *COMPILED, f"max_steps={steps}", *overrides)
     hardware = cpu_hardware()
     run = manager.start(spec, hardware)
     predicted = forecast(manager.plan(spec, hardware).spec, "cpu")  # while the run trains
-    view = manager.wait(run.id)
+    return manager.wait(run.id), predicted
+
+
+@pytest.fixture(scope="module")
+def unpadded(tmp_path_factory):
+    """The sft-unpadded case trained once for this file's two tests that read it: (view, forecast)."""
+    manager = RunManager(tmp_path_factory.mktemp("unpadded") / "runs")
+    yield trained(manager, "sft-unpadded")
+    for path in run_folders(manager.runs_dir):
+        kill_run_processes(path.name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forecast_equals_the_shapes_that_reach_the_model(case, manager, request):
+    steps = CASES[case][2]
+    view, predicted = request.getfixturevalue("unpadded") if case == "sft-unpadded" else trained(manager, case)
     assert view.live_state == "finished", view.error_text
     observed = {tuple(event["shape"]) for event in view.shapes}
     assert observed == {(b, length) for b, length, _ in predicted.shapes}
@@ -103,10 +122,8 @@ def test_plan_without_the_forecast(tmp_path):
     assert skipped.returncode == 0 and "Shape forecast" not in skipped.stdout
 
 
-def test_compile_events_of_a_real_run(manager):
-    spec = recipe("tiny-sft.yaml", "torch_compile=true", "torch_compile_backend=aot_eager", "max_steps=8",
-                  "logging_steps=4")
-    view = manager.wait(manager.start(spec, cpu_hardware()).id)
+def test_compile_events_of_a_real_run(unpadded):
+    view, _ = unpadded  # tiny SFT, torch_compile on aot_eager, 8 steps, a loss every 4
     assert view.live_state == "finished", view.error_text
     assert not view.compiling  # every compile_start has its compile_end
     assert {c["phase"] for c in view.compiles} == {"forward", "backward"}  # aot_eager compiles the backward too

@@ -21,7 +21,8 @@ from studio_core.export.export import _card_text
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.recipe.rewards import check_rewards
 from studio_core.runs.manager import RunManager, RunNotFound
-from studio_core.recipe.spec import RunSpec, SpecError, check_args
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import check_args
 
 REPO = Path(__file__).resolve().parent.parent
 GRPO = RunSpec.load(REPO / "recipes" / "tiny-grpo.yaml")

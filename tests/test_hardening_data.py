@@ -3,7 +3,7 @@ turns out of order counted by kind, a 20 MB record checked quickly and warned ab
 dataset's records checked in the run like a local file's, records rendered through the model's
 own chat template, and a dataset folder's files checked before `datasets` reads them.
 
-Real files in tmp_path, the real check (spec.validate), the built-in model's real tokenizer, the
+Real files in tmp_path, the real check (recipe.validate.validate), the built-in model's real tokenizer, the
 loopback Hub (tests/hub_standin.py) and the real `datasets` loader; no run is started.
 """
 
@@ -17,7 +17,8 @@ import pytest
 from studio_core.data import sources
 from studio_core.data.builtin import ensure_tiny_model
 from studio_core.rundir import events as ev
-from studio_core.recipe.spec import RunSpec, SpecError, validate
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import validate
 from studio_core.training.train_data import load_checked_datasets
 from test_hub_dataset import publish
 from test_hub_download import hub  # noqa: F401 (fixture: the loopback Hub, an empty Hub cache)

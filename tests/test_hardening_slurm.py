@@ -15,12 +15,14 @@ import pytest
 
 from cli.main import main
 from studio_core.backends.base import SubmitError
-from studio_core.backends.slurm.backend import (NODES, SCRIPT, SlurmBackend, batch_script, first_failed_node, node_records,
-                                        record_node, sbatch_argv)
+from studio_core.backends.slurm.backend import SlurmBackend, batch_script, sbatch_argv
+from studio_core.backends.slurm.options import SlurmOptions
+from studio_core.backends.slurm.records import NODES, SCRIPT, first_failed_node, node_records, record_node
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.training.plan import plan
 from studio_core.backends.slurm.tools import check_options, sbatch_words
-from studio_core.recipe.spec import RunSpec, SpecError, validate
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import validate
 
 pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +38,7 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def slurm_plan(tmp_path: Path, run_dir: Path | None = None, **options):
     spec = RunSpec.load(RECIPE).with_overrides(["studio.run_on=slurm", "studio.nodes=2"])
-    spec.layout.slurm = options
+    spec.layout.options = SlurmOptions(**options)
     run_dir = run_dir or tmp_path / "runs" / "r1"
     return plan(spec, cpu_hardware(), run_dir=run_dir, run_id=run_dir.name, compile_cache=tmp_path / "cache")
 
@@ -71,13 +73,13 @@ def test_the_form_refuses_the_account_attack_under_its_widget_name():
                                         "--output"):
         spec_from_form(values | {"sbatch_args": "--out=/x"})
     # an option and its value as two words: one word for sbatch
-    assert spec_from_form(values | {"sbatch_args": "--qos high --exclusive"}).layout.slurm["sbatch_args"] == [
+    assert spec_from_form(values | {"sbatch_args": "--qos high --exclusive"}).layout.options.sbatch_args == [
         "--qos=high", "--exclusive"]
 
 
 def test_a_recipe_with_the_attack_is_refused_by_the_spec_check():
     spec = RunSpec.load(RECIPE).with_overrides(["studio.run_on=slurm"])
-    spec.layout.slurm = {"account": ATTACK, "partition": "trn;x"}
+    spec.layout.options = SlurmOptions(account=ATTACK, partition="trn;x")
     problems = " ".join(validate(spec))
     assert "studio.slurm.account: 'x\\ntouch /tmp/pwned' is not a Slurm account name" in problems
     assert "studio.slurm.partition: 'trn;x' is not a Slurm partition name (it holds ';')" in problems
@@ -89,16 +91,16 @@ def test_a_recipe_with_the_attack_is_refused_by_the_spec_check():
 def test_the_backend_refuses_a_bad_value_even_called_directly(key, value, tmp_path):
     launch = slurm_plan(tmp_path)
     assert not launch.errors
-    launch.spec.layout.slurm[key] = value  # past every earlier check: the backend is the last one
+    setattr(launch.spec.layout.options, key, value)  # past every earlier check: the backend is the last one
     backend = SlurmBackend()
     [problem] = backend.check(launch.spec.layout)  # before asking any cluster
     assert problem.startswith(f"studio.slurm.{key}: ")
     run_dir = Path(launch.argv[-1])
     run_dir.mkdir(parents=True)
     with pytest.raises(SubmitError, match=f"studio.slurm.{key}: "):
-        backend.submit(run_dir, launch, "cpu")
+        backend.submit(run_dir, launch, device="cpu")
     assert not (run_dir / SCRIPT).exists()  # nothing written, nothing submitted
-    launch.spec.layout.slurm.pop(key)
+    launch.spec.layout.options = SlurmOptions()
     launch.spec.layout.nodes = "2\ntouch /tmp/pwned"
     assert backend.check(launch.spec.layout) == ["studio.nodes: '2\\ntouch /tmp/pwned' must be a whole number of "
                                                  "nodes, 1 or more"]

@@ -16,7 +16,8 @@ from cli.main import main as cli_main
 from conftest import RECIPES
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
 from studio_core.training import plan
-from studio_core.recipe.spec import RunSpec, SpecError, validate
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import validate
 
 TOKEN = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
 SFT = RunSpec.load(RECIPES / "tiny-sft.yaml")

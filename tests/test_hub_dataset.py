@@ -13,14 +13,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from huggingface_hub import HfApi
 
-from conftest import run_folders
+from conftest import launch_py, run_folders
 from hub_standin import HubStandIn
 from studio_core.data.builtin import ensure_tiny_model
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
-from studio_core.recipe.spec import RunSpec, validate
+from studio_core.recipe.spec import RunSpec
+from studio_core.recipe.validate import validate
 from test_hub_download import TOKEN, hub  # noqa: F401 (fixture: the stand-in, an empty Hub cache)
-from test_runs import REPO, TINY, launch_py, tiny
+from test_runs import REPO, TINY, tiny
 
 CHATS = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
                        {"role": "assistant", "content": f"{i + 1}."}]} for i in range(12)]

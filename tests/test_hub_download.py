@@ -20,7 +20,8 @@ from conftest import run_folders
 from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
 from studio_core.data.builtin import ensure_tiny_model
 from studio_core.machine.hardware import cpu_hardware
-from studio_core.recipe.spec import SpecError, validate
+from studio_core.recipe.spec import SpecError
+from studio_core.recipe.validate import validate
 from test_runs import tiny
 
 TOKEN = "hf_alice_publish_0123456789"

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from cli.main import main as cli_main
+from conftest import launch_py
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
 from studio_core.recipe.spec import SpecError
-from test_runs import LONG, launch_py, marked_processes, ranks, tiny
+from test_runs import LONG, marked_processes, ranks, tiny
 
 SAVED = ["max_steps=30", "logging_steps=5", "save_strategy=steps", "save_steps=30"]
 

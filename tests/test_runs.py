@@ -23,12 +23,11 @@ from studio_core.machine.procs import kill_run_processes
 from studio_core.rundir.folder import new_run_id
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView
-from conftest import run_folders
+from conftest import launch_py, run_folders
 from studio_core.recipe.spec import RunSpec, SpecError
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny-sft.yaml"
-RUN_TIMEOUT_S = 180  # a hang guard for a CLI command: a 20-step run takes ~10 s on 2 cores
 LONG = ["max_steps=3000", "logging_steps=50"]  # still going when a test acts on it
 
 
@@ -88,11 +87,6 @@ def ranks(procs: dict[int, psutil.Process]) -> dict[str, psutil.Process]:
         if rank is not None and proc.environ().get("LOCAL_RANK") is not None:
             out[rank] = proc
     return out
-
-
-def launch_py(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, check=False)
 
 
 def broken_model(folder: Path) -> Path:

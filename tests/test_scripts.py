@@ -9,7 +9,7 @@ import pytest
 
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
 from studio_core.training.plan import plan
-from studio_core.training.scripts import launch_script, slurm_script
+from studio_core.training.scripts import launch_script, submit_script
 from studio_core.recipe.spec import RunSpec
 
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -49,7 +49,7 @@ def test_the_slurm_script_is_the_batch_script_of_a_slurm_plan(tmp_path):
     spec = RunSpec.load(RECIPES / "qwen3-8b-sft-tp4-fsdp8.yaml").with_overrides(["studio.run_on=slurm",
                                                                                   "studio.nodes=4"])
     launch = plan(spec, instance_hardware("trn2.48xlarge"), run_dir=tmp_path / "runs" / "r1", run_id="r1")
-    script = slurm_script(launch)
+    script = submit_script(launch)
     assert bash_syntax_ok(script, tmp_path)
     expected = {k: v for k, v in launch.env.items() if k not in ("STUDIO_RUN_ID", "PYTHONPATH")}
     assert exported_env(script) == expected  # a Slurm node is the job's: no core of it named

@@ -9,18 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import launch_py
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def launch(*args, timeout=60):
-    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20", "::"])
 def test_a_non_loopback_host_without_a_login_is_refused(host, tmp_path):
-    done = launch("--host", host, "--runs-dir", str(tmp_path))
+    done = launch_py("--host", host, "--runs-dir", str(tmp_path))
     assert done.returncode == 2
     assert f"Refusing to listen on {host}" in done.stderr and "--auth" in done.stderr
 
@@ -29,7 +26,7 @@ def test_a_non_loopback_host_without_a_login_is_refused(host, tmp_path):
 def test_a_malformed_login_is_refused(tmp_path):
     auth_file = tmp_path / "logins"
     auth_file.write_text("alice:secret\nbob-without-password\n")
-    done = launch("--host", "0.0.0.0", "--auth-file", str(auth_file), "--runs-dir", str(tmp_path))
+    done = launch_py("--host", "0.0.0.0", "--auth-file", str(auth_file), "--runs-dir", str(tmp_path))
     assert done.returncode != 0 and "user:password" in done.stderr
 
 

@@ -19,7 +19,8 @@ import pytest
 from slurm_cluster import SlurmCluster, available
 from studio_browser import browser  # noqa: F401 (a fixture)
 
-from studio_core.backends.slurm.backend import JOB, job_of
+from studio_core.backends.slurm.options import SlurmOptions
+from studio_core.backends.slurm.records import JOB, job_of
 from studio_core.machine.hardware import CPU_CORES_ENV, Hardware, cpu_hardware
 from studio_core.machine.procs import run_processes
 from studio_core.runs.manager import RunManager
@@ -53,7 +54,7 @@ def cluster(tmp_path_factory):
 
 def slurm_spec(*overrides: str, nodes: int = 2, **options) -> RunSpec:
     spec = RunSpec.load(RECIPE).with_overrides(["studio.run_on=slurm", f"studio.nodes={nodes}", *overrides])
-    spec.layout.slurm = options
+    spec.layout.options = SlurmOptions(**options)
     return spec
 
 
@@ -69,7 +70,7 @@ def timed_run(cluster, tmp_path_factory):
                     "    return [0.0] * len(completions)\n")
     spec = RunSpec.load(ROOT / "recipes" / "tiny-grpo.yaml").with_overrides(
         ["studio.run_on=slurm", "max_steps=100000", f"studio.rewards=[{{file: {slow}, function: slow}}]"])
-    spec.layout.slurm = {"partition": "short", "time": "0:01"}
+    spec.layout.options = SlurmOptions(partition="short", time="0:01")
     manager = RunManager(folder / "runs")
     return manager, manager.start(spec, NODE).id
 

@@ -5,10 +5,12 @@ import pytest
 
 from app.train_form import form_values, spec_from_form
 from studio_core.backends.slurm.backend import batch_script, slurm_ending
+from studio_core.backends.slurm.options import SlurmOptions
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
 from studio_core.training.plan import plan
 from studio_core.backends.slurm.tools import Job, check_sbatch_args, check_time, parse_fields, parse_sinfo, parse_squeue
-from studio_core.recipe.spec import RunSpec, validate
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import validate
 
 pytestmark = pytest.mark.fast
 
@@ -57,12 +59,17 @@ def test_sbatch_options_the_studio_owns_are_refused_with_the_setting_to_use():
 def test_a_slurm_spec_is_checked_before_asking_any_cluster():
     spec = RunSpec.load("recipes/tiny-sft.yaml").with_overrides(["studio.nodes=2"])
     assert any("set studio.run_on: slurm" in p for p in validate(spec))
-    spec.layout.run_on, spec.layout.slurm = "slurm", {"partiton": "trn", "time": 5, "sbatch_args": "--qos=x"}
+    with pytest.raises(SpecError, match="studio.slurm.partiton: unknown key; it takes partition"):
+        spec.with_overrides(["studio.run_on=slurm", "studio.slurm={partiton: trn}"])
+    spec.layout.run_on, spec.layout.options = "slurm", SlurmOptions(time=5, sbatch_args="--qos=x", auto_resume="y")
     problems = " ".join(validate(spec))
-    for words in ("studio.slurm.partiton: unknown key", "studio.slurm.time: 5 is not text",
-                  "sbatch_args: write a list"):
+    for words in ("studio.slurm.time: 5 is not text", "sbatch_args: write a list",
+                  "studio.slurm.auto_resume: write true or false"):
         assert words in problems
-    spec.layout.slurm = {"partition": "trn", "time": "10", "sbatch_args": ["--qos=high"]}
+    assert validate(spec.with_overrides(["studio.run_on=local", "studio.nodes=1"])) == [
+        "studio.slurm: these settings are for studio.run_on: slurm, but the run is local"]
+    assert "leave cores empty" in " ".join(validate(spec.with_overrides(["studio.cores=0-1"])))
+    spec.layout.options = SlurmOptions(partition="trn", time="10", sbatch_args=["--qos=high"])
     assert validate(spec) == []
     again = RunSpec.from_dict(spec.to_dict())  # saved and read back, as the run folder holds it
     assert again.layout == spec.layout
@@ -72,8 +79,8 @@ def test_a_slurm_spec_is_checked_before_asking_any_cluster():
 def test_a_slurm_plan_names_no_core_sets_efa_on_trainium_and_submits_one_supervisor_per_node():
     spec = RunSpec.load("recipes/tiny-sft.yaml").with_overrides(["studio.run_on=slurm", "studio.nodes=4",
                                                                 "studio.nproc=32"])
-    spec.layout.slurm = {"partition": "trn", "time": "2-00:00:00", "account": "ml", "auto_resume": True,
-                         "sbatch_args": ["--qos=high"]}
+    spec.layout.options = SlurmOptions(partition="trn", time="2-00:00:00", account="ml", auto_resume=True,
+                                       sbatch_args=["--qos=high"])
     launch = plan(spec, instance_hardware("trn2.48xlarge", lnc=2), run_dir="/fsx/runs/r1", run_id="r1",
                   compile_cache="/fsx/cache")
     assert launch.backend == "slurm" and launch.cores is None and not launch.errors
@@ -98,13 +105,13 @@ def test_a_slurm_plan_names_no_core_sets_efa_on_trainium_and_submits_one_supervi
 
 def test_the_form_s_slurm_widgets_make_the_spec_and_back():
     spec = RunSpec.load("recipes/tiny-sft.yaml").with_overrides(["studio.run_on=slurm", "studio.nodes=2"])
-    spec.layout.slurm = {"partition": "trn", "time": "30", "sbatch_args": ["--comment=a b", "--qos=high"]}
+    spec.layout.options = SlurmOptions(partition="trn", time="30", sbatch_args=["--comment=a b", "--qos=high"])
     values = form_values(spec, trackers=["none"])
     values |= {"target": "this machine", "lnc": 2}
     again = spec_from_form(values)
     assert again.layout == spec.layout
     local = spec_from_form(values | {"run_on": "local", "nodes": 4})
-    assert local.layout.run_on == "local" and local.layout.nodes == 1 and local.layout.slurm == {}
+    assert local.layout.run_on == "local" and local.layout.nodes == 1 and local.layout.options is None
 
 
 def test_a_plan_on_the_cpu_for_slurm_takes_no_core_of_this_machine():
@@ -118,7 +125,7 @@ def test_an_auto_resumed_step_goes_on_from_the_newest_checkpoint_its_job_saved(t
     import json
     import os
 
-    from studio_core.training.supervisor import auto_resumed
+    from studio_core.backends.slurm.node import auto_resumed
 
     def checkpoint(step, mtime):
         folder = tmp_path / "output" / f"checkpoint-{step}"

@@ -21,7 +21,7 @@ from studio_core.machine.hardware import Hardware, instance_hardware
 from studio_core.training.plan import plan
 from studio_core.rundir import events
 from studio_core.runs.manager import RunManager
-from studio_core.training.scripts import slurm_script
+from studio_core.training.scripts import submit_script
 from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast
@@ -74,7 +74,7 @@ def test_the_exported_script_s_job_makes_a_run_the_studio_lists_and_starts_it_on
     runs = tmp_path / "runs"
     job = slurm_cpu_plan(runs)
     script = tmp_path / "job.sh"
-    script.write_text(slurm_script(job))
+    script.write_text(submit_script(job))
     run_id = exported_run_id(script.read_text())
     run_dir = runs / run_id
 
@@ -119,7 +119,7 @@ def test_a_resumed_run_s_new_job_may_start_it_again(tmp_path):
     runs = tmp_path / "runs"
     job = slurm_cpu_plan(runs)
     script = tmp_path / "job.sh"
-    script.write_text(slurm_script(job))
+    script.write_text(submit_script(job))
     run_dir = runs / exported_run_id(script.read_text())
     assert run_as_job(script, tmp_path, "7").returncode == 0
     events.append(run_dir / "events.jsonl", events.status("stopped"))
@@ -132,7 +132,7 @@ def test_a_resumed_run_s_new_job_may_start_it_again(tmp_path):
     assert recorded["job_id"] == "8" and recorded["job_ids"] == ["7", "8"]
 
 
-def test_a_plan_for_this_machine_gets_no_slurm_script():
+def test_a_plan_for_this_machine_gets_no_batch_script():
     spec = RunSpec.load(RECIPE)
-    with pytest.raises(ValueError, match="needs a plan for Slurm"):
-        slurm_script(plan(spec, Hardware("cpu", 1, cpu_count=1)))
+    with pytest.raises(ValueError, match="needs a plan for a cluster"):
+        submit_script(plan(spec, Hardware("cpu", 1, cpu_count=1)))

@@ -3,6 +3,10 @@ machine: the built-in tiny model through the studio's own jobs (precompile and a
 hit the cache, a compiled SFT run, a 2-process run, a chat, an evaluation), then one report
 file. A busy machine fails each step with who holds the cores; the report never carries a
 token or a variable named like a secret.
+
+The smoke's precompile step is also this suite's real check of precompile (studio_core/training/
+precompile.py) end to end: its jobs compile the run's shapes into an empty compile cache and the
+run finds every graph there (tests/test_precompile.py checks the rest of precompile).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 from studio_core.machine import leases
 from studio_core.doctor import smoke
 from studio_core.machine.hardware import Hardware, cpu_hardware
+from studio_core.rundir.events import read as read_events
 from studio_core.runs.manager import RunManager
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,9 +44,15 @@ def report_of(done: subprocess.CompletedProcess) -> tuple[Path, dict]:
     return path, json.loads(path.read_text())
 
 
+def events_of(view, *types):
+    return [e for e in read_events(view.dir / "events.jsonl") if e["type"] in types]
+
+
 def test_the_smoke_test_runs_every_step_on_this_machine_and_writes_one_report(tmp_path):
     runs_dir = tmp_path / "runs"
-    done = smoke_cli(runs_dir, {**DEVICE_ENV, "HF_TOKEN": FAKE_TOKEN})
+    # an empty compile cache: the precompile jobs must compile, not find the session's graphs
+    env = {**DEVICE_ENV, "HF_TOKEN": FAKE_TOKEN, "STUDIO_COMPILE_CACHE": str(tmp_path / "compile-cache")}
+    done = smoke_cli(runs_dir, env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all smoke steps passed" in done.stdout and "Traceback" not in done.stdout + done.stderr
     path, report = report_of(done)
@@ -72,6 +83,18 @@ def test_the_smoke_test_runs_every_step_on_this_machine_and_writes_one_report(tm
     assert (smoke_runs / ".leases").resolve() == (runs_dir / ".leases").resolve()
     assert RunManager(runs_dir).list() == [] and len(RunManager(smoke_runs).list()) == 3
     assert "PASSED" in path.with_suffix(".md").read_text()
+    # the precompiled run: each job compiled one of the shapes the run then met (a cache miss), and the
+    # run, begun after the last job, found every graph in the cache
+    view = RunManager(smoke_runs).view(steps["precompile"]["details"]["run"])
+    (start,) = events_of(view, "precompile_start")
+    jobs, (end,) = events_of(view, "precompiled"), events_of(view, "precompile_end")
+    run_shapes = sorted(e["shape"] for e in events_of(view, "shape"))
+    assert sorted(start["shapes"]) == sorted(e["shape"] for e in jobs) == run_shapes == [[4, 34], [4, 38]]
+    assert "failed" not in end and all(e["cache"] == "miss" for e in jobs)
+    cached = [e for e in events_of(view, "compile_end") if "cache" in e]
+    assert cached and all(e["cache"] == "hit" for e in cached), cached
+    assert all(e["time"] > max(job["time"] for job in jobs) for e in events_of(view, "compile_end"))
+    assert view.precompile["total"] == 2 and len(view.precompile["done"]) == 2
 
 
 def test_a_busy_machine_fails_each_step_saying_who_holds_the_cores(tmp_path):

@@ -10,7 +10,8 @@ from huggingface_hub import constants
 from studio_core.data.builtin import BUILTIN_MODEL, ensure_tiny_model
 from studio_core.machine.hardware import Hardware, instance_hardware
 from studio_core.training.plan import plan
-from studio_core.recipe.spec import Layout, RunSpec, SpecError, validate, validated
+from studio_core.recipe.spec import Layout, RunSpec, SpecError
+from studio_core.recipe.validate import validate, validated
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 REPO_RECIPES = Path(__file__).parent.parent / "recipes"

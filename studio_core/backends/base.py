@@ -13,8 +13,42 @@ The planner asks the run's backend for the command that starts the processes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+# What each field of a backend's options dataclass carries in its `metadata` (see `option`), so
+# that the command line and the form make their flag and widget from it, and say problems
+# under the names the user typed them in:
+#   "label"   the form's label, also the name problems are said under there ("Time limit")
+#   "help"    one line for the flag's help and the widget's info
+#   "flag"    the command line's option ("--time"); a "list" field's flag is repeated
+#   "kind"    "text" (a string, None when not given), "bool" (a checkbox / store_true flag),
+#             "list" (a list of strings: a repeated flag, one line split as a shell would)
+#   "choices" None, or a function () -> (names, line) a form offers in a dropdown that takes
+#             other values too (the cluster's partitions, and a line saying what they are)
+#   "placeholder"  what an empty widget shows ("partition default"), or None
+#   "offered" None, or a function () -> bool: may the form's widget be used here (HyperPod's
+#             auto-resume only where srun has it)
+#   "recipe"  what the recipe key holds, for the message naming the keys (an unknown key's)
+# A form widget's elem_id is the field's name (the browser tests find widgets by it).
+# An options dataclass has: from_dict(data) -> (options, problems) and to_dict() (the recipe's
+# block: only what is not a default), check(labels=None) -> problems (under the recipe's keys,
+# or under `labels`: a field's name -> the flag or widget it was typed in), and settled() -> the
+# options as they are kept once the check passed (what the command line and the form store).
+OPTION_KINDS = ("text", "bool", "list")
+
+
+def option(default, *, label: str, help: str, flag: str, recipe: str, kind: str = "text", choices=None,
+           placeholder: str | None = None, offered=None):
+    """A field of a backend's options dataclass, with the metadata above. A list default is
+    copied for each instance."""
+    if kind not in OPTION_KINDS:
+        raise ValueError(f"option kind {kind!r}: one of {OPTION_KINDS}")
+    metadata = {"label": label, "help": help, "flag": flag, "kind": kind, "choices": choices,
+                "placeholder": placeholder, "offered": offered, "recipe": recipe}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 class SubmitError(RuntimeError):
@@ -29,10 +63,58 @@ class Ending:
     reason: str
 
 
+class Node(ABC):
+    """One machine of a run that a place executes on several machines (a cluster job's node), as
+    that machine's supervisor (studio_core.training.supervisor) sees it. The place, not the
+    node, writes the final status of a run that failed or that the place ended."""
+
+    name: str  # the node's name, for the events and its hardware samples
+    first: bool  # the rendezvous host, and the node that says how the run ended
+    task_marker: tuple[str, ...]  # environment variables whose values this node's processes share
+
+    @abstractmethod
+    def prepare(self, argv: list[str]) -> list[str]:
+        """Put the rendezvous (where the first node listens) into this process's environment, and
+        return the launch command with it filled in."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The log line the first node writes: where the run is and where its rendezvous is."""
+
+    @abstractmethod
+    def restart_from(self, env: dict) -> dict | None:
+        """The checkpoint to go on from when the place restarted the run's step itself, else None."""
+
+    @abstractmethod
+    def started(self) -> None:
+        """Record that this node's supervisor started (so a failure can be told to the node)."""
+
+    @abstractmethod
+    def ended(self, exit_code: int, stopped: bool) -> None:
+        """Record this node's end: its torchrun's exit code, and whether a stop was asked."""
+
+    @abstractmethod
+    def left_to_place(self, exit_code: int, stopped: bool) -> str:
+        """The first node's log line when the place writes the final status (a stop it sent, or a
+        failure whose cause it knows: a node may have died)."""
+
+
 class RunBackend(ABC):
     name: str  # the value of the spec's studio.run_on
+    label: str  # its name for people: the form's "Run on" choice, the command line's group ("Slurm")
     description: str  # for people: where the run's processes execute
     local_cores: bool = True  # does a run hold cores of this machine (leased by the manager)?
+    cluster: bool = False  # are its machines a cluster's nodes, which talk over the network?
+    max_nodes: int | None = 1  # how many machines a run may have (None: as many as the place has)
+    # The dataclass of what a user chooses for this place (None: nothing): read from the recipe
+    # key studio.<name>, its fields made into flags and widgets (see `option`), with its own check.
+    options_type: type | None = None
+
+    def options(self, layout):
+        """The layout's options for this backend (its defaults when the spec gives none), or None."""
+        if self.options_type is None:
+            return None
+        return layout.options if isinstance(layout.options, self.options_type) else self.options_type()
 
     @abstractmethod
     def launch_argv(self, layout, module: str, run_dir: str) -> list[str]:
@@ -47,14 +129,29 @@ class RunBackend(ABC):
         """Lines the plan's description adds for this backend (what it submits, and how)."""
         return []
 
+    def layout_problems(self, layout) -> list[str]:
+        """What is wrong with the layout for this place, without asking it (the spec's check)."""
+        return []
+
     def check(self, layout) -> list[str]:
         """Problems only the place itself can tell (asked before anything is made)."""
         return []
 
+    def export_script(self, plan) -> str:
+        """The script that submits this plan as the studio would (Export writes it); ValueError
+        for a place that takes no script."""
+        raise ValueError(f"a batch script needs a plan for a cluster, not for {self.name!r}: plan it with "
+                         "RunManager.export_plan")
+
     @abstractmethod
-    def submit(self, run_dir: Path, launch, backend: str) -> None:
+    def submit(self, run_dir: Path, launch, device: str) -> None:
         """Start the run whose folder is written, as `launch` (its Plan) says; return once it holds
-        its cores (on the hardware `backend`: neuron, cuda or cpu), is queued, or has ended trying."""
+        its cores (on the hardware `device`: neuron, cuda or cpu), is queued, or has ended trying."""
+
+    def node(self, run_dir: Path, launch: dict) -> Node | None:
+        """This machine as a node of the run (from launch.json and the place's environment), when
+        the supervisor runs as one of several machines' supervisors; None on a run of one machine."""
+        return None
 
     def where(self, run_dir: Path, live: bool) -> str | None:
         """Where the run is, for people (a Slurm job's id; with `live`, its state and nodes now), or None."""
@@ -72,4 +169,9 @@ class RunBackend(ABC):
     @abstractmethod
     def ending(self, run_dir: Path, created: float) -> Ending | None:
         """For a run that is not alive and has no final status: how it ended, or None while it
-        may still be starting (`created`: when its folder was made)."""
+        may still be starting (`created`: when its folder was made). Reads only."""
+
+    def record_ending(self, run_dir: Path, created: float) -> Ending | None:
+        """`ending`, written into the run's events when the place would forget it (a cluster
+        forgets ended jobs); the default has nothing to write."""
+        return self.ending(run_dir, created)

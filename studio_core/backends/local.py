@@ -28,6 +28,7 @@ import psutil
 from studio_core.machine import children, leases
 from studio_core.backends.base import Ending, RunBackend
 from studio_core.machine.procs import kill_run_processes
+from studio_core.machine.hardware import DEVICES
 from studio_core.rundir import events
 from studio_core.rundir.events import FINAL_STATES
 from studio_core.rundir.folder import ENDED, EVENTS, LAUNCH, LOG, read_json, write_json
@@ -41,13 +42,14 @@ ORPHANED = "its supervisor is gone (killed?): the run's processes are ending, an
 
 class LocalBackend(RunBackend):
     name = "local"
+    label = "this machine"
     description = "this machine"
 
     def launch_argv(self, layout, module: str, run_dir: str) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                 f"--nproc-per-node={layout.nproc}", "-m", module, str(run_dir)]
 
-    def submit(self, run_dir: Path, launch, backend: str) -> None:
+    def submit(self, run_dir: Path, launch, device: str) -> None:
         with open(run_dir / LOG, "ab") as log:
             supervisor = children.start("studio_core.training.supervisor", run_dir, env=launch.env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
@@ -55,7 +57,7 @@ class LocalBackend(RunBackend):
                                           "create_time": psutil.Process(supervisor.pid).create_time()})
         # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
         threading.Thread(target=supervisor.wait, name=f"reap-{run_dir.name}", daemon=True).start()
-        leases.wait_held(run_dir.parent, backend, launch.cores, supervisor)
+        leases.wait_held(run_dir.parent, device, launch.cores, supervisor)
 
     def alive(self, run_dir: Path) -> bool:
         return supervisor_process(run_dir) is not None or bool(_cores_still_held(run_dir))
@@ -96,10 +98,10 @@ class LocalBackend(RunBackend):
 def _cores_still_held(run_dir: Path) -> list[int]:
     """The run's cores that something of the run still holds (after its supervisor is gone: torchrun)."""
     launch = read_json(run_dir / LAUNCH)
-    cores, backend = launch.get("cores") or [], (launch.get("hardware") or {}).get("backend")
-    if not cores or backend not in leases.BACKENDS:
+    cores, device = launch.get("cores") or [], (launch.get("hardware") or {}).get("backend")  # neuron, cuda, cpu
+    if not cores or device not in DEVICES:
         return []
-    held = leases.holders(run_dir.parent, backend, max(cores) + 1)
+    held = leases.holders(run_dir.parent, device, max(cores) + 1)
     return [core for core in cores if held.get(core, {}).get("holder") == run_dir.name]
 
 

@@ -57,7 +57,8 @@ from studio_core.evaluate.evaluation import EvalError, EvalProcess, EvalRequest
 from studio_core.machine.hardware import Hardware, cpu_hardware, detect_hardware
 from studio_core.recipe.rewards import HUB_TOKENS
 from studio_core.runs.manager import RunManager
-from studio_core.recipe.spec import TOKEN_VALUE, RunSpec, SpecError
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import TOKEN_VALUE
 
 STEPS = {
     "probe": "the device probe",

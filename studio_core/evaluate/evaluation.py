@@ -228,11 +228,6 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def file_safe(name: str) -> str:
-    """A model's or run's name as a file name: letters, digits, '.', '_' and '-' only."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
-
-
 def results_dir(target: str, runs_dir: Path) -> Path:
     """Where an evaluation of `target` goes: the run's eval/, else the runs folder's evals/."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -240,7 +235,7 @@ def results_dir(target: str, runs_dir: Path) -> Path:
         base = runs_dir / target / EVAL_DIR
     else:
         base = runs_dir / MODEL_EVALS
-        stamp += "-" + file_safe(target)[-40:]
+        stamp += "-" + folder.file_safe(target)[-40:]
     out, n = base / stamp, 1
     while out.exists():
         n += 1

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 from studio_core.machine import children, leases
-from studio_core.recipe import trainers
 from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.device_env import device_env, flags_problem
@@ -42,7 +41,8 @@ from studio_core.rundir import events, folder
 from studio_core.runs.view import format_loss
 from studio_core.rundir.folder import OUTPUT_INFO
 from studio_core.data.sources import HUB_ID
-from studio_core.recipe.spec import SECRET_FIELDS, RunSpec, holds_token, load_spec
+from studio_core.recipe.spec import RunSpec, load_spec
+from studio_core.recipe.validate import SECRET_FIELDS, holds_token
 
 CARD_TEMPLATE = Path(__file__).with_name("model_card.md")
 REPO_LINE = 'repo_id = "your-name/model-name"  # replace: the Hub repo this folder is pushed to, or its path'
@@ -147,7 +147,7 @@ def card_data(summary: dict, kind: str, base_license: str | None):
     spec: RunSpec = summary["spec"]
     hub_base = spec.model_name_or_path if HUB_ID.match(spec.model_name_or_path) else None
     hub_data = spec.dataset_name if HUB_ID.match(spec.dataset_name) else None
-    trainer = trainers.get(spec.trainer)
+    trainer = spec.trainer_entry
     tags = ["trl", trainer.key, "trn-studio", *(["lora", "peft"] if kind == "adapter" else [])]
     tags += ["reward-model"] if not trainer.chats else []
     if summary["hardware"].get("backend") == "neuron":
@@ -290,7 +290,7 @@ def _loss_plot(losses: list[tuple[int, float]], path: Path) -> str | None:
 
 def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
     spec: RunSpec = summary["spec"]
-    trainer = trainers.get(spec.trainer)
+    trainer = spec.trainer_entry
     hardware = summary["hardware"]
     # a secret never reaches the card, even from a run folder made before the studio refused them
     settings = "\n".join(f"| `{k}` | `{v!r}` |" for k, v in sorted(spec.args.items())

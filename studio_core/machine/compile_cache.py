@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from studio_core.machine.cache import cache_dir
+from studio_core.machine.hardware import DEVICES
 from studio_core.machine.sizes import format_size
 
-BACKENDS = ("cpu", "cuda", "neuron")
 # TorchNeuron's NEFF cache settings (torch-neuronx source: the Python cache configuration's
 # get_nfs_cache_dir and is_caching_disabled, and the C++ PersistentCacheBackend, which reads
 # the same two variables); read in the source, not run on a device here.
@@ -65,8 +65,8 @@ def compile_cache_root() -> Path:
 
 def compile_cache_dir(backend: str, root: str | Path | None = None) -> Path:
     """The folder for one backend's compiled graphs (`root` defaults to the configured one)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if backend not in DEVICES:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(DEVICES)}")
     return Path(root if root is not None else compile_cache_root()) / backend
 
 

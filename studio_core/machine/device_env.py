@@ -17,6 +17,8 @@ On Neuron:
   `STUDIO_NEURON_CORES`: each rank calls `use_rank_core()` before torch is imported and
   keeps core block[LOCAL_RANK] (what torch-xla's core remapping used to do). A Slurm
   job's nodes are its own: no core is named and torch-neuronx picks by LOCAL_RANK.
+- Between machines (`between_nodes`: a cluster's nodes): libfabric over the nodes' EFA adapters
+  (AWS's multi-node settings: FI_PROVIDER=efa, device RDMA, fork safety).
 Elsewhere: `CUDA_VISIBLE_DEVICES` on CUDA, `OMP_NUM_THREADS` on CPU, and Inductor's cache.
 """
 
@@ -51,6 +53,11 @@ REASONS = {
                 "the worker before torch loads",
     "NEURON_LOGICAL_NC_CONFIG": "the runtime's Logical NeuronCore setting (physical cores per logical core), so "
                                 "each process sees the cores as the studio counted them",
+    "FI_PROVIDER": "libfabric talks to the nodes' EFA adapters: collectives between nodes go over EFA",
+    "FI_EFA_USE_DEVICE_RDMA": "the Neuron devices read and write across nodes directly (RDMA), without a copy "
+                              "through host memory",
+    "FI_EFA_FORK_SAFE": "data loader workers fork; without it, forked processes can break registered EFA memory "
+                        "(needed on Amazon Linux 2)",
     CC_FLAGS: f"--lnc, the same LNC as NEURON_LOGICAL_NC_CONFIG: {LNC_PAGE}; the NEURON_CC_FLAGS of the "
               "studio's environment are kept, --lnc added unless they name it",
 }
@@ -99,13 +106,18 @@ def compiler_flags(lnc: int, flags: str | None) -> str:
     return flags if named else f"{flags} --lnc={lnc}".strip()
 
 
+EFA = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}  # Neuron between nodes
+
+
 def device_env(hardware, compile_cache, cores: list[int] | None, processes: int = 1,
-               written: str | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+               written: str | None = None, environ: Mapping[str, str] | None = None,
+               between_nodes: bool = False) -> dict[str, str]:
     """What a process (or each of `processes` ranks) needs on `hardware`, placed on `cores`
     (None: no core is named, as on a Slurm node). `written`: the cores as the user wrote
     them ("0,1"), kept when they name the same cores. `environ`: the environment the process
     inherits (default: this one's), whose NEURON_CC_FLAGS are kept; CompilerFlagsError when they
-    set another LNC. Pure but for that: `compile_cache` is the root."""
+    set another LNC. `between_nodes`: the processes are on a cluster's nodes and talk over its
+    network. Pure but for that: `compile_cache` is the root."""
     env = compile_cache_env(hardware.backend, compile_cache)
     text = written if written and cores is not None and parse_cores(written) == cores else (
         format_cores(cores) if cores else None)
@@ -116,6 +128,8 @@ def device_env(hardware, compile_cache, cores: list[int] | None, processes: int 
             env[CC_FLAGS] = compiler_flags(hardware.lnc, (os.environ if environ is None else environ).get(CC_FLAGS))
         if text is not None:
             env[VISIBLE if processes == 1 else RANK_CORES] = text
+        if between_nodes:
+            env |= EFA
     elif hardware.backend == "cuda" and cores is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cores))
     elif hardware.backend == "cpu":

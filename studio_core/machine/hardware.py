@@ -13,11 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from studio_core.machine.cores import parse_cores
 
-BACKENDS = ("neuron", "cuda", "cpu")
+DEVICES = ("neuron", "cuda", "cpu")  # the kinds of machine the studio runs on; the one list of them
 # PyTorch cannot address more than 127 devices of one type: a trn2.48xlarge at LNC=1 shows
 # 128 logical cores and fails (the project's Neuron notes; not in the AWS pages read), so
 # such a configuration is refused up front.
@@ -113,6 +113,19 @@ def instance_hardware(instance_type: str, lnc: int = 2) -> Hardware:
     return Hardware("neuron", cores, cpu_count=os.cpu_count() or 1, instance_type=instance_type,
                     chips=info["chips"], lnc=lnc, detected=False, chip_memory_gib=info["chip_memory_gib"],
                     vcpus=info["vcpus"], host_memory_gib=info["host_memory_gib"])
+
+
+@dataclass
+class Target:
+    """The hardware a plan is for: an instance type at an LNC, or (no instance) this machine's. Each
+    field's metadata names its command line flag and form label (cli/ and app/ make them from it)."""
+
+    instance: str | None = field(default=None, metadata={"flag": "--instance", "label": "Plan for"})
+    lnc: int = field(default=2, metadata={"flag": "--lnc", "label": "LNC (instance types)"})
+
+    def hardware(self, here) -> Hardware:
+        """The instance type's hardware (ValueError saying what is wrong), else here() (this machine's)."""
+        return instance_hardware(self.instance, lnc=self.lnc) if self.instance else here()
 
 
 # `neuron-ls --json-output` (-j), as the Neuron LS User Guide shows it (Neuron 2.2x-2.33):

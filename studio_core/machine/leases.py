@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from studio_core.machine.cores import parse_cores
+from studio_core.machine.hardware import DEVICES
 from studio_core.machine.layout import pick_cores
 
-BACKENDS = ("neuron", "cuda", "cpu")
 KINDS = ("run", "chat", "eval", "export", "doctor", "precompile")
 # A probe (holders) holds a shared lock for microseconds; acquire retries this long
 # so a probe from the UI never makes a start fail.
@@ -227,8 +227,8 @@ def describe(info: dict) -> str:
 
 
 def _check(backend: str, cores: list[int] | None, kind: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend not in DEVICES:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(DEVICES)}")
     if kind not in KINDS:
         raise ValueError(f"unknown lease kind {kind!r}: use one of {', '.join(KINDS)}")
     if cores is not None and not cores:

@@ -86,26 +86,26 @@ def _value_format(value) -> str:
 def fit_problems(kind: DatasetKind, trainer: str, extra_columns_ok: set[str] = frozenset()) -> list[str]:
     """What stops `trainer` from training on data of this kind, each with the fix."""
     try:
-        accepted = trainers.get(trainer).data_types
+        entry = trainers.get(trainer)
     except KeyError as error:
         return [str(error).strip("'\"")]
-    if kind.type not in accepted:
-        return [_mismatch(kind, trainer)]
+    if kind.type not in entry.data_types:
+        return [_mismatch(kind, entry)]
     problems = []
     if kind.format not in ("conversational", "standard"):
         problems.append(f"dataset: {kind.description}; TRL needs every one of {_names(kind.used)} in one "
                         "format, all plain text or all lists of {role, content} messages, in every record")
-    surplus = _surplus(kind, trainer, extra_columns_ok)
+    surplus = _surplus(kind, entry, extra_columns_ok)
     if surplus:
         keep = ", ".join(_wanted(kind))
-        problems.append(f"dataset: {trainers.get(trainer).name} would not use {_names(surplus)}, since TRL reads "
+        problems.append(f"dataset: {entry.name} would not use {_names(surplus)}, since TRL reads "
                         f"this as {kind.description}; keep only {keep} with studio.keep_columns: [{keep}]")
     return problems
 
 
-def _surplus(kind: DatasetKind, trainer: str, extra_columns_ok=frozenset()) -> list[str]:
+def _surplus(kind: DatasetKind, entry: trainers.Trainer, extra_columns_ok=frozenset()) -> list[str]:
     """Columns the trainer would not read (a trainer with rewards hands any other column to them)."""
-    if trainers.get(trainer).rewards:
+    if entry.rewards:
         return []
     return [c for c in kind.columns if c not in kind.used and c not in extra_columns_ok and c not in TRL_EXTRAS]
 
@@ -115,30 +115,29 @@ def _wanted(kind: DatasetKind) -> list[str]:
     return [*kind.used, *(c for c in kind.columns if c in TRL_EXTRAS)]
 
 
-def _mismatch(kind: DatasetKind, trainer: str) -> str:
-    spec = trainers.get(trainer)
+def _mismatch(kind: DatasetKind, entry: trainers.Trainer) -> str:
     unpaired = _unpaired_column_map(kind)
-    if unpaired is not None and "preference" in spec.data_types and "unpaired_preference" not in spec.data_types:
+    if unpaired is not None and "preference" in entry.data_types and "unpaired_preference" not in entry.data_types:
         # a trainer of pairs given single labelled answers: no renaming of columns makes pairs
         found = (kind.description if kind.type == "unpaired_preference"
                  else f"columns {_names(kind.columns)}, which look like unpaired preference data")
         takers = trainers.taking("unpaired_preference")
         keys = [f"studio.trainer: {takers[0].key}"] + [
             f"studio.column_map: {{{', '.join(f'{a}: {b}' for a, b in unpaired.items())}}}"] * bool(unpaired)
-        return (f"dataset: {spec.name} needs {spec.data_help}; this dataset has {found}: one answer per prompt, "
-                f"labelled desirable or not, where {spec.name} needs pairs (a chosen and a rejected answer to the "
+        return (f"dataset: {entry.name} needs {entry.data_help}; this dataset has {found}: one answer per prompt, "
+                f"labelled desirable or not, where {entry.name} needs pairs (a chosen and a rejected answer to the "
                 f"same prompt), which no renaming of columns makes; train it with "
                 f"{' or '.join(t.name for t in takers)}, which takes unpaired preference data ({', '.join(keys)}), "
-                f"or give {spec.name} a dataset of pairs")
+                f"or give {entry.name} a dataset of pairs")
     lm = [c for c in ("messages", "text") if c in kind.columns]
-    if "language_modeling" in spec.data_types and lm:
+    if "language_modeling" in entry.data_types and lm:
         return (f"dataset: {_names(kind.used)} beside `{lm[0]}`: TRL reads {_names(kind.used)} first and "
                 f"treats this as {kind.type.replace('_', '-')} data, so `{lm[0]}` would not be trained on; "
                 f"keep only {lm[0]} with studio.keep_columns: [{lm[0]}]")
-    targets = [TYPE_COLUMNS[t] for t in spec.data_types] + [("text",)] * ("language_modeling" in spec.data_types)
+    targets = [TYPE_COLUMNS[t] for t in entry.data_types] + [("text",)] * ("language_modeling" in entry.data_types)
     nearest = max(targets, key=lambda t: len(set(t) & set(kind.columns)))
     missing = [c for c in nearest if c not in kind.columns]
-    mapping = suggest_column_map(list(kind.columns), trainer)
+    mapping = _column_map(list(kind.columns), entry)
     accepted = {c for t in targets for c in t}
     blocking = [c for c in kind.used if c not in accepted and c not in mapping]
     keep = [mapping.get(c, c) for c in kind.columns if c not in blocking]
@@ -156,7 +155,7 @@ def _mismatch(kind: DatasetKind, trainer: str) -> str:
         fix += (f"{'; or ' if fix else ''}train it with {' or '.join(others)}, which "
                 f"{'take' if len(others) > 1 else 'takes'} {kind.type.replace('_', ' ')} data")
     found = kind.description if kind.type != "unknown" else f"columns {_names(kind.columns) or 'none'}"
-    return f"dataset: {spec.name} needs {spec.data_help}; this dataset has {found}: {fix}"
+    return f"dataset: {entry.name} needs {entry.data_help}; this dataset has {found}: {fix}"
 
 
 def _unpaired_column_map(kind: DatasetKind) -> dict[str, str] | None:
@@ -165,7 +164,7 @@ def _unpaired_column_map(kind: DatasetKind) -> dict[str, str] | None:
     if kind.type == "unpaired_preference":
         return {}
     for taker in trainers.taking("unpaired_preference"):
-        mapping = suggest_column_map(list(kind.columns), taker.key)
+        mapping = _column_map(list(kind.columns), taker)
         renamed = {mapping.get(c, c) for c in kind.columns}
         if {"prompt", "completion", "label"} <= renamed and not {"chosen", "rejected"} & renamed:
             return mapping
@@ -234,10 +233,14 @@ def prepare_dataset(dataset, column_map: dict[str, str] | None, keep_columns: li
 def suggest_column_map(columns: list[str], trainer: str) -> dict[str, str]:
     """A best-guess studio.column_map that makes these columns fit `trainer` (the columns its
     registry entry names, found by their usual names); {} if none is sensible."""
-    spec, present, mapping = trainers.TRAINERS.get(trainer), set(columns), {}
-    if spec is None:
-        return {}
-    if "language_modeling" in spec.data_types and {"messages", "text"} & present:
+    entry = trainers.TRAINERS.get(trainer)
+    return _column_map(columns, entry) if entry is not None else {}
+
+
+def _column_map(columns: list[str], entry: trainers.Trainer) -> dict[str, str]:
+    """suggest_column_map for this registry entry."""
+    present, mapping = set(columns), {}
+    if "language_modeling" in entry.data_types and {"messages", "text"} & present:
         return {}  # it trains on those as they are
 
     def pick(target: str, also: tuple[str, ...]) -> bool:
@@ -250,10 +253,10 @@ def suggest_column_map(columns: list[str], trainer: str) -> dict[str, str]:
                     return True
         return False
 
-    for role in spec.roles:
+    for role in entry.roles:
         if not pick(role.column, role.also) and role.required:
             return {}
-    if spec.rewards and "completion" in present and "reference" not in present:
+    if entry.rewards and "completion" in present and "reference" not in present:
         mapping["completion"] = "reference"  # the reward functions read it; exact_match's usual column
     return mapping
 
@@ -266,12 +269,13 @@ def suggest_fix(rows: list[dict], trainer: str, column_map: dict | None = None,
     fixed by keys. A valid `column_map` of the user's is built on, not thrown away."""
     if trainer not in trainers.TRAINERS or not rows:
         return {}
+    entry = trainers.TRAINERS[trainer]
     columns = list(dict.fromkeys(key for row in rows for key in row))
     if not check_mapping(columns, column_map, keep_columns) and _fits(
-            detect(apply_column_map(rows, column_map, keep_columns), text_field), trainer):
+            detect(apply_column_map(rows, column_map, keep_columns), text_field), entry):
         return {}
     own = {} if check_mapping(columns, column_map, None) else dict(column_map or {})
-    more = suggest_column_map([own.get(c, c) for c in columns], trainer)
+    more = _column_map([own.get(c, c) for c in columns], entry)
     mapping = {old: more.get(new, new) for old, new in own.items()}
     mapping |= {c: new for c, new in more.items() if c not in own.values()}
     mapping = {old: new for old, new in mapping.items() if old != new}
@@ -280,23 +284,23 @@ def suggest_fix(rows: list[dict], trainer: str, column_map: dict | None = None,
     keep = []
     for _ in range(3):  # a rename, then at most two narrowings (e.g. leave out `rejected`, then surplus)
         kind = detect(apply_column_map(rows, mapping, keep), text_field)
-        if _fits(kind, trainer):
+        if _fits(kind, entry):
             return ({"column_map": mapping} if mapping != (column_map or {}) else {}) | (
                 {"keep_columns": keep} if keep != (keep_columns or []) else {})
-        keep = _columns_to_keep(kind, trainer, text_field)
+        keep = _columns_to_keep(kind, entry, text_field)
         if not keep:
             return {}
     return {}
 
 
-def _fits(kind: DatasetKind, trainer: str) -> bool:
+def _fits(kind: DatasetKind, entry: trainers.Trainer) -> bool:
     """True when the trainer reads every column of data of this kind (formats aside)."""
-    return kind.type in trainers.get(trainer).data_types and not _surplus(kind, trainer)
+    return kind.type in entry.data_types and not _surplus(kind, entry)
 
 
-def _columns_to_keep(kind: DatasetKind, trainer: str, text_field: str) -> list[str]:
+def _columns_to_keep(kind: DatasetKind, entry: trainers.Trainer, text_field: str) -> list[str]:
     """The columns to keep so that TRL reads this data as a type the trainer takes; [] if none."""
-    accepted_types = trainers.get(trainer).data_types
+    accepted_types = entry.data_types
     if kind.type in accepted_types:
         return _wanted(kind)
     extras = [c for c in kind.columns if c in TRL_EXTRAS]

@@ -20,9 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from studio_core.recipe import data_check, data_scan
 from studio_core.data import sources
-from studio_core.data.files import read_rows
+from studio_core.recipe import dataset_check
 
 FRACTION, DATASET, SPLIT = "fraction", "dataset", "split"
 TRL_TEST_SPLIT = "test"  # TRL's ScriptArguments.dataset_test_split default
@@ -104,25 +103,18 @@ def check(spec, train_rows: int | None = None, warnings: list[str] | None = None
 
 
 def _check_file(spec, path, warnings: list[str] | None) -> list[str]:
-    """An eval_dataset file as the trainer will evaluate on it, as spec.check_rows and
-    data_scan check a training file (its reward functions aside: they run on the training rows)."""
+    """An eval_dataset file as the trainer will evaluate on it: a training file's check
+    (dataset_check.check_file), its reward functions aside (they run on the training rows)."""
     what = "studio.eval_dataset"
     try:
-        rows = read_rows(path, 5)
+        check = dataset_check.check_file(spec, path, what)
     except ValueError as error:
         return [f"{what}: {error}"]
-    mapping = data_check.check_mapping(list(rows[0]), spec.column_map, spec.keep_columns)
-    if mapping:  # the same column map applies to both sets
-        return [f"{what} {path}: {p}" for p in mapping]
-    kind = data_check.detect(data_check.apply_column_map(rows, spec.column_map, spec.keep_columns),
-                             spec.args.get("dataset_text_field", "text"))
-    problems = data_check.fit_problems(kind, spec.trainer)
-    if problems:
-        return [f"{what} {path}: {p.removeprefix('dataset: ')}" for p in problems]
-    scan = data_scan.check_spec_file(spec, path, what)
+    if check.scan is None:  # its first rows do not fit (the same column map applies to both sets)
+        return [f"{what} {path}: {p.removeprefix('dataset: ')}" for p in check.problems]
     if warnings is not None:
-        warnings += scan.warnings
-    return list(scan)
+        warnings += check.warnings
+    return check.problems
 
 
 def warnings(spec) -> list[str]:

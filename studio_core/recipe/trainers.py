@@ -114,15 +114,18 @@ ONLINE_PLOTS = (("Rewards (total and per function)", ("reward", "rewards/*/mean"
                 ("Completion length (tokens)", ("completions/mean_length",)))
 
 
-def _generation_fields(generations: int) -> tuple[FormField, ...]:
-    return (FormField("num_generations", "int", generations, "completions per prompt"),
+PREFERENCE_HELP = "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)"
+# What the online RL trainers (GRPO, RLOO) share: they differ in how they weigh the rewards.
+ONLINE_RL = dict(
+    sample="builtin:prompts", data_types=("prompt_only", "prompt_completion"),
+    data_help="`prompt` (other columns go to the reward functions)", roles=(Role("prompt"),),
+    fields=(FormField("num_generations", "int", 4, "completions per prompt"),
             FormField("max_completion_length", "int", 16, "tokens per completion"),
             FormField("temperature", "float", 1.0, "sampling temperature of the completions"),
-            FormField("rewards", "rewards", DEFAULT_REWARDS, REWARD_LIST_HELP))
+            FormField("rewards", "rewards", DEFAULT_REWARDS, REWARD_LIST_HELP)),
+    rewards=True, generates=True, uses_max_length=False, not_forecast=GENERATES,
+    neuron_defaults=GENERATION_NEURON_DEFAULTS, plots=ONLINE_PLOTS)
 
-
-PREFERENCE_HELP = "`prompt`+`chosen`+`rejected` (or `chosen`+`rejected` holding the prompt)"
-PROMPT_HELP = "`prompt` (other columns go to the reward functions)"
 
 TRAINERS: dict[str, Trainer] = {t.key: t for t in (
     Trainer(
@@ -166,17 +169,11 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
     Trainer(
         key="grpo", name="GRPO", label="GRPO (online RL with reward functions)",
         help="generates answers and learns from their rewards, compared within each group",
-        config_class="GRPOConfig", trainer_class="GRPOTrainer", sample="builtin:prompts",
-        data_types=("prompt_only", "prompt_completion"), data_help=PROMPT_HELP, roles=(Role("prompt"),),
-        fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False, not_forecast=GENERATES,
-        neuron_defaults=GENERATION_NEURON_DEFAULTS, plots=ONLINE_PLOTS),
+        config_class="GRPOConfig", trainer_class="GRPOTrainer", **ONLINE_RL),
     Trainer(
         key="rloo", name="RLOO", label="RLOO (online RL, leave-one-out baseline)",
         help="generates answers and learns from their rewards against the others' mean",
-        config_class="RLOOConfig", trainer_class="RLOOTrainer", sample="builtin:prompts",
-        data_types=("prompt_only", "prompt_completion"), data_help=PROMPT_HELP, roles=(Role("prompt"),),
-        fields=_generation_fields(4), rewards=True, generates=True, uses_max_length=False, not_forecast=GENERATES,
-        neuron_defaults=GENERATION_NEURON_DEFAULTS, plots=ONLINE_PLOTS),
+        config_class="RLOOConfig", trainer_class="RLOOTrainer", **ONLINE_RL),
     Trainer(
         key="reward", name="reward modeling", label="Reward model (scores answers)",
         help="learns a score that ranks the chosen answer above the rejected one; the model it saves scores "

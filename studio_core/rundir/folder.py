@@ -39,9 +39,14 @@ CREATING = ".creating-"  # a folder being made; renamed to the run id when whole
 DELETING = ".deleting-"
 
 
+def file_safe(name: str) -> str:
+    """A name (a run's, a model's) as part of a file name: letters, digits, '.', '_' and '-' only."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
 def new_run_id(runs_dir: Path, name: str) -> str:
     """`<time>-<name>-<6 hex>`, not used yet in `runs_dir`."""
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")[:48] or "run"
+    slug = file_safe(name)[:48] or "run"
     while True:
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(3)}"
         if not (runs_dir / run_id).exists() and not (runs_dir / f"{CREATING}{run_id}").exists():

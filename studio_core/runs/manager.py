@@ -30,7 +30,8 @@ from studio_core.training.plan import Plan, plan, trl_problems
 from studio_core.rundir import events, folder
 from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES
 from studio_core.runs.view import RunView
-from studio_core.recipe.spec import RunSpec, SpecError, load_spec, validated, with_absolute_paths
+from studio_core.recipe.spec import RunSpec, SpecError, load_spec, with_absolute_paths
+from studio_core.recipe.validate import validated
 
 DEFAULT_RUNS_DIR = "~/trn-studio/runs"
 WAIT_POLL_S = 0.2
@@ -88,15 +89,17 @@ class RunManager:
 
     def export_plan(self, spec: RunSpec, hardware: Hardware, nodes: int | None = None,
                     elsewhere: bool = False) -> Plan:
-        """The plan of a Slurm batch script exported for a new run of this runs folder: the spec on
-        Slurm, on `nodes` nodes (default: the spec's own on Slurm, else 2), for a run id chosen now.
-        It is the plan Start would submit (the same environment: on Neuron the EFA variables), so
-        its script (scripts.slurm_script) is the one the studio submits; started by plain `sbatch`,
-        the job makes the run folder itself and this runs folder lists it like any run."""
-        on_slurm = spec.layout.run_on == "slurm"
-        nodes = nodes if nodes is not None else (spec.layout.nodes if on_slurm else 2)
+        """The plan of a batch script exported for a new run of this runs folder: the spec on the
+        cluster whose script Export writes (backends.EXPORT), on `nodes` nodes (default: the spec's
+        own there, else 2), for a run id chosen now. It is the plan Start would submit (the same
+        environment: on Neuron the EFA variables), so its script (scripts.submit_script) is the one
+        the studio submits; started by plain `sbatch`, the job makes the run folder itself and this
+        runs folder lists it like any run."""
+        cluster = backends.EXPORT
+        on_it = spec.layout.run_on == cluster.name
+        nodes = nodes if nodes is not None else (spec.layout.nodes if on_it else 2)
         # a node is the job's alone: cores named for this machine mean nothing there
-        spec = replace(spec, layout=replace(spec.layout, run_on="slurm", nodes=nodes, cores=None))
+        spec = replace(spec, layout=replace(spec.layout, run_on=cluster.name, nodes=nodes, cores=None))
         data_warnings: list[str] = []
         spec = self.check(spec, warnings=data_warnings, elsewhere=elsewhere, hardware=hardware)
         launch = self._plan(spec, hardware, None, folder.new_run_id(self.runs_dir, spec.display_name), data_warnings)
@@ -131,7 +134,7 @@ class RunManager:
                 planned(launch)
             run_dir = self._create(run_id, launch)
             try:
-                backend.submit(run_dir, launch, hardware.backend)
+                backend.submit(run_dir, launch, device=hardware.backend)
             except backends.SubmitError as error:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise SpecError([f"not submitted: {error}"]) from error
@@ -144,7 +147,7 @@ class RunManager:
             if planned is not None:
                 planned(launch)
             run_dir = self._create(run_id, launch)
-            backend.submit(run_dir, launch, hardware.backend)
+            backend.submit(run_dir, launch, device=hardware.backend)
         return self.view(run_id)
 
     @staticmethod
@@ -195,7 +198,7 @@ class RunManager:
             launch = self._resume_plan(spec, hardware, None, run_id, chosen, first)
             self._restart(view.dir, launch, chosen)
             try:
-                backend.submit(view.dir, launch, hardware.backend)
+                backend.submit(view.dir, launch, device=hardware.backend)
             except backends.SubmitError as error:
                 events.append(view.dir / folder.EVENTS, events.status("stopped", reason=f"resume not submitted: "
                                                                                      f"{error}"))
@@ -208,7 +211,7 @@ class RunManager:
             cores = self.choose_cores(spec, hardware)
             launch = self._resume_plan(spec, hardware, cores, run_id, chosen, first)
             self._restart(view.dir, launch, chosen)
-            backend.submit(view.dir, launch, hardware.backend)
+            backend.submit(view.dir, launch, device=hardware.backend)
         return self.view(run_id)
 
     def _resume_plan(self, spec: RunSpec, hardware: Hardware, cores, run_id: str, chosen: dict, first: dict) -> Plan:
@@ -310,3 +313,16 @@ class RunManager:
         events.append(view.dir / folder.EVENTS, events.log("stop and save: asked for a checkpoint at the next "
                                                            "step, then a stop"))
         return view
+
+
+DamagedRun = folder.DamagedRun  # a run folder's file that cannot be read: the front door's name for it
+file_safe = folder.file_safe  # text made a file name's part (the app's exports and downloads)
+
+
+def run_id_given(runs_dir: Path, given: str, read: bool = True) -> str:
+    """The run id `given` names (an id, or the path of a run folder in `runs_dir`: folder.run_id_of);
+    with `read`, that run's spec.yaml is read by the one rule: DamagedRun when it is damaged."""
+    run_id = folder.run_id_of(runs_dir, given)
+    if read and folder.is_run_id(run_id) and folder.is_run(runs_dir / run_id):
+        folder.read_spec(runs_dir / run_id)
+    return run_id

@@ -85,7 +85,7 @@ class RunView(RunState):
         self.refresh()  # the supervisor may have written its final status just before it ended
         if self.state in FINAL_STATES:
             return self.state
-        ending = self.backend.ending(self.dir, self.created)
+        ending = self.backend.record_ending(self.dir, self.created)  # kept: the place may forget it
         return "starting" if ending is None else ending.state
 
     @property

@@ -118,7 +118,7 @@ class Forecast:
 
 def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) -> Forecast:
     """`forecast` in a child Python process; a SpecError with its output when it fails."""
-    trainer = trainers.get(spec.trainer)
+    trainer = spec.trainer_entry
     if not trainer.forecast:
         shown = ", ".join(t.name for t in trainers.TRAINERS.values() if t.forecast)
         raise SpecError([f"shape forecast: {trainer.name} is not forecast: {trainer.not_forecast}; {shown} runs "
@@ -147,7 +147,7 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
     model_path = str(ensure_tiny_model()) if spec.model_name_or_path == BUILTIN_MODEL else spec.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(spec.args.get("trust_remote_code")))
     dataset, eval_dataset = load_datasets(spec, shapes_only=True)
-    entry = trainers.get(spec.trainer)
+    entry = spec.trainer_entry
     model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)} | {
         f.name for f in dataclasses.fields(trl.ScriptArguments)}
     args = {k: v for k, v in spec.args.items() if k not in model_fields and k not in NOT_FOR_DATA

@@ -100,7 +100,7 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     spec's own `studio.cores`, else the first ones). `compile_cache` is the compile cache root
     (compile_cache.compile_cache_root(), passed in so the plan stays pure); `model_config` (the
     model's config.json, when at hand) lets the layout check heads vs TP."""
-    trainer = trainers.get(spec.trainer)
+    trainer = spec.trainer_entry
     args = dict(spec.args)
     applied: list[tuple[str, object, str]] = []
     warnings: list[str] = list(hardware.problems)  # found by detection on this machine
@@ -138,7 +138,8 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     flags = flags_problem(hardware)  # the studio's NEURON_CC_FLAGS name another LNC than the runtime's
     errors += [flags] if flags else []
     backend = backends.get(spec.layout.run_on)
-    env = _environment(spec, hardware, run_id, compile_cache, cores, applied, backend.local_cores, run_dir)
+    env = _environment(spec, hardware, run_id, compile_cache, cores, applied, backend.local_cores, run_dir,
+                       backend.cluster)
     more_applied, more_warnings = backend.planned(spec, hardware, env, run_dir, compile_cache)
     applied += more_applied
     warnings += more_warnings
@@ -274,10 +275,11 @@ def _tracker_environment(report_to, run_dir: str | Path, applied: list) -> dict[
 
 
 def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, chosen: list[int] | None,
-                 applied, local_cores: bool = True, run_dir: str | Path = "<run folder>") -> dict[str, str]:
+                 applied, local_cores: bool = True, run_dir: str | Path = "<run folder>",
+                 cluster: bool = False) -> dict[str, str]:
     """`chosen`: the run's cores; None for a plan that picks none (the spec's own are shown, else
-    the first ones). Without `local_cores` (a Slurm run: each node is the job's alone) no core
-    is named: every process sees its node's devices."""
+    the first ones). Without `local_cores` (a cluster's run: each node is the job's alone) no core
+    is named: every process sees its node's devices. `cluster`: the nodes talk over the network."""
     layout = spec.layout
     named = _spec_cores(spec)
     cores = chosen if chosen is not None else named or list(range(layout.nproc))
@@ -296,7 +298,8 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
     # CPU threads follow the run's cores when it has some; else the machine's share
     placed = cores if local_cores and (hardware.backend != "cpu" or chosen is not None or named) else None
     device = device_env(hardware, compile_cache, placed, layout.nproc, written=layout.cores if named else None,
-                        environ={} if flags_problem(hardware) else None)  # refused in plan(); the rest still shows
+                        environ={} if flags_problem(hardware) else None,  # refused in plan(); the rest still shows
+                        between_nodes=cluster)
     env.update(device)
     for key in (k for k in device if k in REASONS):
         applied.append((key, device[key], REASONS[key]))

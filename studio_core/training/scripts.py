@@ -1,30 +1,22 @@
 """Launch scripts exported from a plan: the way out for users who outgrow the studio.
 
-`slurm_script` is the Slurm batch script of a Slurm plan: the very script the studio submits
-for that plan (backends.slurm.batch_script, one generator), for a run id chosen at export
-(RunManager.export_plan). Started by plain `sbatch`, its job first runs `job_start`, which
-makes the run folder (spec.yaml, launch.json, the first events: all carried in the script)
-and records the job in slurm.json, so `launch.py runs`, the Runs tab and `launch.py stop`
-treat it as a run the studio submitted. `launch_script` is a bash script that runs the same
-torchrun with the same environment on one machine (no Slurm, nothing the studio follows).
-A script holds no secret: HF_TOKEN is read from the environment it runs in.
+`submit_script` is the batch script of a plan for a cluster: the very script the studio submits
+for that plan (the run backend's export_script, one generator), for a run id chosen at export
+(RunManager.export_plan). Started by plain `sbatch`, its job makes the run folder itself and
+records the job there (studio_core/backends/slurm/job_start.py), so `launch.py runs`, the Runs
+tab and `launch.py stop` treat it as a run the studio submitted. `launch_script` is a bash script
+that runs the same torchrun with the same environment on one machine (no cluster, nothing the
+studio follows). A script holds no secret: HF_TOKEN is read from the environment it runs in.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
-import shutil
-import sys
-import time
-from pathlib import Path
 
-from studio_core.backends.slurm import tools as slurm
-from studio_core.backends.slurm.backend import JOB, SCRIPT, batch_script, export_lines, mesh_note, record_job
+from studio_core import backends
+from studio_core.backends.shell import export_lines, job_name, mesh_note
 from studio_core.machine.children import REPO_ROOT
 from studio_core.training.plan import WORKER_MODULE, Plan
-from studio_core.rundir import events, folder
 
 
 def launch_script(plan: Plan, run_dir: str = "./studio-run") -> str:
@@ -33,7 +25,7 @@ def launch_script(plan: Plan, run_dir: str = "./studio-run") -> str:
     env = {k: v for k, v in plan.env.items() if k != "STUDIO_RUN_ID"}
     return "\n".join([
         "#!/usr/bin/env bash",
-        f"# Exported from the studio: {slurm.job_name(plan.spec.display_name)}, {nproc} process(es) on one machine.",
+        f"# Exported from the studio: {job_name(plan.spec.display_name)}, {nproc} process(es) on one machine.",
         *mesh_note(plan.spec.layout),
         "set -euo pipefail",
         f"RUN_DIR=$(realpath -m \"${{RUN_DIR:-{run_dir}}}\")  # relative to where the script starts",
@@ -50,86 +42,8 @@ def launch_script(plan: Plan, run_dir: str = "./studio-run") -> str:
     ])
 
 
-def slurm_script(plan: Plan) -> str:
-    """The Slurm batch script of a Slurm plan (RunManager.export_plan): what the studio would
-    submit for it. ValueError for a plan of another backend, or a run folder no script can name."""
-    if plan.backend != "slurm":
-        raise ValueError(f"a Slurm batch script needs a plan for Slurm, not for {plan.backend!r}: plan it with "
-                         "RunManager.export_plan")
-    return batch_script(plan)
-
-
-def job_start(run_dir: str, script: str = "") -> int:
-    """The batch job's first step (the script runs it on the job's first node, before srun): on
-    the run's first start by plain `sbatch`, the run folder made from the records on stdin, under a
-    temporary name and renamed when whole (with a copy of `script`, the job's own, as slurm.sh);
-    then this job recorded in slurm.json. A start the studio made (the folder written before
-    sbatch, or a resume) finds the folder and records the job only, so the studio's script and
-    the exported one are the same text. Refused (exit 2, the reason in the job's Slurm output):
-    a run that has ended, or one another job already started (the script submitted twice)."""
-    run_dir = Path(run_dir)
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if not job_id:
-        return _refuse("this is a Slurm batch script: submit it with `sbatch FILE` (run by bash alone, it has no "
-                       "Slurm job and nodes to run on)")
-    records = json.loads(sys.stdin.read())
-    if folder.is_run(run_dir):
-        problem = _taken(run_dir, job_id)
-        if problem:
-            return _refuse(problem)
-    else:
-        problem = _make(run_dir, records, job_id, script)
-        if problem:
-            return _refuse(problem)
-    record_job(run_dir, job_id, time.time())
-    print(f"studio: Slurm job {job_id} runs run {run_dir.name}; its output goes to {run_dir / folder.LOG}",
-          flush=True)
-    return 0
-
-
-def _make(run_dir: Path, records: dict, job_id: str, script: str) -> str | None:
-    """The run folder of a first start by plain sbatch; what stands in the way, else None."""
-    tmp = run_dir.parent / f"{folder.CREATING}{run_dir.name}"
-    try:
-        tmp.mkdir(parents=True)
-    except FileExistsError:
-        return (f"another job is making run {run_dir.name}'s folder now: this script was submitted twice, and "
-                f"only the first job runs it; job {job_id} ends here")
-    try:
-        folder.write_new_run(tmp, "\n".join(records["spec.yaml"]) + "\n", records["launch.json"], created=time.time())
-        events.append(tmp / folder.EVENTS, events.log(f"started by sbatch, outside the studio, as Slurm job {job_id} "
-                                                      "(an exported batch script)"))
-        record_job(tmp, job_id, time.time())
-        if script and Path(script).is_file():  # the job's copy of its script: what a submitted run keeps
-            shutil.copyfile(script, tmp / SCRIPT)
-        tmp.rename(run_dir)
-    except OSError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if run_dir.exists() and not folder.is_run(run_dir):
-            return (f"{run_dir} is there but holds no run (no {folder.SPEC}): move it away, or export the script "
-                    "again (a new run id)")
-        return f"cannot make the run folder {run_dir} ({error}): give the runs folder a place this job can write to"
-    return None
-
-
-def _taken(run_dir: Path, job_id: str) -> str | None:
-    """Why this job may not start the run already in `run_dir`, else None: the run has ended, or
-    its current attempt (since its last "starting") is another job's."""
-    found = events.read(run_dir / folder.EVENTS)
-    state = events.fold(found).state
-    if state in events.FINAL_STATES:
-        return (f"run {run_dir.name} has ended ({state}): a batch script starts its run once. Export a new "
-                f"script for a new run, or go on from its last checkpoint with `launch.py train --resume "
-                f"{run_dir.name}`")
-    recorded = folder.read_json(run_dir / JOB)
-    other = str(recorded.get("job_id") or "")
-    starts = [e.get("time", 0) for e in found if e.get("type") == "status" and e.get("state") == "starting"]
-    if other and other != job_id and starts and float(recorded.get("submitted", 0)) >= starts[-1]:
-        return (f"run {run_dir.name} is already Slurm job {other}'s: this script was submitted twice, and only "
-                f"the first job runs it; job {job_id} ends here")
-    return None
-
-
-def _refuse(reason: str) -> int:
-    print(f"studio: not started: {reason}", file=sys.stderr, flush=True)
-    return 2
+def submit_script(plan: Plan) -> str:
+    """The batch script of a plan for a cluster (RunManager.export_plan): what the studio would
+    submit for it. ValueError for a plan of a place that takes no script, or a run folder no
+    script can name."""
+    return backends.get(plan.backend).export_script(plan)

@@ -4,12 +4,12 @@ entry point, never imported.
     python -m studio_core.training.supervisor RUN_DIR
 Local backend: started detached (its own session) by studio_core.backends.local, with output
 to train.log. It outlives the web app, so closing or restarting the app changes nothing for a run.
-Slurm backend: the batch script's `srun` starts one on every node of the job (see `on_slurm`):
-it holds no lease (the job has its nodes to itself), sets the rendezvous address for its
-node's torchrun, tags its hardware samples with the node, and only the first node's writes
-the final status, and only when the run finished or stopped as asked. When Slurm ends the job
-(scancel, time limit) or the run fails (a node may have died), it writes none: the Slurm
-backend records the ending, with Slurm's reason, once the job is gone.
+On a cluster, the place starts one on every node of the run, and the run's backend gives it its
+node (RunBackend.node; backends.base.Node): it holds no lease (the job has its nodes to itself),
+sets the rendezvous for its node's torchrun, tags its hardware samples with the node, and only
+the first node's writes the final status, and only when the run finished or stopped as asked.
+When the place ends the run (a cancel, a time limit) or the run fails (a node may have died), it
+writes none: the backend records the ending, with the place's reason, once the run is gone.
 
 It holds the run's core leases (studio_core.machine.leases) from before torchrun starts until
 every process of the run has ended; on the CPU backend it pins itself, and so torchrun
@@ -42,18 +42,15 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from studio_core import backends
 from studio_core.machine import children, leases
-from studio_core.backends.slurm import tools as slurm
-from studio_core.backends.slurm.backend import AUTO_RESUME_ENV, JOB, record_node
 from studio_core.rundir.checkpoints import (
     DISK_FULL_ERRNOS,
     DISK_FULL_WORDS,
     RESUME_ENV,
     disk_full_text,
-    list_checkpoints,
     remove_incomplete,
 )
 from studio_core.machine.hardware import Hardware, pin_to_cpu_cores, studio_cpus
@@ -67,8 +64,6 @@ from studio_core.rundir.events import EventReader
 from studio_core.rundir.folder import ENDED, EVENTS, LOG, SPEC, read_json, read_launch, write_json
 
 GRACE_S = 10
-SLURM_TASK = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")  # what this node's task's processes share
-RDZV_BASE_PORT = 29500  # a Slurm job's rendezvous port: this plus its job id modulo 1000
 LOG_TAIL_LINES = 60
 LOG_TAIL_BYTES = 64 << 10
 RESERVE = ".disk-reserve"  # room kept for the final status, released when torchrun has ended
@@ -125,34 +120,32 @@ def main(run_dir: Path) -> int:
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     hold_reserve(run_dir)
-    backend, cores = launch["hardware"]["backend"], launch["cores"]
-    node = on_slurm(launch)
+    device, cores = launch["hardware"]["backend"], launch["cores"]  # neuron, cuda or cpu
+    node = backends.get(launch.get("backend")).node(run_dir, launch)  # None: a run of this machine alone
     argv = launch["argv"]
     if node is not None:
-        record_node(run_dir, node.job_id, node.name, started=time.time())  # which node failed first
-        os.environ.update(slurm_rendezvous(node))
-        argv = [os.path.expandvars(arg) for arg in argv]  # $HEAD_ADDR, $RDZV_PORT, $SLURM_JOB_ID
+        node.started()
+        argv = node.prepare(argv)
         nproc = next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--nproc-per-node="))
         cores, lease = list(range(nproc)), None  # the node is the job's: its first nproc cores
         if node.first:
-            write(events, ev.log(f"Slurm job {node.job_id} runs on {node.names}; rendezvous at "
-                                     f"{os.environ['HEAD_ADDR']}:{os.environ['RDZV_PORT']}"))
-        restart_from = auto_resumed(run_dir, launch["env"])
+            write(events, ev.log(node.describe()))
+        restart_from = node.restart_from(launch["env"])
         if restart_from is not None:  # every node goes on from it; the first says so in the events
             launch["env"][RESUME_ENV] = restart_from["path"]
             if node.first:
                 write(events, ev.resume(restart_from["step"], restart_from["path"]))
     else:
         try:  # held until this process ends, after every process of the run has
-            lease = leases.acquire(run_dir.parent, backend, cores, holder=run_dir.name, kind="run")
+            lease = leases.acquire(run_dir.parent, device, cores, holder=run_dir.name, kind="run")
         except leases.CoresBusy as busy:  # taken between the manager's check and now
             write(events, ev.error(str(busy)))
             release_reserve(run_dir)
             ended(run_dir, "failed", None)
             return 1
-        write(events, ev.log(f"holding {backend} cores {cores}"))
+        write(events, ev.log(f"holding {device} cores {cores}"))
         cpus = studio_cpus()  # before the pinning below narrows what this process may use
-        if backend == "cpu":
+        if device == "cpu":
             pin_to_cpu_cores(cores)  # torchrun and every rank inherit the pinning
         jobs = precompile_jobs(run_dir, launch)
         if jobs:
@@ -167,7 +160,7 @@ def main(run_dir: Path) -> int:
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     where = f" on node {node.name}" if node else ""
     write(events, ev.log(f"torchrun started{where} (pid {torchrun.pid})"))
-    monitor: RunMonitor | None = RunMonitor(backend, cores, torchrun.pid)  # hardware events, every ~2 s
+    monitor: RunMonitor | None = RunMonitor(device, cores, torchrun.pid)  # hardware events, every ~2 s
     if node is None or node.first:
         write(events, ev.log(monitor.describe()))
     next_sample = time.monotonic() + SAMPLE_EVERY_S
@@ -195,8 +188,8 @@ def main(run_dir: Path) -> int:
         monitor.stop()  # before the leftover check below: neuron-monitor carries the run's marker too
     stop_requested = stop_requested_at is not None
     if node is not None:
-        record_node(run_dir, node.job_id, node.name, ended=time.time(), exit_code=code, stopped=stop_requested)
-    left = kill_run_processes(os.environ["STUDIO_RUN_ID"], SLURM_TASK if node else ())  # ranks torchrun left
+        node.ended(code, stop_requested)
+    left = kill_run_processes(os.environ["STUDIO_RUN_ID"], node.task_marker if node else ())  # ranks torchrun left
     if left:
         write(events, ev.log(f"processes that survived SIGKILL: {[p.pid for p in left]}"))
 
@@ -209,8 +202,8 @@ def main(run_dir: Path) -> int:
     if removed:
         write(events, ev.log(f"removed {', '.join(removed)}: a save that did not complete (resume never picks it)"))
     if node is not None and stop_requested:
-        write(events, ev.log(f"Slurm asked job {node.job_id} to end (SIGTERM): torchrun exited with {code}"))
-        return 0  # the Slurm backend writes the final status, with Slurm's reason, once the job is gone
+        write(events, ev.log(node.left_to_place(code, stopped=True)))
+        return 0  # the backend writes the final status, with the place's reason, once the run is gone
     attempt = this_attempt.read_new()
     saved_stop = any(e["type"] == "saved_stop" for e in attempt)
     if stop_requested and code not in (0, -signal.SIGKILL):  # SIGTERM makes torchrun exit 1: an ordered stop
@@ -236,9 +229,8 @@ def main(run_dir: Path) -> int:
             write(events, ev.error(cause, traceback=tail))
         elif not worker_error:
             write(events, ev.error(cause or f"torchrun exited with code {code}", traceback=tail))
-        if node is not None:  # a failed node may be the cause: Slurm says so once the job has ended
-            write(events, ev.log(f"torchrun exited with code {code}; the final status comes when Slurm has "
-                                     f"ended job {node.job_id}"))
+        if node is not None:  # a failed node may be the cause: the place says so once the run has ended
+            write(events, ev.log(node.left_to_place(code, stopped=False)))
             return 0
         ended(run_dir, "failed", code)
     return 0
@@ -255,27 +247,27 @@ def precompile(run_dir: Path, launch: dict, wanted: int, cpus: list[int], stoppi
     """Run the precompile jobs (studio_core/training/precompile.py) to their end, each on a core of its own:
     the run's cores, then free ones of this machine, leased meanwhile. `stopping()`: a stop was
     asked; the jobs are then ended. A failed job is logged; the run goes on without its shapes."""
-    backend, events = launch["hardware"]["backend"], run_dir / EVENTS
+    device, events = launch["hardware"]["backend"], run_dir / EVENTS
     own = list(launch["cores"])
     extra = []
-    for core in sorted(leases.free_cores(run_dir.parent, backend, Hardware(**launch["hardware"]).cores)):
+    for core in sorted(leases.free_cores(run_dir.parent, device, Hardware(**launch["hardware"]).cores)):
         if len(own) + len(extra) >= wanted:
             break
         try:
-            extra.append(leases.acquire(run_dir.parent, backend, [core], holder=run_dir.name, kind="precompile"))
+            extra.append(leases.acquire(run_dir.parent, device, [core], holder=run_dir.name, kind="precompile"))
         except leases.CoresBusy:
             continue  # taken meanwhile
     cores = own + [lease.cores[0] for lease in extra]
     jobs = min(wanted, len(cores))
-    write(events, ev.log(f"precompile: {jobs} job(s) on {backend} cores {cores[:jobs]}"
+    write(events, ev.log(f"precompile: {jobs} job(s) on {device} cores {cores[:jobs]}"
                              + (f" ({wanted} asked; the other cores are busy)" if jobs < wanted else "")))
     began = time.monotonic()
     procs = []
     for job in range(jobs):
-        cpu = cpus[cores[job]] if backend == "cpu" else None
+        cpu = cpus[cores[job]] if device == "cpu" else None
         procs.append(children.start(
             PRECOMPILE_MODULE, run_dir, job, jobs, stdin=subprocess.DEVNULL, cwd=run_dir,
-            env=job_environment(backend, launch["env"], cores[job], _free_port()),
+            env=job_environment(device, launch["env"], cores[job], _free_port()),
             preexec_fn=lambda cpu=cpu: _job_start(cpu)))
     try:
         while any(p.poll() is None for p in procs):
@@ -325,38 +317,6 @@ def ended(run_dir: Path, state: str, code: int | None, reason: str | None = None
             raise
         (run_dir / f".{ENDED}.tmp").unlink(missing_ok=True)  # the event below may still fit
     write(run_dir / EVENTS, ev.status(state, exit_code=code, reason=reason))
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    name: str  # this node's Slurm name
-    names: str  # the job's nodes, as Slurm writes them (n[1-2])
-    job_id: str
-    first: bool  # the first node: the rendezvous host, and the one that writes the final status
-
-
-def on_slurm(launch: dict) -> SlurmNode | None:
-    """This node, when the supervisor runs as a task of a Slurm job of the Slurm backend."""
-    if launch.get("backend") != "slurm" or "SLURM_JOB_ID" not in os.environ:
-        return None
-    return SlurmNode(os.environ.get("SLURMD_NODENAME", "?"), os.environ.get("SLURM_JOB_NODELIST", "?"),
-                     os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_NODEID", "0") == "0")
-
-
-def auto_resumed(run_dir: Path, env: dict) -> dict | None:
-    """With HyperPod's auto-resume, the job's step starts again after a node failure: the newest
-    checkpoint this job saved (one newer than its submission), to go on from; None on a first start."""
-    if env.get(AUTO_RESUME_ENV) != "1":
-        return None
-    submitted = read_json(run_dir / JOB).get("submitted", time.time())
-    saved = [c for c in list_checkpoints(run_dir) if Path(c["path"]).stat().st_mtime > submitted]
-    return saved[-1] if saved else None
-
-
-def slurm_rendezvous(node: SlurmNode) -> dict[str, str]:
-    """HEAD_ADDR (the first node's address, as Slurm knows it: NodeAddr) and RDZV_PORT for torchrun."""
-    return {"HEAD_ADDR": slurm.first_node_address(node.names),
-            "RDZV_PORT": str(RDZV_BASE_PORT + int(node.job_id) % 1000)}
 
 
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?"

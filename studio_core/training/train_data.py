@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from studio_core.recipe import data_scan, eval_data
+from studio_core.recipe.dataset_check import check_rows
 from studio_core.data import sources
 from studio_core.rundir import events as ev
 from studio_core.recipe.data_check import prepare_dataset
 from studio_core.data.downloads import download_dataset_split
-from studio_core.recipe.spec import RunSpec, SpecError, check_rows
+from studio_core.recipe.spec import RunSpec, SpecError
 
 # characters a token at most, as far as cutting for the forecast goes: far more than any
 # tokenizer's characters a token on real text, so a text cut there is still longer than max_length
@@ -22,7 +23,7 @@ CHARS_PER_TOKEN = 64
 
 def load_checked_datasets(spec: RunSpec, events: Path | None):
     """(training set, evaluation set or None), renamed and trimmed as the spec says, after the
-    checks a local file gets before launch (spec.check_rows: column map, TRL type against the
+    checks a local file gets before launch (dataset_check.check_rows: column map, TRL type against the
     trainer, GRPO rewards called on the first rows). A Hub dataset or a folder is read only
     here, so this is where it is refused."""
     return load_datasets(spec, events, checked=True)
@@ -31,7 +32,7 @@ def load_checked_datasets(spec: RunSpec, events: Path | None):
 def load_datasets(spec: RunSpec, events: Path | None = None, checked: bool = False, shapes_only: bool = False):
     """(training set, evaluation set or None) as the run trains and evaluates on them, prepared
     (column map, keep-columns): the training split less the held-out rows, if any. `checked`:
-    each one's first rows through spec.check_rows first (SpecError). `shapes_only` (the shape
+    each one's first rows through dataset_check.check_rows first (SpecError). `shapes_only` (the shape
     forecast): each text cut to what max_length can keep (cut_texts)."""
     train, held = split_off_eval(spec, load_train_dataset(spec, events), events)
     limit = data_scan.max_length(spec) if shapes_only else None

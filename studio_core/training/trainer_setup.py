@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 
 from studio_core.data import sources
-from studio_core.recipe import trainers
 from studio_core.data.builtin import BUILTIN_MODEL, ensure_tiny_model
 from studio_core.data.downloads import download_with_progress
 from studio_core.machine.layout import mesh_sizes
@@ -47,7 +46,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, dataset, eval_dataset, callbacks
     import torch
     import trl
 
-    trainer_spec = trainers.get(spec.trainer)
+    trainer_spec = spec.trainer_entry
     args = {**spec.args, **(changes or {})}
     if args.get("torch_compile"):
         torch._dynamo.config.automatic_dynamic_shapes = False  # see plan.DYNAMIC_SHAPES_OFF

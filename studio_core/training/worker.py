@@ -31,7 +31,6 @@ use_rank_core()  # first, before anything imports torch: one NeuronCore per rank
 if "LOCAL_RANK" in os.environ:
     die_with_parent()  # a rank never outlives its torchrun, however torchrun ends (supervisor.py says why)
 
-from studio_core.recipe import trainers  # noqa: E402
 from studio_core.rundir.checkpoints import (  # noqa: E402
     RESUME_ENV,
     disk_full_text,
@@ -87,7 +86,7 @@ def main(run_dir: Path) -> int:
 
 def train(spec: RunSpec, run_dir: Path, log: Path) -> str | None:
     """Train and save; why the guard ended the run instead (nothing saved then), or None."""
-    trainer_spec = trainers.get(spec.trainer)
+    trainer_spec = spec.trainer_entry
     # first: data that does not fit fails before the model loads
     dataset, eval_dataset = load_checked_datasets(spec, log if RANK == 0 else None)
     from transformers import TrainerCallback

@@ -119,12 +119,6 @@ def check_name(label: str, value, what: str, example: str) -> str | None:
             f"letters, digits, '_', '.' and '-' (e.g. {example})")
 
 
-def job_name(display_name: str) -> str:
-    """A run's name as a Slurm job name: a label in squeue, nothing more, so anything but
-    letters, digits and `_ . -` becomes `_` (a line break there would end the #SBATCH line)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", display_name)[:64]
-
-
 def check_time(text) -> str | None:
     """A problem with a Slurm time limit, or None. Slurm's forms: minutes, minutes:seconds,
     hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds, UNLIMITED."""
