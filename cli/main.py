@@ -142,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
         add_layout_flags(sub, Layout, whole_number, {"nodes": f"a run on a cluster; with --{EXPORT.name}-script: 2"})
         for backend in with_options():  # a place runs can go besides this machine: its flag and options
             group = sub.add_argument_group(backend.label, f"run on {backend.description}; --nproc is per node")
+            if f"--{backend.name}" in flags(backend.options_type).values():  # --ray ADDRESS: an option that picks it
+                add_flags(group, backend.options_type)
+                continue
             group.add_argument(f"--{backend.name}", action="store_true", help=(
                 f"submit the run to {backend.label} instead of running it here" if name == "train" else
                 f"plan a run on {backend.label} (nothing is submitted)"))

@@ -45,11 +45,28 @@ def load_spec(args) -> RunSpec:
     if getattr(args, "precompile", False):
         layout += ["studio.precompile=true", *([f"studio.precompile_jobs={args.jobs}"] if args.jobs else [])]
     spec = read_recipe(args.recipe).with_overrides([*args.set, *layout])  # checked once, by plan or start
-    chosen = next((name for name in BACKENDS if getattr(args, name, False)), None)  # --slurm
+    chosen = next((name for name in BACKENDS if picked(args, BACKENDS[name])), None)  # --slurm, --ray ADDRESS
     spec.layout.run_on = chosen or spec.layout.run_on  # the flag, or a recipe written for that backend
     for backend in with_options():
         set_options(args, spec, backend)
+    if args.nodes is not None and not getattr(args, "submit_script", None) and not BACKENDS[spec.layout.run_on].cluster:
+        picks = " or ".join(f"--{b.name}" + (" ADDRESS" if picked_by_option(b) else "") for b in with_options()
+                            if b.cluster)
+        raise SpecError([f"--nodes: a run on several machines goes to a cluster: add {picks}"])
     return spec
+
+
+def picked_by_option(backend) -> bool:
+    """Is the backend's flag one of its options (--ray ADDRESS), not a switch of its own (--slurm)?"""
+    return f"--{backend.name}" in fields.flags(backend.options_type).values()
+
+
+def picked(args, backend) -> bool:
+    """Was the backend chosen on the command line: its flag (--slurm), or its option of that name (--ray ADDRESS)?"""
+    if backend.options_type is None:
+        return False
+    named = {flag: name for name, flag in fields.flags(backend.options_type).items()}.get(f"--{backend.name}")
+    return getattr(args, named or backend.name, None) not in (None, False, [])
 
 
 def set_options(args, spec: RunSpec, backend) -> None:
@@ -61,7 +78,6 @@ def set_options(args, spec: RunSpec, backend) -> None:
         raise SpecError(problems)
     if spec.layout.run_on != backend.name:
         named = [fields.flags(backend.options_type)[key] for key in given]
-        named += ["--nodes"] if args.nodes is not None and not getattr(args, "submit_script", None) else []
         if named:
             raise SpecError([f"{', '.join(named)}: these are for a run on {backend.label}: add --{backend.name}"])
         return

@@ -81,7 +81,7 @@ CASES = [
     ("plan {r} --instance trn2.48xlarge --lnc 1 --no-forecast --runs-dir {d}", 2, "use LNC=2"),
     ("plan {r} --backend cuda --runs-dir {d}", 2, "invalid choice: 'cuda'"),
     ("plan --runs-dir {d}", 2, "the following arguments are required: recipe"),
-    ("plan {r} --nodes 2 --backend cpu --no-forecast --runs-dir {d}", 2, "--nodes: these are for a run on Slurm"),
+    ("plan {r} --nodes 2 --backend cpu --no-forecast --runs-dir {d}", 2, "--nodes: a run on several machines goes to a cluster: add --slurm or --ray ADDRESS"),
     ("plan {r} --partition p --backend cpu --no-forecast --runs-dir {d}", 2, "add --slurm"),
     ("plan {r} --slurm --nodes -1 --instance trn2.3xlarge --no-forecast --runs-dir {d}", 2, "1 or more"),
     ("plan {r} --slurm-script {t}/job.sh --nodes 0 --instance trn2.3xlarge --no-forecast --runs-dir {d}", 2,

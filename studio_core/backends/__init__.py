@@ -1,7 +1,7 @@
 """Run backends: where a run's processes execute (base.py says what each one does).
 
 `studio.run_on` in a spec names the backend; a run folder's launch.json says which one
-started it: this machine (local.py) or a Slurm cluster (slurm/). A backend owns all of its
+started it: this machine (local.py), a Slurm cluster (slurm/) or a Ray cluster (ray/). A backend owns all of its
 engine: what a user chooses for it (`options_type`, read from the recipe key studio.<name>), its
 checks, its node-side part (`node`), its scripts and how its runs end. Nothing outside this
 folder names an engine: it asks the registry below.
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from studio_core.backends.base import Ending, Node, RunBackend, SubmitError, option
 from studio_core.backends.local import LocalBackend
+from studio_core.backends.ray.backend import RayBackend
 from studio_core.backends.slurm.backend import SlurmBackend
 
-BACKENDS: dict[str, RunBackend] = {backend.name: backend for backend in (LocalBackend(), SlurmBackend())}
+BACKENDS: dict[str, RunBackend] = {backend.name: backend for backend in (LocalBackend(), SlurmBackend(), RayBackend())}
 DEFAULT = "local"
 EXPORT = BACKENDS[SlurmBackend.name]  # whose batch script Export writes, for a run of its own
 

@@ -13,7 +13,7 @@ The planner asks the run's backend for the command that starts the processes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 # What each field of a backend's options dataclass carries in its `metadata` (see `option`), so
@@ -49,6 +49,18 @@ def option(default, *, label: str, help: str, flag: str, recipe: str, kind: str 
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def options_from_dict(cls, key: str, data):
+    """An options dataclass `cls` from a recipe's block under `key` (studio.slurm), and what the
+    dataclass cannot hold (a block that is no mapping, an unknown key); a value of the wrong kind
+    is kept, for the options' `check` to name."""
+    keys = [f.name for f in fields(cls)]
+    if not isinstance(data, dict):
+        return cls(), [f"{key}: must be a mapping of " + ", ".join(keys)]
+    takes = "; ".join(f"{f.name} ({f.metadata['recipe']})" for f in fields(cls))
+    return cls(**{k: v for k, v in data.items() if k in keys}), [
+        f"{key}.{name}: unknown key; it takes {takes}" for name in data if name not in keys]
 
 
 class SubmitError(RuntimeError):

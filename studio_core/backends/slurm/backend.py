@@ -29,10 +29,9 @@ import time
 import unicodedata
 from pathlib import Path
 
-import psutil
-
 from studio_core.backends.base import Ending, RunBackend, SubmitError
 from studio_core.backends.shell import export_lines, job_name, mesh_note
+from studio_core.backends.storage import filesystem, shared_storage
 from studio_core.backends.slurm import tools as slurm
 from studio_core.backends.slurm.node import AUTO_RESUME_ENV, this_node
 from studio_core.backends.slurm.options import KEY, SlurmOptions
@@ -43,8 +42,6 @@ from studio_core.rundir.folder import EVENTS, LOG, launch_record
 
 STARTING_GRACE_S = 30
 CANCEL_WAIT_S = 60  # after scancel: Slurm's KillWait (30 s by default) and the steps' ending
-SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "beegfs", "gpfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.s3fs",
-                      "fuse.mount-s3", "efs", "wekafs")
 # How Slurm's end states (scontrol's JobState) read as the studio's.
 ENDINGS = {
     "CANCELLED": ("stopped", "Slurm job {id} was cancelled outside the studio (scancel)"),
@@ -386,18 +383,3 @@ def _json_text(value, depth: int = 0) -> str:
         value, dict) else [_json_text(item, depth + 1) for item in value]
     opening, closing = ("{", "}") if isinstance(value, dict) else ("[", "]")
     return opening + "\n" + ",\n".join(" " * (depth + 1) + line for line in lines) + "\n" + " " * depth + closing
-
-
-def filesystem(path: Path) -> str:
-    """The type of the filesystem `path` (or its nearest existing parent) is on."""
-    path = Path(path).expanduser().resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    best = max((p for p in psutil.disk_partitions(all=True) if str(path).startswith(p.mountpoint.rstrip("/") + "/")
-                or str(path) == p.mountpoint), key=lambda p: len(p.mountpoint), default=None)
-    return best.fstype if best else "unknown"
-
-
-def shared_storage(path: Path) -> bool:
-    """Is `path` on a network filesystem the cluster's nodes can all mount?"""
-    return filesystem(path) in SHARED_FILESYSTEMS or filesystem(path).startswith("fuse.")

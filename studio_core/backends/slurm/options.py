@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from studio_core.backends.base import option
+from studio_core.backends.base import option, options_from_dict
 from studio_core.backends.slurm import tools
 
 KEY = "studio.slurm"  # the recipe key the options are read from
@@ -44,16 +44,9 @@ class SlurmOptions:
                                "has it)", recipe="true: HyperPod's srun --auto-resume=1")
 
     @classmethod
-    def from_dict(cls, data) -> tuple[SlurmOptions, list[str]]:
-        """The options of a recipe's block, and what the dataclass cannot hold (a block that is no
-        mapping, an unknown key); a value of the wrong kind is kept, for `check` to name."""
-        keys = [f.name for f in fields(cls)]
-        if not isinstance(data, dict):
-            return cls(), [f"{KEY}: must be a mapping of " + ", ".join(keys)]
-        unknown = [key for key in data if key not in keys]
-        takes = "; ".join(f"{f.name} ({f.metadata['recipe']})" for f in fields(cls))
-        return cls(**{k: v for k, v in data.items() if k in keys}), [
-            f"{KEY}.{key}: unknown key; it takes {takes}" for key in unknown]
+    def from_dict(cls, data) -> tuple:
+        """The options of a recipe's block, and what the dataclass cannot hold."""
+        return options_from_dict(cls, KEY, data)
 
     def to_dict(self) -> dict:
         """The recipe's block: only the fields that say something (not their default), in field order."""

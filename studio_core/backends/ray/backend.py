@@ -1,0 +1,255 @@
+"""The Ray backend: the run executes on a Ray cluster's nodes, as one Ray job.
+
+The studio submits the job through Ray's Jobs API (the head's dashboard address, `--ray
+http://HEAD:8265`); the job id goes to ray.json. The job's driver (job.py) asks Ray for the
+run's nodes as a placement group and starts one supervisor per node, which asks this backend for
+its node (node.py): that node's torchrun with a c10d rendezvous on the first node, and, on the
+first node, the run's final status. So a Ray run needs nothing of the app: the run folder, this
+repository and the compile cache must be on storage every node sees (as on Slurm).
+
+Ray owns the job's nodes: the studio leases no core of this machine for a Ray run. While the run
+waits or runs, its place is Ray's job status (PENDING, RUNNING, ...); when the job is over without
+a final status (stopped outside the studio with `ray job stop`, its driver or a node failed),
+Ray's own word on the job becomes the run's final status (`ending`, which only reads), written
+once into its events by `record_ending`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from studio_core.backends.base import Ending, RunBackend, SubmitError
+from studio_core.backends.ray.node import RESOURCES, this_node
+from studio_core.backends.ray.options import KEY, RayOptions
+from studio_core.backends.ray.records import job_of, node_records, record_job, submitted
+from studio_core.backends.storage import filesystem, shared_storage
+from studio_core.rundir import events
+from studio_core.rundir.folder import EVENTS
+
+STARTING_GRACE_S = 30
+STOP_WAIT_S = 60  # after Ray's stop: the supervisors end their torchrun (their own grace) and record it
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class RayError(RuntimeError):
+    """Ray's Jobs API could not be reached, or refused."""
+
+
+def client(address: str):
+    """Ray's Jobs API client for the cluster at `address` (RayError when it does not answer)."""
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise RayError(f"no Ray cluster answers at {address}: {error}") from error
+
+
+def cluster_version(address: str) -> str:
+    """The Ray version the cluster at `address` runs (its dashboard's /api/version)."""
+    try:
+        with urllib.request.urlopen(f"{address.rstrip('/')}/api/version", timeout=10) as answer:
+            return json.loads(answer.read())["ray_version"]
+    except (OSError, ValueError, KeyError) as error:
+        raise RayError(f"the Ray cluster at {address} does not say its version: {error}") from error
+
+
+class RayBackend(RunBackend):
+    name = "ray"
+    label = "Ray"
+    description = "a Ray cluster"
+    local_cores = False
+    cluster = True
+    max_nodes = None
+    options_type = RayOptions
+
+    def launch_argv(self, layout, module: str, run_dir: str) -> list[str]:
+        # HEAD_ADDR, RDZV_PORT, STUDIO_RAY_JOB and STUDIO_RAY_HOST are set by the job's driver on each node.
+        # The first node hosts the rendezvous store, said outright (is_host): torchrun's own guess
+        # compares the address with this machine's name, and misses an address of a second network
+        # interface (and two nodes on one machine would both claim it).
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={layout.nodes}",
+                f"--nproc-per-node={layout.nproc}", "--rdzv-backend=c10d", "--rdzv-id=$STUDIO_RAY_JOB",
+                "--rdzv-endpoint=$HEAD_ADDR:$RDZV_PORT", "--rdzv-conf=is_host=$STUDIO_RAY_HOST", "-m", module,
+                str(run_dir)]
+
+    def planned(self, spec, hardware, env: dict, run_dir, compile_cache) -> tuple[list, list]:
+        layout, warnings = spec.layout, []
+        resource = RESOURCES[hardware.backend]
+        applied = [("Ray job", self.options(layout).address, "submitted through the Jobs API of the cluster's head"),
+                   ("Ray placement group", f"{layout.nodes} x {{{resource}: {layout.nproc}}}, STRICT_SPREAD",
+                    f"one bundle per node ({layout.nproc} process(es) on {hardware.describe()}); Ray reserves "
+                    "them for the run, whose nodes then run one supervisor and torchrun each")]
+        if layout.nodes > 1:
+            for what, path, setting in (("runs folder", Path(run_dir).parent, "--runs-dir or STUDIO_RUNS_DIR"),
+                                        ("compile cache", Path(compile_cache), "STUDIO_COMPILE_CACHE")):
+                if not shared_storage(path):
+                    warnings.append(f"the {what} {path} is on this machine's own disk ({filesystem(path)}): "
+                                    f"the other nodes cannot see it unless they are this machine. Put it on storage "
+                                    f"every node mounts (e.g. FSx for Lustre, EFS) with {setting}")
+        return applied, warnings
+
+    def describe_launch(self, plan) -> list[str]:
+        return ["", f"Submitted to Ray at {self.options(plan.spec.layout).address} as a job whose entrypoint is:",
+                "  " + shlex.join(entrypoint(plan.argv[0], plan.argv[-1], "JOB_ID"))]
+
+    def layout_problems(self, layout) -> list[str]:
+        options = self.options(layout)
+        problems = options.check()
+        if options.address is None:
+            problems.append(f"{KEY}.address: give the Ray cluster's dashboard address (--ray http://HEAD:8265)")
+        if layout.cores:
+            problems.append("studio.cores: Ray picks the nodes and reserves their cores; leave cores empty for a "
+                            "Ray run")
+        return problems
+
+    def check(self, layout) -> list[str]:
+        """The cluster's answer: is it there, is it this Ray version, has it nodes enough."""
+        problems = self.layout_problems(layout)
+        if problems:
+            return problems
+        address = self.options(layout).address
+        try:
+            client(address)
+            theirs = cluster_version(address)
+        except RayError as error:
+            return [f"{KEY}.address: {error}"]
+        import ray
+        from ray.util.state import list_nodes
+
+        if theirs != ray.__version__:
+            return [f"{KEY}.address: the cluster runs Ray {theirs}, this studio Ray {ray.__version__}: install "
+                    f"ray=={theirs} here (a job's driver must match its cluster)"]
+        alive = [n for n in list_nodes(address=address, detail=True) if n.state == "ALIVE"]
+        if layout.nodes > len(alive):
+            return [f"studio.nodes: the Ray cluster at {address} has {len(alive)} node(s); ask for at most "
+                    f"{len(alive)}"]
+        return []
+
+    def submit(self, run_dir: Path, launch, device: str) -> None:
+        address = self.options(launch.spec.layout).address
+        problems = self.layout_problems(launch.spec.layout)
+        if problems:
+            raise SubmitError("; ".join(problems))
+        job_id = f"studio-{run_dir.name}-{int(time.time())}"  # an attempt's: a resume submits a new job
+        try:
+            client(address).submit_job(entrypoint=shlex.join(entrypoint(launch.argv[0], str(run_dir), job_id)),
+                                       submission_id=job_id, runtime_env={"env_vars": dict(launch.env)},
+                                       metadata={"studio_run": run_dir.name})
+        except (RayError, RuntimeError) as error:
+            raise SubmitError(str(error)) from error
+        record_job(run_dir, job_id, address, time.time())
+        events.append(run_dir / EVENTS, events.log(f"submitted to Ray as job {job_id} (dashboard {address})"))
+
+    def node(self, run_dir: Path, launch: dict):
+        return this_node(run_dir)
+
+    def alive(self, run_dir: Path) -> bool:
+        job_id, address = job_of(run_dir)
+        if job_id is None:
+            return False
+        try:
+            return str(client(address).get_job_status(job_id)) not in TERMINAL
+        except (RayError, RuntimeError):
+            return True  # the head does not answer: the job may well go on; say nothing ended
+
+    def where(self, run_dir: Path, live: bool) -> str | None:
+        job_id, address = job_of(run_dir)
+        if job_id is None or not live:
+            return job_id and f"Ray job {job_id}"
+        try:
+            info = client(address).get_job_info(job_id)
+        except (RayError, RuntimeError) as error:
+            return f"Ray job {job_id}: Ray does not answer ({error})"
+        said = f": {info.message}" if info.message and str(info.status) not in ("RUNNING", "SUCCEEDED") else ""
+        return f"Ray job {job_id}: {info.status}{said} (dashboard {address})"
+
+    def stop(self, run_dir: Path, grace_s: float) -> None:
+        """Ray stops the job (SIGTERM to its driver, which passes it to every node's supervisor); wait
+        until the job is over and every node's supervisor recorded its end, then say "stopped"
+        when the run did not."""
+        job_id, address = job_of(run_dir)
+        if job_id is None:
+            if not _final(run_dir):
+                events.append(run_dir / EVENTS, events.status("stopped", reason="stopped before it was submitted"))
+            return
+        if not self.alive(run_dir):
+            self.record_ending(run_dir, 0.0)
+            return
+        client(address).stop_job(job_id)
+        deadline = time.monotonic() + max(grace_s, STOP_WAIT_S)
+        while self.alive(run_dir) or any("ended" not in r for r in node_records(run_dir, job_id)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray job {job_id} of run {run_dir.name} has nodes still running after its stop")
+            time.sleep(0.5)
+        if not _final(run_dir):
+            events.append(run_dir / EVENTS, events.status("stopped", reason=f"Stop now: Ray stopped job {job_id}"))
+
+    def ending(self, run_dir: Path, created: float) -> Ending | None:
+        return _ending(run_dir, created)[0]
+
+    def record_ending(self, run_dir: Path, created: float) -> Ending | None:
+        ending, to_write = _ending(run_dir, created)
+        for event in to_write:
+            events.append(run_dir / EVENTS, event)
+        return ending
+
+
+def entrypoint(python: str, run_dir: str, job_id: str) -> list[str]:
+    return [python, "-m", "studio_core.backends.ray.job", run_dir, job_id]
+
+
+def _ending(run_dir: Path, created: float) -> tuple[Ending | None, list[dict]]:
+    """How a run with no final status ended (None while it may be starting), and the events that
+    record it (none when the run's events already say, or Ray does not answer). Reads only."""
+    job_id, address = job_of(run_dir)
+    if job_id is None:
+        if time.time() - created < STARTING_GRACE_S:
+            return None, []
+        ending = Ending("failed", "the run was never submitted to Ray: see its log")
+    else:
+        try:
+            info = client(address).get_job_info(job_id)
+        except (RayError, RuntimeError) as error:
+            return Ending("failed", f"Ray job {job_id}: Ray does not answer or no longer knows it ({error})"), []
+        ending = ray_ending(job_id, str(info.status), info.message or "")
+    run = events.fold(events.read(run_dir / EVENTS))
+    if run.state in events.FINAL_STATES:
+        return ending, []
+    first = _first_failed(node_records(run_dir, job_id)) if job_id else None
+    if ending.state == "failed" and first:
+        ending = Ending("failed", f"Ray job {job_id}: {first}; resume from the last checkpoint")
+    elif ending.state == "failed" and run.errors and run.errors[-1]["time"] > submitted(run_dir):
+        return Ending("failed", run.errors[-1].get("message", "")), [events.status("failed")]  # its error says it
+    return ending, [*([events.error(ending.reason)] if ending.state == "failed" else []),
+                    events.status(ending.state, reason=ending.reason)]
+
+
+def ray_ending(job_id: str, status: str, message: str) -> Ending:
+    """How a Ray job that left no final status ended, from Ray's job status and message."""
+    if status == "STOPPED":
+        return Ending("stopped", f"Ray job {job_id} was stopped outside the studio (ray job stop)")
+    if status == "FAILED":
+        return Ending("failed", f"Ray job {job_id} failed: {message or 'see its log'}")
+    return Ending("failed", f"Ray job {job_id} ended as {status} without a final status from the run: see its log")
+
+
+def _first_failed(records: list[dict]) -> str | None:
+    """The node whose failure came first: one that started and never recorded its end (its
+    supervisor died with its node), else the first whose torchrun failed."""
+    gone = [r for r in records if "ended" not in r]
+    if gone:
+        return f"{gone[0]['node']} failed first: its supervisor ended without recording its end (killed, or its " \
+               "node went down)"
+    failed = sorted((r for r in records if r.get("exit_code") not in (0, None) and not r.get("stopped")),
+                    key=lambda r: r["ended"])
+    return failed and f"{failed[0]['node']} failed first: its torchrun exited with code {failed[0]['exit_code']}"
+
+
+def _final(run_dir: Path) -> bool:
+    return events.fold(events.read(run_dir / EVENTS)).state in events.FINAL_STATES

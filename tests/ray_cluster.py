@@ -1,0 +1,112 @@
+"""A real Ray cluster on this machine, for the tests and the bench: a head and a second node.
+
+`ray start --head --block` and `ray start --address HEAD --block` run here as two Ray nodes of one
+cluster, each offering one CPU (so a 2-node run has one bundle on each); every port is picked free
+when it starts and its session lives in a private temporary folder, so two clusters (two test
+sessions) do not meet. The studio reaches it through the head's dashboard (the Jobs API).
+
+    cluster = RayCluster.start()        # its Jobs API answers, both nodes alive, when this returns
+    cluster.address                     # http://127.0.0.1:PORT: give it to --ray
+    cluster.stop()                      # by pid (the two blocking `ray start`), never `ray stop`
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+RAY = str(Path(sys.executable).with_name("ray"))
+ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_ports() -> list[str]:
+    """A node's own ports, free now (two nodes of one machine must not share them)."""
+    worker = free_port()
+    return [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            f"--min-worker-port={worker}", f"--max-worker-port={worker + 40}"]
+
+
+@dataclass
+class RayCluster:
+    folder: Path  # the session's temporary folder (short: Ray's sockets live under it)
+    gcs_port: int
+    dashboard_port: int
+    nodes: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @classmethod
+    def start(cls, timeout: float = 120) -> RayCluster:
+        cluster = cls(Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")), free_port(), free_port())
+        common = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"]
+        cluster._node([RAY, "start", "--head", f"--port={cluster.gcs_port}", "--dashboard-host=127.0.0.1",
+                       f"--dashboard-port={cluster.dashboard_port}", f"--ray-client-server-port={free_port()}",
+                       f"--temp-dir={cluster.folder}", *node_ports(), *common])
+        cluster.wait(1, timeout)
+        cluster._node([RAY, "start", f"--address=127.0.0.1:{cluster.gcs_port}", *node_ports(), *common])
+        cluster.wait(2, timeout)
+        return cluster
+
+    def _node(self, argv: list[str]) -> None:
+        log = open(self.folder / f"node{len(self.nodes)}.log", "ab")
+        self.nodes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env={**os.environ, **ENV}, start_new_session=True))
+
+    def alive_nodes(self) -> int:
+        from ray.util.state import list_nodes
+
+        try:
+            return sum(n.state == "ALIVE" for n in list_nodes(address=self.address))
+        except Exception:  # the dashboard is not up yet: no node to count
+            return 0
+
+    def wait(self, nodes: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.alive_nodes() < nodes:
+            for node in self.nodes:
+                assert node.poll() is None, (self.folder / "node0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"Ray: {nodes} node(s) not alive after {timeout} s"
+            time.sleep(1)
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this cluster: the two `ray start` and all they started."""
+        found = []
+        for node in self.nodes:
+            try:
+                parent = psutil.Process(node.pid)
+                found += [parent, *parent.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    def stop(self) -> None:
+        """SIGTERM to each blocking `ray start` (it ends its node's daemons), then SIGKILL what is left."""
+        left = self.processes()
+        for node in reversed(self.nodes):
+            if node.poll() is None:
+                node.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(left, timeout=30)
+        for proc in alive:
+            proc.kill()
+        psutil.wait_procs(alive, timeout=10)
+        shutil.rmtree(self.folder, ignore_errors=True)

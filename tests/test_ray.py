@@ -1,0 +1,116 @@
+"""Runs on a real Ray cluster: a head and a second node on this machine (tests/ray_cluster.py),
+one CPU each, so a 2-node run's placement group puts one node's torchrun on each and their c10d
+rendezvous really happens between two Ray nodes. Submitted, followed, stopped and resumed through
+Ray's Jobs API, as `launch.py train --ray ADDRESS` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_cluster import RAY, RayCluster, free_port
+from studio_core.backends.ray.records import JOB
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.machine.procs import run_processes
+from studio_core.runs.manager import RunManager
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "tiny-sft.yaml"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = RayCluster.start()
+    yield ray
+    ray.stop()
+    assert not ray.processes()
+
+
+def cli(*args: str, runs_dir: Path, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "launch.py", *args, "--runs-dir", str(runs_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=os.environ)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def nothing_left(run_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while run_processes(run_id):
+        assert time.monotonic() < deadline, [p.cmdline() for p in run_processes(run_id)]
+        time.sleep(0.5)
+
+
+def job_ids(view) -> list[str]:
+    return json.loads((view.dir / JOB).read_text())["job_ids"]
+
+
+def test_two_ray_nodes_train_stop_and_save_resume_and_a_stop_from_outside(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    out = cli("train", str(RECIPE), "--ray", cluster.address, "--nodes", "2", "--set", "max_steps=400",
+              "--set", "logging_steps=1", "--detach", runs_dir=runs).stdout
+    assert "Ray job studio-" in out
+    manager = RunManager(runs)
+    [view] = manager.list()
+    running = manager.wait(view.id, until=lambda v: v.step >= 3 or not v.active, timeout=180)
+    assert running.live_state == "running", running.log_tail()
+    assert running.world_size == 2 and ": RUNNING" in running.where()
+    assert manager.core_holders(cpu_hardware()) == {}  # Ray reserves the nodes: no core of this machine leased
+    manager.stop_and_save(view.id)  # the control file every rank reads
+    stopped = manager.wait(view.id, timeout=120)
+    assert stopped.live_state == "stopped" and stopped.resume_point() is not None, stopped.log_tail()
+    saved = stopped.resume_point()["step"]
+    nothing_left(view.id)
+
+    out = cli("train", "--resume", view.id, "--detach", runs_dir=runs).stdout
+    assert f"resumed from step {saved}" in out
+    again = manager.wait(view.id, until=lambda v: v.step > saved or not v.active, timeout=180)
+    assert again.live_state == "running" and again.attempts == 2, again.log_tail()
+    first, second = job_ids(again)
+    assert first != second  # a new Ray job into the same run folder
+    # stopped outside the studio: an honest ending, from Ray's own word, and nothing left on any node
+    subprocess.run([RAY, "job", "stop", second, f"--address={cluster.address}"], check=True, capture_output=True,
+                   timeout=120)
+    ended = manager.wait(view.id, timeout=120)
+    assert ended.live_state == "stopped", ended.log_tail()
+    assert f"Ray job {second} was stopped outside the studio (ray job stop)" in cli("runs", runs_dir=runs).stdout
+    nothing_left(view.id)
+    assert {sample.get("node") for sample in ended.hardware} == {"node0", "node1"}  # each node samples itself
+
+
+def test_a_run_finishes_on_two_ray_nodes_and_stop_now_leaves_nothing(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    done = cli("train", str(RECIPE), "--ray", cluster.address, "--nodes", "2", "--set", "max_steps=20",
+               runs_dir=runs)
+    assert "finished (exit code 0)" in done.stdout, done.stdout + done.stderr
+    manager = RunManager(runs)
+    [view] = manager.list()
+    assert view.world_size == 2 and view.step == 20
+    assert f"[Ray job {job_ids(view)[0]}]" in cli("runs", runs_dir=runs).stdout
+    cli("train", str(RECIPE), "--ray", cluster.address, "--nodes", "2", "--set", "max_steps=2000", "--detach",
+        runs_dir=runs)
+    [second] = [v for v in manager.list() if v.id != view.id]
+    manager.wait(second.id, until=lambda v: v.step >= 1 or not v.active, timeout=180)
+    stop = cli("stop", second.id, runs_dir=runs)
+    assert "stopped" in stop.stdout
+    assert manager.view(second.id).live_state == "stopped"
+    assert f"Stop now: Ray stopped job {job_ids(second)[0]}" in cli("runs", runs_dir=runs).stdout
+    nothing_left(second.id)
+
+
+def test_bad_ray_input_is_refused_before_anything_is_submitted(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    for args, said in ((["--ray", "10.0.0.5"], "--ray: '10.0.0.5' is not a Ray dashboard address"),
+                       (["--ray", f"http://127.0.0.1:{free_port()}"], "no Ray cluster answers at"),
+                       (["--ray", cluster.address, "--nodes", "3"], "has 2 node(s); ask for at most 2"),
+                       (["--nodes", "2"], "--nodes: a run on several machines goes to a cluster: add --slurm or "
+                                          "--ray ADDRESS")):
+        done = cli("train", str(RECIPE), *args, runs_dir=runs, check=False)
+        assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not runs.exists() or not [p for p in runs.iterdir() if not p.name.startswith(".")]

@@ -1,0 +1,62 @@
+"""The Ray backend without a cluster: its options' rule, the plan it makes, and how it reads a Ray
+job's end (tests/test_ray.py runs it on a real 2-node Ray cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import launch_py
+from studio_core.backends import get
+from studio_core.backends.ray.backend import _first_failed, ray_ending
+from studio_core.backends.ray.options import RayOptions
+from studio_core.recipe.spec import RunSpec
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.mark.parametrize("address", ["http://10.0.0.5:8265", "https://ray.example.com:443", "http://head:8265/"])
+def test_a_dashboard_address_is_taken(address):
+    assert RayOptions(address).check() == []
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5:8265", "ray://10.0.0.5:10001", "http://a b:1", 8265])
+def test_anything_else_is_refused_saying_what_to_write(address):
+    [problem] = RayOptions(address).check(labels={"address": "--ray"})
+    assert problem.startswith(f"--ray: {address!r} is not a Ray dashboard address: write http://HOST:PORT")
+
+
+def test_the_recipe_block_is_read_and_written_back_as_given():
+    options, problems = RayOptions.from_dict({"address": "http://h:8265"})
+    assert problems == [] and options.to_dict() == {"address": "http://h:8265"}
+    _, problems = RayOptions.from_dict({"adress": "http://h:8265"})
+    assert problems == ["studio.ray.adress: unknown key; it takes address (the head's dashboard address, e.g. "
+                        "http://10.0.0.5:8265)"]
+    assert RayOptions.from_dict(["http://h:8265"])[1] == ["studio.ray: must be a mapping of address"]
+
+
+def test_a_ray_layout_needs_its_address_and_no_cores():
+    spec = RunSpec.from_dict({"model_name_or_path": "builtin:tiny-qwen3", "dataset_name": "builtin:qa",
+                              "studio": {"run_on": "ray", "nodes": 2, "cores": "0-1"}})
+    problems = get("ray").layout_problems(spec.layout)
+    assert any(p.startswith("studio.ray.address: give the Ray cluster's dashboard address") for p in problems)
+    assert any(p.startswith("studio.cores: Ray picks the nodes") for p in problems)
+
+
+def test_the_plan_shows_the_placement_group_and_the_job_without_asking_the_cluster(tmp_path):
+    done = launch_py("plan", "recipes/tiny-sft.yaml", "--ray", "http://127.0.0.1:9", "--nodes", "2", "--no-forecast",
+                     "--backend", "cpu", "--runs-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "Ray placement group = '2 x {CPU: 1}, STRICT_SPREAD'" in done.stdout
+    assert "--rdzv-conf=is_host=$STUDIO_RAY_HOST" in done.stdout
+    assert "-m studio_core.backends.ray.job" in done.stdout and "other nodes cannot see it" in done.stdout
+
+
+def test_a_ray_jobs_end_reads_as_the_studios():
+    assert ray_ending("j1", "STOPPED", "").state == "stopped"
+    assert ray_ending("j1", "FAILED", "driver died").reason == "Ray job j1 failed: driver died"
+    assert ray_ending("j1", "SUCCEEDED", "").state == "failed"  # no final status from the run: its log says
+    records = [{"node": "node0", "started": 1.0, "ended": 9.0, "exit_code": 1, "stopped": False},
+               {"node": "node1", "started": 1.1}]
+    assert _first_failed(records).startswith("node1 failed first: its supervisor ended without recording its end")
+    records[1].update(ended=8.0, exit_code=1, stopped=False)
+    assert _first_failed(records) == "node1 failed first: its torchrun exited with code 1"
