@@ -137,11 +137,12 @@ class Noise:
         return ((busy_cpu_s() - self.busy) - (self._own() - self.own)) / max(elapsed, 1e-6)
 
 
-def wait_quiet(max_wait_s: float, threshold: float) -> dict:
-    """Wait (up to max_wait_s) for a 2 s window in which others use under `threshold` cores."""
+def wait_quiet(max_wait_s: float, threshold: float, mine: tuple[int, ...] = ()) -> dict:
+    """Wait (up to max_wait_s) for a 2 s window in which others (not the process trees of `mine`)
+    use under `threshold` cores."""
     t0 = time.monotonic()
     while True:
-        window = Noise()
+        window = Noise(mine)
         time.sleep(2)
         others = window.others_cores()
         if others < threshold or time.monotonic() - t0 >= max_wait_s:

@@ -1,7 +1,7 @@
-"""A Slurm run vs a local run on this machine's CPU: time from submit to the first step, and how
-soon the engine's view of a Slurm run shows each step.
+"""A Slurm run and a Ray run vs a local run on this machine's CPU: time from submit to the first
+step, and how soon the engine's view of a cluster run shows each step.
 
-Run from the repository root (about 5-6 minutes for the default 5 rounds on 2 CPU cores; needs
+Run from the repository root (about 9-10 minutes for the default 5 rounds on 2 CPU cores; needs
 root, Debian's slurm-wlm and munge, as tests/slurm_cluster.py does):
 
     .venv/bin/python bench/slurm_cpu.py                  # 5 rounds
@@ -12,14 +12,19 @@ figure to bench/results/slurm_cpu-<time>.json.
 
 Setup: a real 2-node Slurm cluster on this machine (tests/slurm_cluster.py: one slurmctld, two
 slurmd "nodes" on localhost) in a fresh temporary folder, found through SLURM_CONF (set in this
-process's environment, so the engine's sbatch/squeue/scontrol and the job itself use it), and a
-fresh temporary runs folder. The cluster is stopped (by pid) however the bench ends. The two sides
-train the same recipe, recipes/tiny-sft.yaml with max_steps=20 (2 processes each):
+process's environment, so the engine's sbatch/squeue/scontrol and the job itself use it), a real
+2-node Ray cluster (tests/ray_cluster.py: a head and a second node, one CPU each, reached through
+its dashboard's Jobs API), and a fresh temporary runs folder. Both clusters are up for the whole
+bench and stopped (by pid) however it ends; the Ray daemons' own CPU while idle is left out of the
+quiet gate's "others" (it is the Ray side's standing cost, not noise). The three sides train the
+same recipe, recipes/tiny-sft.yaml with max_steps=20 (2 processes each):
   slurm: studio.run_on=slurm, studio.nodes=2 -- one batch job, 2 nodes x 1 process, whose srun
          starts a supervisor per node, each running that node's torchrun (c10d rendezvous);
+  ray:   studio.run_on=ray, studio.nodes=2 -- one Ray job, whose driver places a bundle per node
+         and starts a supervisor per node, each running that node's torchrun;
   local: studio.nproc=2 -- the local backend: a supervisor and torchrun with 2 processes here.
 Each side runs once uncounted first (--warmup), then --rounds rounds, the sides alternating (round 1:
-slurm, local; round 2: local, slurm; ...). A run is started with RunManager.start(spec,
+slurm, ray, local; round 2: local, ray, slurm; ...). A run is started with RunManager.start(spec,
 cpu_hardware()) (Slurm: returns after sbatch), followed to its end, and only then -- once its
 processes are gone (Slurm: the job has left squeue, COMPLETING included) -- does the next start, so
 the sides never overlap. A run that ends other than `finished` stops the bench (its error and
@@ -63,6 +68,7 @@ from pathlib import Path
 from common import PROCS, REPO, BenchError, ok, run_bench, tail, wait_quiet  # also sets up sys.path
 
 sys.path.insert(0, str(REPO / "tests"))
+from ray_cluster import RayCluster  # noqa: E402
 from slurm_cluster import SlurmCluster, available  # noqa: E402
 
 from studio_core.data.builtin import ensure_tiny_model  # noqa: E402
@@ -76,9 +82,12 @@ RECIPE = REPO / "recipes" / "tiny-sft.yaml"
 MAX_STEPS = 20
 OVERRIDES = {
     "slurm": [f"max_steps={MAX_STEPS}", "studio.run_on=slurm", "studio.nodes=2"],
+    "ray": [f"max_steps={MAX_STEPS}", "studio.run_on=ray", "studio.nodes=2"],  # and the cluster's address
     "local": [f"max_steps={MAX_STEPS}", "studio.nproc=2"],
 }
-SIDES = ("slurm", "local")
+SIDES = ("slurm", "ray", "local")
+CLUSTERS = ("slurm", "ray")
+RAY: dict = {}  # the Ray cluster's address, once it is up
 RUN_TIMEOUT_S = 300
 GONE_TIMEOUT_S = 90  # after the final status: the job's (or supervisor's) processes ending
 LIVE_CHECK_S = 1.0  # how often the follow loop asks live_state (squeue on Slurm)
@@ -87,7 +96,8 @@ PAGE_TIMER_S = 1.0  # the run panel's gr.Timer
 
 
 def spec_for(side: str) -> RunSpec:
-    return RunSpec.load(RECIPE).with_overrides(OVERRIDES[side])
+    address = [f"studio.ray={{address: '{RAY['address']}'}}"] if side == "ray" else []
+    return RunSpec.load(RECIPE).with_overrides([*OVERRIDES[side], *address])
 
 
 def p95(values: list[float]) -> float:
@@ -199,8 +209,14 @@ def measure(work: Path, args, report: dict) -> None:
     report["cluster_dir"] = str(cluster_dir)
     t0 = time.monotonic()
     cluster = SlurmCluster.start(cluster_dir)
-    manager = None
+    manager, ray = None, None
     try:
+        t_ray = time.monotonic()
+        ray = RayCluster.start()
+        RAY["address"] = ray.address
+        report["ray_cluster_start_s"] = time.monotonic() - t_ray
+        print(f"[bench] Ray cluster up in {report['ray_cluster_start_s']:.1f} s ({ray.address})", flush=True)
+        mine = tuple(node.pid for node in ray.nodes)
         report["cluster_start_s"] = time.monotonic() - t0
         os.environ.update(cluster.env)  # the engine's Slurm commands, and the job, find the cluster by it
         print(f"[bench] Slurm cluster up in {report['cluster_start_s']:.1f} s ({cluster.conf}); runs in "
@@ -218,7 +234,7 @@ def measure(work: Path, args, report: dict) -> None:
         for i in range(args.rounds):
             order = SIDES if i % 2 == 0 else SIDES[::-1]
             for side in order:
-                gate = wait_quiet(args.quiet_wait, QUIET_CORES)
+                gate = wait_quiet(args.quiet_wait, QUIET_CORES, mine)
                 row = run_once(manager, side, args.poll)
                 row.update(round=i + 1, quiet_gate=gate)
                 rows.append(row)
@@ -240,6 +256,8 @@ def measure(work: Path, args, report: dict) -> None:
                     except Exception as error:  # noqa: BLE001 -- report, and still stop the cluster
                         print(f"[bench] stopping run {run_id}: {type(error).__name__}: {error}", file=sys.stderr)
         finally:
+            if ray is not None:
+                ray.stop()
             cluster.stop()
             report["machine"]["load_at_end"] = os.getloadavg()
             if args.keep:
@@ -266,11 +284,13 @@ def summarize(rows: list[dict]) -> dict:
             "view_delay_samples": len(delays),
             "view_delay_round_medians_s": round_medians,
         }
-    out["added_startup_s"] = out["slurm"]["startup_median_s"] - out["local"]["startup_median_s"]
     pairs: dict[int, dict] = {}
     for r in rows:
         pairs.setdefault(r["round"], {})[r["side"]] = r["startup_s"]
-    out["added_startup_s_per_round"] = [p["slurm"] - p["local"] for p in pairs.values() if len(p) == 2]
+    for side in CLUSTERS:
+        out[f"{side}_added_startup_s"] = out[side]["startup_median_s"] - out["local"]["startup_median_s"]
+        out[f"{side}_added_startup_s_per_round"] = [p[side] - p["local"] for p in pairs.values()
+                                                   if side in p and "local" in p]
     out["quiet"] = all(r["quiet_gate"]["quiet"] for r in rows)
     out["others_before_runs"] = [r["quiet_gate"]["others_cores_before"] for r in rows]
     return out
@@ -315,13 +335,14 @@ def print_report(report: dict) -> None:
               f"{s['startup_min_s']:.2f}-{s['startup_max_s']:.2f} over {len(s['startup_rounds_s'])} rounds "
               f"(start call {s['start_call_median_s']:.2f} s, -> running {s['to_running_median_s']:.2f} s, "
               f"running -> step 1 {s['running_to_first_step_median_s']:.2f} s; whole run {s['wall_median_s']:.2f} s)")
-    print(f"slurm - local, submit -> first step (medians): {summary['added_startup_s']:+.2f} s; per round "
-          f"{', '.join(f'{x:+.2f}' for x in summary['added_startup_s_per_round'])}")
+    for side in CLUSTERS:
+        print(f"{side} - local, submit -> first step (medians): {summary[f'{side}_added_startup_s']:+.2f} s; per "
+              f"round {', '.join(f'{x:+.2f}' for x in summary[f'{side}_added_startup_s_per_round'])}")
     for side in SIDES:
         s = summary[side]
         if s["view_delay_median_s"] is None:
             continue
-        label = "Slurm run" if side == "slurm" else "local run (reference)"
+        label = {"slurm": "Slurm run", "ray": "Ray run"}.get(side, "local run (reference)")
         per_round = s["view_delay_round_medians_s"]
         print(f"event -> view, {label}: median {s['view_delay_median_s'] * 1000:.0f} ms, p95 "
               f"{s['view_delay_p95_s'] * 1000:.0f} ms, max {s['view_delay_max_s'] * 1000:.0f} ms over "
@@ -339,8 +360,8 @@ def print_report(report: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="A Slurm run vs a local run: submit -> first step, and event -> "
-                                                 "view latency of the Slurm run.")
+    parser = argparse.ArgumentParser(description="A Slurm run and a Ray run vs a local run: submit -> first step, "
+                                                 "and event -> view latency of the cluster runs.")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; each side once per round (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="uncounted runs of each side first (default 1)")
     parser.add_argument("--poll", type=float, default=0.05, help="seconds between view polls (default 0.05)")

@@ -67,10 +67,29 @@ class RayCluster:
         cluster.wait(2, timeout)
         return cluster
 
+    def kill_node(self, index: int) -> None:
+        """A node goes down at once: SIGKILL to its `ray start` and everything it started (its raylet,
+        its workers and what they run: a run's supervisor, torchrun and ranks on that node)."""
+        node = psutil.Process(self.nodes[index].pid)
+        tree = [node, *node.children(recursive=True)]
+        for proc in tree:
+            proc.kill()
+        psutil.wait_procs(tree, timeout=30)
+        self.nodes[index].wait()
+
+    def restart_node(self, index: int, timeout: float = 120) -> None:
+        """The node joins again (as a new Ray node), and the cluster has all its nodes alive."""
+        self.nodes[index] = self._popen([RAY, "start", f"--address=127.0.0.1:{self.gcs_port}", *node_ports(),
+                                         "--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"], index)
+        self.wait(len(self.nodes), timeout)
+
     def _node(self, argv: list[str]) -> None:
-        log = open(self.folder / f"node{len(self.nodes)}.log", "ab")
-        self.nodes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env={**os.environ, **ENV}, start_new_session=True))
+        self.nodes.append(self._popen(argv, len(self.nodes)))
+
+    def _popen(self, argv: list[str], index: int) -> subprocess.Popen:
+        log = open(self.folder / f"node{index}.log", "ab")
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **ENV}, start_new_session=True)
 
     def alive_nodes(self) -> int:
         from ray.util.state import list_nodes

@@ -114,3 +114,27 @@ def test_bad_ray_input_is_refused_before_anything_is_submitted(cluster, tmp_path
         done = cli("train", str(RECIPE), *args, runs_dir=runs, check=False)
         assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not runs.exists() or not [p for p in runs.iterdir() if not p.name.startswith(".")]
+
+
+def test_a_node_that_goes_down_mid_run_is_named_and_nothing_is_left(cluster, tmp_path):
+    """Last in this file: a Ray node of the cluster is killed (and joins again at the end)."""
+    runs = tmp_path / "runs"
+    cli("train", str(RECIPE), "--ray", cluster.address, "--nodes", "2", "--set", "max_steps=2000", "--detach",
+        runs_dir=runs)
+    manager = RunManager(runs)
+    [view] = manager.list()
+    manager.wait(view.id, until=lambda v: v.step >= 3 or not v.active, timeout=180)
+    try:
+        cluster.kill_node(1)  # the second Ray node, with the run's supervisor, torchrun and rank there
+        ended = manager.wait(view.id, timeout=180)
+        assert ended.live_state == "failed", ended.log_tail()
+        [gone] = [r["node"] for r in json_records(ended) if "ended" not in r]
+        assert (f"Ray job {job_ids(ended)[0]}: {gone} failed first: its supervisor ended without recording its end"
+                in ended.error_text), ended.error_text
+        nothing_left(view.id)
+    finally:
+        cluster.restart_node(1)
+
+
+def json_records(view) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted((view.dir / "ray-nodes").glob("*.json"))]
