@@ -13,7 +13,7 @@ from cli.doctor import cmd_doctor
 from cli.eval import add_parser as add_eval_parser
 from cli.export import cmd_export
 from cli.fields import add_flags, add_layout_flags, flags, values_joined
-from cli.options import CommandLineError, repeated_flags, whole_number
+from cli.options import CommandLineError, picked_by_option, repeated_flags, whole_number
 from cli.serve import cmd_serve
 from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
 from studio_core.backends import EXPORT, with_options
@@ -142,7 +142,7 @@ def parser() -> argparse.ArgumentParser:
         add_layout_flags(sub, Layout, whole_number, {"nodes": f"a run on a cluster; with --{EXPORT.name}-script: 2"})
         for backend in with_options():  # a place runs can go besides this machine: its flag and options
             group = sub.add_argument_group(backend.label, f"run on {backend.description}; --nproc is per node")
-            if f"--{backend.name}" in flags(backend.options_type).values():  # --ray ADDRESS: an option that picks it
+            if picked_by_option(backend):  # --ray ADDRESS: an option that picks the backend
                 add_flags(group, backend.options_type)
                 continue
             group.add_argument(f"--{backend.name}", action="store_true", help=(

@@ -65,8 +65,9 @@ def picked(args, backend) -> bool:
     """Was the backend chosen on the command line: its flag (--slurm), or its option of that name (--ray ADDRESS)?"""
     if backend.options_type is None:
         return False
-    named = {flag: name for name, flag in fields.flags(backend.options_type).items()}.get(f"--{backend.name}")
-    return getattr(args, named or backend.name, None) not in (None, False, [])
+    named = next((name for name, flag in fields.flags(backend.options_type).items() if flag == f"--{backend.name}"),
+                 backend.name)
+    return getattr(args, named, None) not in (None, False, [])
 
 
 def set_options(args, spec: RunSpec, backend) -> None:

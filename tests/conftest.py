@@ -47,6 +47,18 @@ def launch_py(*args: str, env: dict | None = None, timeout: float = LAUNCH_TIMEO
                           text=True, timeout=timeout, check=False, env={**os.environ, **(env or {})})
 
 
+def nothing_left(run_id: str, timeout: float = 20) -> None:
+    """Wait until no process of the run is left (a cluster run's nodes end theirs after its end)."""
+    import time
+
+    from studio_core.machine.procs import run_processes
+
+    deadline = time.monotonic() + timeout
+    while run_processes(run_id):
+        assert time.monotonic() < deadline, [p.cmdline() for p in run_processes(run_id)]
+        time.sleep(0.5)
+
+
 @pytest.fixture
 def manager(tmp_path):
     """A run manager over a fresh runs folder; no trainer outlives the test."""

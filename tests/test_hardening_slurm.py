@@ -17,7 +17,8 @@ from cli.main import main
 from studio_core.backends.base import SubmitError
 from studio_core.backends.slurm.backend import SlurmBackend, batch_script, sbatch_argv
 from studio_core.backends.slurm.options import SlurmOptions
-from studio_core.backends.slurm.records import NODES, SCRIPT, first_failed_node, node_records, record_node
+from studio_core.backends.nodes import first_failed_node
+from studio_core.backends.slurm.records import NODES, SCRIPT, node_records, record_node
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.training.plan import plan
 from studio_core.backends.slurm.tools import check_options, sbatch_words

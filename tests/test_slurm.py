@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import nothing_left
 from slurm_cluster import SlurmCluster, available
 from studio_browser import browser  # noqa: F401 (a fixture)
 
 from studio_core.backends.slurm.options import SlurmOptions
 from studio_core.backends.slurm.records import JOB, job_of
 from studio_core.machine.hardware import CPU_CORES_ENV, Hardware, cpu_hardware
-from studio_core.machine.procs import run_processes
 from studio_core.runs.manager import RunManager
 from studio_core.recipe.spec import RunSpec, SpecError
 
@@ -81,13 +81,6 @@ def cli(*args: str, runs_dir: Path, check: bool = True) -> subprocess.CompletedP
     if check:
         assert done.returncode == 0, done.stdout + done.stderr
     return done
-
-
-def nothing_left(run_id: str) -> None:
-    deadline = time.monotonic() + 20
-    while run_processes(run_id):
-        assert time.monotonic() < deadline, [p.cmdline() for p in run_processes(run_id)]
-        time.sleep(0.5)
 
 
 def test_two_nodes_headless_stop_and_save_resume_and_the_losses_of_a_local_two_process_run(

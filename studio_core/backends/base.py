@@ -16,6 +16,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from studio_core.rundir import events
+from studio_core.rundir.folder import EVENTS
+
 # What each field of a backend's options dataclass carries in its `metadata` (see `option`), so
 # that the command line and the form make their flag and widget from it, and say problems
 # under the names the user typed them in:
@@ -61,6 +64,19 @@ def options_from_dict(cls, key: str, data):
     takes = "; ".join(f"{f.name} ({f.metadata['recipe']})" for f in fields(cls))
     return cls(**{k: v for k, v in data.items() if k in keys}), [
         f"{key}.{name}: unknown key; it takes {takes}" for name in data if name not in keys]
+
+
+def has_final_status(run_dir: Path) -> bool:
+    """Do the run's events end in a final status (finished, failed, stopped)?"""
+    return events.fold(events.read(run_dir / EVENTS)).state in events.FINAL_STATES
+
+
+def recorded(run_dir: Path, ending: Ending | None, to_write: list[dict]) -> Ending | None:
+    """A cluster backend's `record_ending`: the events that record how the run ended, written into
+    its events (none when they already say), and the ending."""
+    for event in to_write:
+        events.append(run_dir / EVENTS, event)
+    return ending
 
 
 class SubmitError(RuntimeError):

@@ -24,3 +24,16 @@ def filesystem(path: Path) -> str:
 def shared_storage(path: Path) -> bool:
     """Is `path` on a network filesystem the cluster's nodes can all mount?"""
     return filesystem(path) in SHARED_FILESYSTEMS or filesystem(path).startswith("fuse.")
+
+
+def unshared_warnings(run_dir, compile_cache) -> list[str]:
+    """The plan's warnings for a run on several machines whose runs folder or compile cache is on
+    this machine's own disk, which the other nodes cannot see."""
+    warnings = []
+    for what, path, setting in (("runs folder", Path(run_dir).parent, "--runs-dir or STUDIO_RUNS_DIR"),
+                                ("compile cache", Path(compile_cache), "STUDIO_COMPILE_CACHE")):
+        if not shared_storage(path):
+            warnings.append(f"the {what} {path} is on this machine's own disk ({filesystem(path)}): "
+                            f"the other nodes cannot see it. Put it on storage every node mounts "
+                            f"(e.g. FSx for Lustre, NFS) with {setting}")
+    return warnings

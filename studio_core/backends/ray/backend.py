@@ -21,13 +21,15 @@ import shlex
 import sys
 import time
 import urllib.request
+from functools import lru_cache
 from pathlib import Path
 
-from studio_core.backends.base import Ending, RunBackend, SubmitError
+from studio_core.backends.base import Ending, RunBackend, SubmitError, has_final_status, recorded
+from studio_core.backends.nodes import first_failed_node
 from studio_core.backends.ray.node import RESOURCES, this_node
 from studio_core.backends.ray.options import KEY, RayOptions
 from studio_core.backends.ray.records import job_of, node_records, record_job, submitted
-from studio_core.backends.storage import filesystem, shared_storage
+from studio_core.backends.storage import unshared_warnings
 from studio_core.rundir import events
 from studio_core.rundir.folder import EVENTS
 
@@ -40,8 +42,10 @@ class RayError(RuntimeError):
     """Ray's Jobs API could not be reached, or refused."""
 
 
+@lru_cache(maxsize=8)
 def client(address: str):
-    """Ray's Jobs API client for the cluster at `address` (RayError when it does not answer)."""
+    """Ray's Jobs API client for the cluster at `address` (RayError when it does not answer), made
+    once per address: making one asks the cluster, and the Runs tab asks about a job often."""
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -56,7 +60,7 @@ def cluster_version(address: str) -> str:
         with urllib.request.urlopen(f"{address.rstrip('/')}/api/version", timeout=10) as answer:
             return json.loads(answer.read())["ray_version"]
     except (OSError, ValueError, KeyError) as error:
-        raise RayError(f"the Ray cluster at {address} does not say its version: {error}") from error
+        raise RayError(f"no Ray cluster answers at {address}: {error}") from error
 
 
 class RayBackend(RunBackend):
@@ -79,20 +83,13 @@ class RayBackend(RunBackend):
                 str(run_dir)]
 
     def planned(self, spec, hardware, env: dict, run_dir, compile_cache) -> tuple[list, list]:
-        layout, warnings = spec.layout, []
+        layout = spec.layout
         resource = RESOURCES[hardware.backend]
         applied = [("Ray job", self.options(layout).address, "submitted through the Jobs API of the cluster's head"),
                    ("Ray placement group", f"{layout.nodes} x {{{resource}: {layout.nproc}}}, STRICT_SPREAD",
                     f"one bundle per node ({layout.nproc} process(es) on {hardware.describe()}); Ray reserves "
                     "them for the run, whose nodes then run one supervisor and torchrun each")]
-        if layout.nodes > 1:
-            for what, path, setting in (("runs folder", Path(run_dir).parent, "--runs-dir or STUDIO_RUNS_DIR"),
-                                        ("compile cache", Path(compile_cache), "STUDIO_COMPILE_CACHE")):
-                if not shared_storage(path):
-                    warnings.append(f"the {what} {path} is on this machine's own disk ({filesystem(path)}): "
-                                    f"the other nodes cannot see it unless they are this machine. Put it on storage "
-                                    f"every node mounts (e.g. FSx for Lustre, EFS) with {setting}")
-        return applied, warnings
+        return applied, unshared_warnings(run_dir, compile_cache) if layout.nodes > 1 else []
 
     def describe_launch(self, plan) -> list[str]:
         return ["", f"Submitted to Ray at {self.options(plan.spec.layout).address} as a job whose entrypoint is:",
@@ -115,7 +112,6 @@ class RayBackend(RunBackend):
             return problems
         address = self.options(layout).address
         try:
-            client(address)
             theirs = cluster_version(address)
         except RayError as error:
             return [f"{KEY}.address: {error}"]
@@ -175,7 +171,7 @@ class RayBackend(RunBackend):
         when the run did not."""
         job_id, address = job_of(run_dir)
         if job_id is None:
-            if not _final(run_dir):
+            if not has_final_status(run_dir):
                 events.append(run_dir / EVENTS, events.status("stopped", reason="stopped before it was submitted"))
             return
         if not self.alive(run_dir):
@@ -187,17 +183,14 @@ class RayBackend(RunBackend):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Ray job {job_id} of run {run_dir.name} has nodes still running after its stop")
             time.sleep(0.5)
-        if not _final(run_dir):
+        if not has_final_status(run_dir):
             events.append(run_dir / EVENTS, events.status("stopped", reason=f"Stop now: Ray stopped job {job_id}"))
 
     def ending(self, run_dir: Path, created: float) -> Ending | None:
         return _ending(run_dir, created)[0]
 
     def record_ending(self, run_dir: Path, created: float) -> Ending | None:
-        ending, to_write = _ending(run_dir, created)
-        for event in to_write:
-            events.append(run_dir / EVENTS, event)
-        return ending
+        return recorded(run_dir, *_ending(run_dir, created))
 
 
 def entrypoint(python: str, run_dir: str, job_id: str) -> list[str]:
@@ -221,7 +214,7 @@ def _ending(run_dir: Path, created: float) -> tuple[Ending | None, list[dict]]:
     run = events.fold(events.read(run_dir / EVENTS))
     if run.state in events.FINAL_STATES:
         return ending, []
-    first = _first_failed(node_records(run_dir, job_id)) if job_id else None
+    first = first_failed_node(node_records(run_dir, job_id)) if job_id else None
     if ending.state == "failed" and first:
         ending = Ending("failed", f"Ray job {job_id}: {first}; resume from the last checkpoint")
     elif ending.state == "failed" and run.errors and run.errors[-1]["time"] > submitted(run_dir):
@@ -237,19 +230,3 @@ def ray_ending(job_id: str, status: str, message: str) -> Ending:
     if status == "FAILED":
         return Ending("failed", f"Ray job {job_id} failed: {message or 'see its log'}")
     return Ending("failed", f"Ray job {job_id} ended as {status} without a final status from the run: see its log")
-
-
-def _first_failed(records: list[dict]) -> str | None:
-    """The node whose failure came first: one that started and never recorded its end (its
-    supervisor died with its node), else the first whose torchrun failed."""
-    gone = [r for r in records if "ended" not in r]
-    if gone:
-        return f"{gone[0]['node']} failed first: its supervisor ended without recording its end (killed, or its " \
-               "node went down)"
-    failed = sorted((r for r in records if r.get("exit_code") not in (0, None) and not r.get("stopped")),
-                    key=lambda r: r["ended"])
-    return failed and f"{failed[0]['node']} failed first: its torchrun exited with code {failed[0]['exit_code']}"
-
-
-def _final(run_dir: Path) -> bool:
-    return events.fold(events.read(run_dir / EVENTS)).state in events.FINAL_STATES

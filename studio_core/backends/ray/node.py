@@ -57,4 +57,4 @@ def this_node(run_dir: Path) -> RayNode | None:
     if JOB_ENV not in os.environ or NODE_ENV not in os.environ:
         return None
     rank = int(os.environ[NODE_ENV])
-    return RayNode(Path(run_dir), f"node{rank}", os.environ[JOB_ENV], int(os.environ.get(NODES_ENV, "1")), rank == 0)
+    return RayNode(Path(run_dir), f"n{rank}", os.environ[JOB_ENV], int(os.environ.get(NODES_ENV, "1")), rank == 0)

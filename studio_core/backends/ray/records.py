@@ -4,13 +4,13 @@ and which node failed first."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+from studio_core.backends import nodes
 from studio_core.rundir.folder import read_json, write_json
 
 JOB = "ray.json"  # {"job_id": the current attempt's, "job_ids": every attempt's, "address", "submitted"}
-NODES = "ray-nodes"  # a record per job and node: node, job_id, started, ended, exit_code, stopped
+NODES = "ray-nodes"  # a record per job and node (nodes.record_node): node, host, job_id, started, ended, ...
 
 
 def record_job(run_dir: Path, job_id: str, address: str, when: float) -> None:
@@ -31,17 +31,10 @@ def submitted(run_dir: Path) -> float:
 
 
 def record_node(run_dir: Path, job_id: str, node: str, **values) -> None:
-    """A node supervisor's record of its start (started=time) or end (ended=time, exit_code, stopped)."""
-    path = Path(run_dir) / NODES / f"{job_id}.{node}.json"
-    try:
-        path.parent.mkdir(exist_ok=True)
-        before = {} if "started" in values else read_json(path)
-        write_json(path, {**before, "node": node, "job_id": job_id, **values})
-    except OSError as error:
-        print(f"studio: node {node}'s record ({path}) not written: {error}", file=sys.stderr, flush=True)
+    """This job's node `node` records its start or end (nodes.record_node) in ray-nodes/."""
+    nodes.record_node(Path(run_dir) / NODES, job_id, node, **values)
 
 
 def node_records(run_dir: Path, job_id: str) -> list[dict]:
     """The node supervisors' records of this job, first started first."""
-    found = [read_json(path) for path in sorted((Path(run_dir) / NODES).glob(f"{job_id}.*.json"))]
-    return sorted((r for r in found if r.get("job_id") == job_id), key=lambda r: r.get("started", 0))
+    return nodes.node_records(Path(run_dir) / NODES, job_id)

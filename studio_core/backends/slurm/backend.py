@@ -29,13 +29,14 @@ import time
 import unicodedata
 from pathlib import Path
 
-from studio_core.backends.base import Ending, RunBackend, SubmitError
+from studio_core.backends.base import Ending, RunBackend, SubmitError, has_final_status, recorded
 from studio_core.backends.shell import export_lines, job_name, mesh_note
-from studio_core.backends.storage import filesystem, shared_storage
+from studio_core.backends.storage import unshared_warnings
 from studio_core.backends.slurm import tools as slurm
 from studio_core.backends.slurm.node import AUTO_RESUME_ENV, this_node
 from studio_core.backends.slurm.options import KEY, SlurmOptions
-from studio_core.backends.slurm.records import SCRIPT, first_failed_node, job_of, node_records, record_job, submitted
+from studio_core.backends.nodes import first_failed_node
+from studio_core.backends.slurm.records import SCRIPT, job_of, node_records, record_job, submitted
 from studio_core.machine.children import REPO_ROOT
 from studio_core.rundir import events
 from studio_core.rundir.folder import EVENTS, LOG, launch_record
@@ -88,12 +89,7 @@ class SlurmBackend(RunBackend):
                         "each graph compiles once for all nodes and runs; on a node's own disk each node compiles "
                         "alone"))
         if layout.nodes > 1:
-            for what, path, setting in (("runs folder", Path(run_dir).parent, "--runs-dir or STUDIO_RUNS_DIR"),
-                                        ("compile cache", Path(compile_cache), "STUDIO_COMPILE_CACHE")):
-                if not shared_storage(path):
-                    warnings.append(f"the {what} {path} is on this machine's own disk ({filesystem(path)}): "
-                                    f"the other nodes cannot see it. Put it on storage every node mounts "
-                                    f"(e.g. FSx for Lustre, NFS) with {setting}")
+            warnings += unshared_warnings(run_dir, compile_cache)
         if self.options(layout).auto_resume:
             env[AUTO_RESUME_ENV] = "1"
             applied.append(("srun --auto-resume", 1, "HyperPod replaces a failed node and starts the step again; "
@@ -196,7 +192,7 @@ class SlurmBackend(RunBackend):
         ended gets its ending recorded instead."""
         job_id = job_of(run_dir)
         if job_id is None:
-            if not _final(run_dir):
+            if not has_final_status(run_dir):
                 events.append(run_dir / EVENTS, events.status("stopped", reason="stopped before it was submitted"))
             return
         if not self.alive(run_dir):
@@ -212,7 +208,7 @@ class SlurmBackend(RunBackend):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Slurm still lists job {job_id} of run {run_dir.name} after scancel")
             time.sleep(0.5)
-        if not _final(run_dir):
+        if not has_final_status(run_dir):
             events.append(run_dir / EVENTS, events.status("stopped", reason=f"Stop now: Slurm cancelled job {job_id}"))
 
     def ending(self, run_dir: Path, created: float) -> Ending | None:
@@ -220,10 +216,7 @@ class SlurmBackend(RunBackend):
 
     def record_ending(self, run_dir: Path, created: float) -> Ending | None:
         """The ending, written once into the run's events: Slurm forgets ended jobs after a while (MinJobAge)."""
-        ending, to_write = _ending(run_dir, created)
-        for event in to_write:
-            events.append(run_dir / EVENTS, event)
-        return ending
+        return recorded(run_dir, *_ending(run_dir, created))
 
 
 def _ending(run_dir: Path, created: float) -> tuple[Ending | None, list[dict]]:
@@ -277,10 +270,6 @@ def slurm_ending(job_id: str, fields: dict | None) -> Ending:
     kind, text = ENDINGS.get(state, ("failed", "Slurm job {id} ended as " + state))
     return Ending(kind, text.format(id=job_id, **{k: fields.get(k, "?") for k in
                                                   ("TimeLimit", "NodeList", "Reason", "ExitCode")}))
-
-
-def _final(run_dir: Path) -> bool:
-    return events.fold(events.read(run_dir / EVENTS)).state in events.FINAL_STATES
 
 
 def options_of(layout) -> SlurmOptions:
