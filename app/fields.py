@@ -28,18 +28,14 @@ def widget(f: Field) -> gr.Component:
     return gr.Textbox(placeholder=meta.get("placeholder"), info=meta["help"], **common)
 
 
-def widgets(options_type, first=None) -> dict[str, gr.Component]:
-    """The widgets of every field, in rows of ROW: {name: widget}. `first`, a function making
-    widgets of the form's own (by name), makes them at the start of the first row."""
+def widgets(options_type) -> dict[str, gr.Component]:
+    """The widgets of every field, in rows of ROW: {name: widget}."""
     made, pending = {}, list(fields(options_type))
     while pending:
         with gr.Row():
-            if first is not None and not made:
-                made |= first()
-            room = ROW - len(made) % ROW
-            for f in pending[:room]:
+            for f in pending[:ROW]:
                 made[f.name] = widget(f)
-            pending = pending[room:]
+            pending = pending[ROW:]
     return made
 
 

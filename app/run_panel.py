@@ -17,6 +17,7 @@ import gradio as gr
 import pandas as pd
 
 from app.hardware_panel import AXES, HardwarePanel
+from studio_core.backends import StopError
 from studio_core.runs import history
 from studio_core.training import precompile
 from studio_core.recipe import trainers
@@ -70,7 +71,10 @@ class RunControls:
 def stop_run(manager: RunManager, run_id: str | None) -> str:
     if not run_id:
         return "No run to stop."
-    view = manager.stop(run_id)
+    try:
+        view = manager.stop(run_id)
+    except StopError as error:
+        return f"**Not stopped:** {error}"
     return f"Run `{run_id}` is {view.live_state}; none of its processes is left."
 
 

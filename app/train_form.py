@@ -201,14 +201,15 @@ class TrainForm:
                                                   f"{backend.description} (start it where it can submit)"
                                                   for backend in elsewhere)
                                    + "; Processes is then per node, and Plan for is the nodes' type")
+            # one Nodes for every engine that runs on several machines, shown when the run goes to one
+            with gr.Row(visible=False, elem_id="nodes-box") as self.nodes_box:
+                w["nodes"] = gr.Number(1, label=LAYOUT_LABELS["nodes"], precision=0, minimum=1, elem_id="nodes",
+                                       info="each runs the processes above; HSDP replicates across nodes")
             self.option_boxes = {}  # backend -> the box of its options, shown when the run goes there
             for backend in elsewhere:
                 # a Column, not a Group: Gradio 6 gives a Group's elem_id to two nested elements (two #slurm-box)
                 with gr.Column(visible=False, elem_id=f"{backend.name}-box", variant="panel") as box:
-                    several = backend.max_nodes != 1 and "nodes" not in w  # the one Nodes, in the first such box
-                    w.update(option_fields.widgets(backend.options_type, first=None if not several else lambda: {
-                        "nodes": gr.Number(1, label=LAYOUT_LABELS["nodes"], precision=0, minimum=1, elem_id="nodes",
-                                           info="each runs the processes above; HSDP replicates across nodes")}))
+                    w.update(option_fields.widgets(backend.options_type))
                 self.option_boxes[backend.name] = box
             self.core_map = gr.HTML("", elem_id="core-map")
         with gr.Accordion("LoRA", open=False):

@@ -300,9 +300,13 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         w[name].change(check_extra, [w["trainer"], w["extra"]], form.extra_check, show_progress="hidden")
     preview_btn.click(on_preview, inputs, [message, plan_box])
     export_btn.click(on_export, inputs, [message, exports])
-    w["run_on"].change(lambda run_on: [*(gr.update(visible=run_on == name) for name in form.option_boxes),
-                                       gr.update(interactive=run_backend({"run_on": run_on}).local_cores)],
-                       w["run_on"], [*form.option_boxes.values(), w["cores"]], show_progress="hidden")
+    def on_run_on(run_on):
+        backend = run_backend({"run_on": run_on})
+        return [*(gr.update(visible=run_on == name) for name in form.option_boxes),
+                gr.update(visible=backend.max_nodes != 1), gr.update(interactive=backend.local_cores)]
+
+    w["run_on"].change(on_run_on, w["run_on"], [*form.option_boxes.values(), form.nodes_box, w["cores"]],
+                       show_progress="hidden")
     layout_io = (on_layout, inputs | {message}, [form.core_map, message])
     for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc", "run_on", "nodes"):
         w[name].change(*layout_io, show_progress="hidden", concurrency_id="core-map")

@@ -16,7 +16,7 @@ from cli.fields import add_flags, add_layout_flags, flags, values_joined
 from cli.options import CommandLineError, picked_by_option, repeated_flags, whole_number
 from cli.serve import cmd_serve
 from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
-from studio_core.backends import EXPORT, with_options
+from studio_core.backends import EXPORT, StopError, with_options
 from studio_core.machine import compile_cache
 from studio_core.serve.chat import MAX_CACHE_LEN
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
@@ -66,6 +66,9 @@ def main(argv: list[str]) -> int:
     except DamagedRun as error:
         print(error, file=sys.stderr)
         return 2
+    except StopError as error:
+        print(f"Not stopped: {error}", file=sys.stderr)
+        return 1
     except (CommandLineError, CpuCoresError) as error:
         print(error, file=sys.stderr)
         return 2

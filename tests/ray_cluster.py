@@ -26,7 +26,10 @@ from pathlib import Path
 import psutil
 
 RAY = str(Path(sys.executable).with_name("ray"))
-ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+# a node whose head is gone gives up on it after 15 s (Ray's default is 60 s), so a test of a
+# restarted head does not wait a minute for the other node's raylet to end
+ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_gcs_rpc_server_reconnect_timeout_s": "15"}
+COMMON = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"]
 
 
 def free_port() -> int:
@@ -35,12 +38,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_ports() -> list[str]:
-    """A node's own ports, free now (two nodes of one machine must not share them)."""
+def node_ports(taken: tuple[int, ...] = ()) -> list[str]:
+    """A node's own ports, free now (two nodes of one machine must not share them), none of them
+    (nor the `taken` ones its other flags name) inside the range its workers take: Ray refuses to
+    start a node whose ports overlap."""
     worker = free_port()
-    return [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+    while any(port in range(worker, worker + 41) for port in taken):
+        worker = free_port()
+    workers = range(worker, worker + 41)
+
+    def other() -> int:
+        while (port := free_port()) in workers:
+            continue
+        return port
+
+    return [f"--node-manager-port={other()}", f"--object-manager-port={other()}",
+            f"--dashboard-agent-listen-port={other()}", f"--dashboard-agent-grpc-port={other()}",
+            f"--metrics-export-port={other()}", f"--runtime-env-agent-port={other()}",
             f"--min-worker-port={worker}", f"--max-worker-port={worker + 40}"]
 
 
@@ -58,14 +72,24 @@ class RayCluster:
     @classmethod
     def start(cls, timeout: float = 120) -> RayCluster:
         cluster = cls(Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")), free_port(), free_port())
-        common = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"]
-        cluster._node([RAY, "start", "--head", f"--port={cluster.gcs_port}", "--dashboard-host=127.0.0.1",
-                       f"--dashboard-port={cluster.dashboard_port}", f"--ray-client-server-port={free_port()}",
-                       f"--temp-dir={cluster.folder}", *node_ports(), *common])
-        cluster.wait(1, timeout)
-        cluster._node([RAY, "start", f"--address=127.0.0.1:{cluster.gcs_port}", *node_ports(), *common])
-        cluster.wait(2, timeout)
+        try:
+            cluster.nodes.append(cluster._popen(cluster._head_argv(), 0))
+            cluster.wait(1, timeout)
+            cluster.nodes.append(cluster._popen(cluster._worker_argv(), 1))
+            cluster.wait(2, timeout)
+        except BaseException:
+            cluster.stop()  # a node that did not start leaves nothing of the other
+            raise
         return cluster
+
+    def _head_argv(self) -> list[str]:
+        client = free_port()
+        return [RAY, "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={client}",
+                f"--temp-dir={self.folder}", *node_ports((self.gcs_port, self.dashboard_port, client)), *COMMON]
+
+    def _worker_argv(self) -> list[str]:
+        return [RAY, "start", f"--address=127.0.0.1:{self.gcs_port}", *node_ports(), *COMMON]
 
     def kill_node(self, index: int) -> None:
         """A node goes down at once: SIGKILL to its `ray start` and everything it started (its raylet,
@@ -73,18 +97,30 @@ class RayCluster:
         node = psutil.Process(self.nodes[index].pid)
         tree = [node, *node.children(recursive=True)]
         for proc in tree:
-            proc.kill()
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:  # it ended between the listing and its kill (a short-lived helper)
+                continue
         psutil.wait_procs(tree, timeout=30)
         self.nodes[index].wait()
 
     def restart_node(self, index: int, timeout: float = 120) -> None:
-        """The node joins again (as a new Ray node), and the cluster has all its nodes alive."""
-        self.nodes[index] = self._popen([RAY, "start", f"--address=127.0.0.1:{self.gcs_port}", *node_ports(),
-                                         "--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"], index)
+        """A killed node that is not the head joins again (as a new Ray node); the cluster has all
+        its nodes alive."""
+        self.nodes[index] = self._popen(self._worker_argv(), index)
         self.wait(len(self.nodes), timeout)
 
-    def _node(self, argv: list[str]) -> None:
-        self.nodes.append(self._popen(argv, len(self.nodes)))
+    def restart_head(self, timeout: float = 120) -> None:
+        """A killed head starts again on its same ports: a new cluster, which knows none of the old
+        one's jobs. The other node gives up on the old head (15 s here, ENV), its `ray start` ends
+        with everything it ran, and it joins the new head, as KubeRay restarts a worker pod."""
+        # else `ray start --head` takes the other node's raylet (its --gcs-address flag) for a
+        # head still running at the address this folder last recorded, and refuses to start
+        (self.folder / "ray_current_cluster").unlink(missing_ok=True)
+        self.nodes[0] = self._popen(self._head_argv(), 0)
+        self.nodes[1].wait(timeout)
+        self.nodes[1] = self._popen(self._worker_argv(), 1)
+        self.wait(2, timeout)
 
     def _popen(self, argv: list[str], index: int) -> subprocess.Popen:
         log = open(self.folder / f"node{index}.log", "ab")

@@ -1,6 +1,6 @@
 """The Train tab in a real browser: a run clicked through on the built-in default, bad input
 refused before anything starts, a failed run explained, a two-process layout with its core map
-and exported scripts, cores others hold, the learning rate's starting value, and the shape
+and exported scripts, a Ray run planned and refused when its cluster does not answer, cores others hold, the learning rate's starting value, and the shape
 forecast with a suggestion applied and a compiled run's compilations shown live.
 
 Chromium through Playwright, the app as its own process, one app for this file
@@ -131,6 +131,29 @@ def test_a_two_process_layout_from_the_page(page, app):
     page.locator("#preview").click()  # what Start would launch (the session's two_process_runs trained it)
     expect(page.locator("#plan")).to_contain_text("--nproc-per-node=2")
     expect(page.locator("#plan")).to_contain_text("studio.cores = '0-1'")
+
+
+def test_a_ray_run_from_the_page_is_planned_and_refused_when_its_cluster_does_not_answer(page, app):
+    from ray_cluster import free_port
+
+    page.get_by_text("Layout: processes, parallelism, cores").click()
+    page.locator("#run_on").get_by_label("Ray").check()
+    expect(page.locator("#ray-box")).to_be_visible(timeout=30_000)
+    expect(page.locator("#cores input, #cores textarea").first).to_be_disabled()  # Ray picks the nodes' cores
+    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    box = page.locator("#address input, #address textarea").first
+    box.fill(address)
+    box.press("Tab")
+    set_number(page, "nodes", 2)
+    page.locator("#preview").click()  # the plan reads the form; it does not ask the cluster
+    plan = page.locator("#plan")
+    expect(plan).to_contain_text("2 x {CPU: 1}, STRICT_SPREAD", timeout=30_000)
+    expect(plan).to_contain_text(f"Submitted to Ray at {address}")
+    page.locator("#start").click()  # Start asks it first
+    message = page.locator("#train-message")
+    message.get_by_text("Nothing was launched").wait_for()
+    assert f"no Ray cluster answers at {address}" in message.inner_text()
+    assert "Traceback" not in message.inner_text() and app.new_runs() == []
 
 
 def test_every_element_id_in_the_page_is_unique_with_every_part_shown(page):

@@ -94,7 +94,7 @@ def test_the_backend_refuses_a_bad_value_even_called_directly(key, value, tmp_pa
     assert not launch.errors
     setattr(launch.spec.layout.options, key, value)  # past every earlier check: the backend is the last one
     backend = SlurmBackend()
-    [problem] = backend.check(launch.spec.layout)  # before asking any cluster
+    [problem] = backend.check(launch.spec.layout, "cpu")  # before asking any cluster
     assert problem.startswith(f"studio.slurm.{key}: ")
     run_dir = Path(launch.argv[-1])
     run_dir.mkdir(parents=True)
@@ -103,7 +103,7 @@ def test_the_backend_refuses_a_bad_value_even_called_directly(key, value, tmp_pa
     assert not (run_dir / SCRIPT).exists()  # nothing written, nothing submitted
     launch.spec.layout.options = SlurmOptions()
     launch.spec.layout.nodes = "2\ntouch /tmp/pwned"
-    assert backend.check(launch.spec.layout) == ["studio.nodes: '2\\ntouch /tmp/pwned' must be a whole number of "
+    assert backend.check(launch.spec.layout, "cpu") == ["studio.nodes: '2\\ntouch /tmp/pwned' must be a whole number of "
                                                  "nodes, 1 or more"]
 
 

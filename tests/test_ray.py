@@ -1,7 +1,8 @@
 """Runs on a real Ray cluster: a head and a second node on this machine (tests/ray_cluster.py),
 one CPU each, so a 2-node run's placement group puts one node's torchrun on each and their c10d
 rendezvous really happens between two Ray nodes. Submitted, followed, stopped and resumed through
-Ray's Jobs API, as `launch.py train --ray ADDRESS` does."""
+Ray's Jobs API, as `launch.py train --ray ADDRESS` does; a node killed mid-run, and last the head
+killed and started again."""
 
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ def test_bad_ray_input_is_refused_before_anything_is_submitted(cluster, tmp_path
     for args, said in ((["--ray", "10.0.0.5"], "--ray: '10.0.0.5' is not a Ray dashboard address"),
                        (["--ray", f"http://127.0.0.1:{free_port()}"], "no Ray cluster answers at"),
                        (["--ray", cluster.address, "--nodes", "3"], "has 2 node(s); ask for at most 2"),
+                       (["--ray", cluster.address, "--nodes", "2", "--nproc", "2"],
+                        "studio.nproc: the run asks Ray for 2 CPU on each of 2 node(s), and the cluster at "
+                        f"{cluster.address} has fewer nodes with that many (its nodes have 1, 1 CPU): ask for at most "
+                        "1 process(es) per node or fewer nodes"),
                        (["--nodes", "2"], "--nodes: a run on several machines goes to a cluster: add --slurm or "
                                           "--ray ADDRESS")):
         done = cli("train", str(RECIPE), *args, runs_dir=runs, check=False)
@@ -105,13 +110,9 @@ def test_bad_ray_input_is_refused_before_anything_is_submitted(cluster, tmp_path
 
 
 def test_a_node_that_goes_down_mid_run_is_named_and_nothing_is_left(cluster, tmp_path):
-    """Last in this file: a Ray node of the cluster is killed (and joins again at the end)."""
+    """Next to last in this file: a Ray node of the cluster is killed (and joins again at the end)."""
     runs = tmp_path / "runs"
-    cli("train", str(RECIPE), "--ray", cluster.address, "--nodes", "2", "--set", "max_steps=2000", "--detach",
-        runs_dir=runs)
-    manager = RunManager(runs)
-    [view] = manager.list()
-    manager.wait(view.id, until=lambda v: v.step >= 3 or not v.active, timeout=180)
+    manager, view = long_run_at_step_3(cluster, runs)
     try:
         cluster.kill_node(1)  # the second Ray node, with the run's supervisor, torchrun and rank there
         ended = manager.wait(view.id, timeout=180)
@@ -122,6 +123,39 @@ def test_a_node_that_goes_down_mid_run_is_named_and_nothing_is_left(cluster, tmp
         nothing_left(view.id, timeout=30)
     finally:
         cluster.restart_node(1)
+
+
+def test_a_restarted_head_ends_the_run_honestly_and_a_silent_head_is_said(cluster, tmp_path):
+    """Last in this file: the head goes down mid-run, then starts again as a new cluster, which no
+    longer knows the job (the other node rejoins it)."""
+    runs = tmp_path / "runs"
+    manager, view = long_run_at_step_3(cluster, runs)
+    cluster.kill_node(0)  # the head, and the run's supervisor, torchrun and rank 0 on it
+    [job] = job_ids(view)
+    silent = cli("runs", runs_dir=runs).stdout  # said, not a traceback; the run is not called ended
+    assert f"Ray job {job}: its state is unknown while Ray does not answer (no Ray cluster answers at" in silent
+    assert manager.view(view.id).live_state == "running"
+    stop = cli("stop", view.id, runs_dir=runs, check=False)
+    assert stop.returncode == 1 and "Traceback" not in stop.stderr, stop.stdout + stop.stderr
+    assert f"Not stopped: Ray did not stop job {job} of run {view.id}" in stop.stdout + stop.stderr
+    cluster.restart_head()
+    ended = manager.wait(view.id, timeout=120)
+    assert ended.live_state == "failed", ended.log_tail()
+    assert ended.error_text.startswith(f"Ray job {job}: the Ray cluster at {cluster.address} no longer knows it: "
+                                       "its head was restarted"), ended.error_text
+    assert "resume from the last checkpoint" in cli("runs", runs_dir=runs).stdout
+    nothing_left(view.id, timeout=30)
+
+
+def long_run_at_step_3(cluster, runs: Path):
+    """A long run on both nodes, once it is at step 3: (its manager, its view)."""
+    cli("train", str(RECIPE), "--ray", cluster.address, "--nodes", "2", "--set", "max_steps=2000", "--detach",
+        runs_dir=runs)
+    manager = RunManager(runs)
+    [view] = manager.list()
+    view = manager.wait(view.id, until=lambda v: v.step >= 3 or not v.active, timeout=180)
+    assert view.live_state == "running", view.log_tail()
+    return manager, view
 
 
 def json_records(view) -> list[dict]:

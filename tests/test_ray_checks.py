@@ -55,3 +55,24 @@ def test_a_ray_jobs_end_reads_as_the_studios():  # which node failed first: back
     assert ray_ending("j1", "STOPPED", "").state == "stopped"
     assert ray_ending("j1", "FAILED", "driver died").reason == "Ray job j1 failed: driver died"
     assert ray_ending("j1", "SUCCEEDED", "").state == "failed"  # no final status from the run: its log says
+
+
+def test_a_run_whose_cluster_does_not_answer_is_said_unknown_and_not_ended(tmp_path):
+    """The head is down (or the address is gone): the run's place says its state is unknown, the
+    run is not called ended, a stop says it could not stop it, and nothing is a traceback."""
+    from ray_cluster import free_port
+    from studio_core.backends.base import StopError
+    from studio_core.backends.ray.backend import RayError, job_info
+    from studio_core.backends.ray.records import record_job
+
+    address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(RayError, match=f"^no Ray cluster answers at {address}: "):
+        job_info(address, "studio-x-1")
+    record_job(tmp_path, "studio-x-1", address, 0.0)
+    ray = get("ray")
+    assert ray.where(tmp_path, live=True).startswith(
+        f"Ray job studio-x-1: its state is unknown while Ray does not answer (no Ray cluster answers at {address}")
+    assert ray.alive(tmp_path)  # it may well go on: nothing is recorded as its end
+    with pytest.raises(StopError, match=f"stop it again when the cluster at {address} answers, or with `ray job "
+                                        "stop studio-x-1`"):
+        ray.stop(tmp_path, grace_s=1.0)

@@ -176,6 +176,19 @@ def test_overrides_leave_the_original_spec_alone():
 
 
 @pytest.mark.fast
+def test_a_key_inside_a_backends_block_is_set_and_a_wrong_one_is_named():
+    spec = tiny("studio.run_on=ray", "studio.ray.address=http://10.0.0.5:8265")
+    assert spec.layout.options.address == "http://10.0.0.5:8265" and validate(spec) == []
+    spec = tiny("studio.run_on=slurm", "studio.slurm.time=00:10:00", "studio.slurm.partition=debug")
+    assert (spec.layout.options.time, spec.layout.options.partition) == ("00:10:00", "debug")
+    for overrides, said in ((["studio.ray.adress=http://h:8265"], "studio.ray.adress: unknown key; it takes address"),
+                            (["studio.nproc.x=1"], "--set 'studio.nproc.x=1': studio.nproc is not a block of keys")):
+        with pytest.raises(SpecError) as caught:
+            tiny(*overrides)
+        assert said in str(caught.value)
+
+
+@pytest.mark.fast
 def test_an_override_without_equals_says_how_to_write_it():
     with pytest.raises(SpecError) as caught:
         tiny("max_steps")

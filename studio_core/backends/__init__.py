@@ -9,7 +9,7 @@ folder names an engine: it asks the registry below.
 
 from __future__ import annotations
 
-from studio_core.backends.base import Ending, Node, RunBackend, SubmitError, option
+from studio_core.backends.base import Ending, Node, RunBackend, StopError, SubmitError, option
 from studio_core.backends.local import LocalBackend
 from studio_core.backends.ray.backend import RayBackend
 from studio_core.backends.slurm.backend import SlurmBackend
@@ -69,5 +69,5 @@ def check_layout(layout) -> list[str]:
     return problems + backend.layout_problems(layout)
 
 
-__all__ = ["BACKENDS", "DEFAULT", "EXPORT", "Ending", "Node", "RunBackend", "SubmitError", "check_layout", "get",
+__all__ = ["BACKENDS", "DEFAULT", "EXPORT", "Ending", "Node", "RunBackend", "StopError", "SubmitError", "check_layout", "get",
            "option", "owner", "read_options", "with_options"]

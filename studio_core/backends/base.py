@@ -83,6 +83,11 @@ class SubmitError(RuntimeError):
     """The place refused the run, or could not be reached; the message says what it said."""
 
 
+class StopError(RuntimeError):
+    """The place could not stop the run (it does not answer, or its processes outlived the stop);
+    the message says what is known and what to do."""
+
+
 @dataclass(frozen=True)
 class Ending:
     """How a run ended that has no final status in its events: the state to show, and why."""
@@ -161,8 +166,9 @@ class RunBackend(ABC):
         """What is wrong with the layout for this place, without asking it (the spec's check)."""
         return []
 
-    def check(self, layout) -> list[str]:
-        """Problems only the place itself can tell (asked before anything is made)."""
+    def check(self, layout, device: str) -> list[str]:
+        """Problems only the place itself can tell (asked before anything is made), for a run on
+        `device` (neuron, cuda, cpu)."""
         return []
 
     def export_script(self, plan) -> str:

@@ -193,7 +193,12 @@ class RunSpec:
             value = read_yaml(raw) if raw else None
             in_studio = key.startswith("studio.")  # an unknown one is then told as studio.KEY
             key = key.removeprefix("studio.")
-            if in_studio or key in STUDIO_KEYS or key in layout_keys():
+            block, dot, inner = key.partition(".")
+            if in_studio and dot:  # a key inside a block of the studio's: studio.ray.address, studio.slurm.time
+                if not isinstance(data["studio"].setdefault(block, {}), dict):
+                    raise SpecError([f"--set {item!r}: studio.{block} is not a block of keys"])
+                data["studio"][block][inner] = value
+            elif in_studio or key in STUDIO_KEYS or key in layout_keys():
                 data["studio"][key] = value
             else:
                 data[key] = value

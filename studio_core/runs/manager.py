@@ -124,7 +124,7 @@ class RunManager:
         data_warnings: list[str] = []
         # before the lock: the slow part
         spec = self.check(spec, run_user_code=True, warnings=data_warnings, hardware=hardware)
-        backend = self._ready(spec)
+        backend = self._ready(spec, hardware.backend)
         run_id = folder.new_run_id(self.runs_dir, spec.display_name)
         if not backend.local_cores:  # the cluster picks the nodes: no core of this machine is held
             launch = self._plan(spec, hardware, None, run_id, data_warnings)
@@ -151,10 +151,11 @@ class RunManager:
         return self.view(run_id)
 
     @staticmethod
-    def _ready(spec: RunSpec) -> backends.RunBackend:
-        """The spec's backend, once the place it runs accepts the layout (a cluster's partition)."""
+    def _ready(spec: RunSpec, device: str) -> backends.RunBackend:
+        """The spec's backend, once the place it runs accepts the layout (a cluster's partition,
+        nodes and cores) for a run on `device`."""
         backend = backends.get(spec.layout.run_on)
-        problems = backend.check(spec.layout)
+        problems = backend.check(spec.layout, device)
         if problems:
             raise SpecError(problems)
         return backend
@@ -192,7 +193,7 @@ class RunManager:
             raise SpecError([f"run {run_id} has no checkpoint at step {step}; it has steps "
                              f"{', '.join(str(c['step']) for c in found)}"])
         first = view.launch()
-        backend = self._ready(spec)
+        backend = self._ready(spec, hardware.backend)
         if not backend.local_cores:  # the nodes are of the kind first planned for (Plan for, --instance)
             hardware = Hardware(**first["hardware"]) if first.get("hardware") else hardware
             launch = self._resume_plan(spec, hardware, None, run_id, chosen, first)

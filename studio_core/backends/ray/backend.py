@@ -24,7 +24,7 @@ import urllib.request
 from functools import lru_cache
 from pathlib import Path
 
-from studio_core.backends.base import Ending, RunBackend, SubmitError, has_final_status, recorded
+from studio_core.backends.base import Ending, RunBackend, StopError, SubmitError, has_final_status, recorded
 from studio_core.backends.nodes import first_failed_node
 from studio_core.backends.ray.node import RESOURCES, this_node
 from studio_core.backends.ray.options import KEY, RayOptions
@@ -52,6 +52,28 @@ def client(address: str):
         return JobSubmissionClient(address)
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise RayError(f"no Ray cluster answers at {address}: {error}") from error
+
+
+def job_info(address: str, job_id: str):
+    """Ray's record of the job (its JobDetails: status, message), or None when the cluster answers
+    but does not know the job: its head was restarted, and a Ray head keeps its jobs in its own
+    memory (unless the cluster was set up with GCS fault tolerance, an external Redis). RayError
+    when the cluster does not answer."""
+    try:
+        return client(address).get_job_info(job_id)
+    except RayError:
+        raise
+    except RuntimeError as error:  # the Jobs API's answer other than 200 (ray.dashboard's _raise_error)
+        if "status code 404" in str(error):
+            return None
+        raise RayError(f"Ray at {address} refused to say how job {job_id} is: {error}") from error
+    except OSError as error:  # requests' ConnectionError and timeouts are OSErrors
+        raise RayError(f"no Ray cluster answers at {address}: {error}") from error
+
+
+def forgotten(job_id: str, address: str) -> str:
+    return (f"Ray job {job_id}: the Ray cluster at {address} no longer knows it: its head was restarted (a head "
+            "keeps its jobs in memory), which ended the job on every node; resume from the last checkpoint")
 
 
 def cluster_version(address: str) -> str:
@@ -105,8 +127,10 @@ class RayBackend(RunBackend):
                             "Ray run")
         return problems
 
-    def check(self, layout) -> list[str]:
-        """The cluster's answer: is it there, is it this Ray version, has it nodes enough."""
+    def check(self, layout, device: str) -> list[str]:
+        """The cluster's answer: is it there, is it this Ray version, has it nodes enough, each
+        with the cores of `device` one node of the run asks for. (What the nodes have in all, not
+        what is free now: a job waiting for busy cores is PENDING, and says so.)"""
         problems = self.layout_problems(layout)
         if problems:
             return problems
@@ -125,6 +149,15 @@ class RayBackend(RunBackend):
         if layout.nodes > len(alive):
             return [f"studio.nodes: the Ray cluster at {address} has {len(alive)} node(s); ask for at most "
                     f"{len(alive)}"]
+        resource = RESOURCES[device]
+        offers = sorted(((n.resources_total or {}).get(resource, 0) for n in alive), reverse=True)
+        if sum(offer >= layout.nproc for offer in offers) < layout.nodes:
+            most = int(offers[layout.nodes - 1])
+            change = (f"ask for at most {most} process(es) per node{' or fewer nodes' if layout.nodes > 1 else ''}"
+                      if most else f"run it on a cluster whose nodes have {resource}")
+            return [f"studio.nproc: the run asks Ray for {layout.nproc} {resource} on each of {layout.nodes} "
+                    f"node(s), and the cluster at {address} has fewer nodes with that many (its nodes have "
+                    f"{', '.join(f'{offer:g}' for offer in offers)} {resource}): {change}"]
         return []
 
     def submit(self, run_dir: Path, launch, device: str) -> None:
@@ -150,18 +183,21 @@ class RayBackend(RunBackend):
         if job_id is None:
             return False
         try:
-            return str(client(address).get_job_status(job_id)) not in TERMINAL
-        except (RayError, RuntimeError):
+            info = job_info(address, job_id)
+        except RayError:
             return True  # the head does not answer: the job may well go on; say nothing ended
+        return info is not None and str(info.status) not in TERMINAL
 
     def where(self, run_dir: Path, live: bool) -> str | None:
         job_id, address = job_of(run_dir)
         if job_id is None or not live:
             return job_id and f"Ray job {job_id}"
         try:
-            info = client(address).get_job_info(job_id)
-        except (RayError, RuntimeError) as error:
-            return f"Ray job {job_id}: Ray does not answer ({error})"
+            info = job_info(address, job_id)
+        except RayError as error:
+            return f"Ray job {job_id}: its state is unknown while Ray does not answer ({error})"
+        if info is None:
+            return forgotten(job_id, address)
         said = f": {info.message}" if info.message and str(info.status) not in ("RUNNING", "SUCCEEDED") else ""
         return f"Ray job {job_id}: {info.status}{said} (dashboard {address})"
 
@@ -177,11 +213,16 @@ class RayBackend(RunBackend):
         if not self.alive(run_dir):
             self.record_ending(run_dir, 0.0)
             return
-        client(address).stop_job(job_id)
+        try:
+            client(address).stop_job(job_id)
+        except (RayError, RuntimeError, OSError) as error:
+            raise StopError(f"Ray did not stop job {job_id} of run {run_dir.name} ({error}): stop it again when the "
+                            f"cluster at {address} answers, or with `ray job stop {job_id}`") from error
         deadline = time.monotonic() + max(grace_s, STOP_WAIT_S)
         while self.alive(run_dir) or any("ended" not in r for r in node_records(run_dir, job_id)):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Ray job {job_id} of run {run_dir.name} has nodes still running after its stop")
+                raise StopError(f"Ray job {job_id} of run {run_dir.name} has nodes still running after its stop: "
+                                f"see `ray job status {job_id} --address {address}`, and stop it again")
             time.sleep(0.5)
         if not has_final_status(run_dir):
             events.append(run_dir / EVENTS, events.status("stopped", reason=f"Stop now: Ray stopped job {job_id}"))
@@ -201,24 +242,28 @@ def _ending(run_dir: Path, created: float) -> tuple[Ending | None, list[dict]]:
     """How a run with no final status ended (None while it may be starting), and the events that
     record it (none when the run's events already say, or Ray does not answer). Reads only."""
     job_id, address = job_of(run_dir)
+    info = None
     if job_id is None:
         if time.time() - created < STARTING_GRACE_S:
             return None, []
         ending = Ending("failed", "the run was never submitted to Ray: see its log")
     else:
         try:
-            info = client(address).get_job_info(job_id)
-        except (RayError, RuntimeError) as error:
-            return Ending("failed", f"Ray job {job_id}: Ray does not answer or no longer knows it ({error})"), []
-        ending = ray_ending(job_id, str(info.status), info.message or "")
+            info = job_info(address, job_id)
+        except RayError as error:
+            return Ending("failed", f"Ray job {job_id}: {error}"), []  # unknown until Ray answers: nothing recorded
+        ending = Ending("failed", forgotten(job_id, address)) if info is None else ray_ending(
+            job_id, str(info.status), info.message or "")
     run = events.fold(events.read(run_dir / EVENTS))
     if run.state in events.FINAL_STATES:
         return ending, []
-    first = first_failed_node(node_records(run_dir, job_id)) if job_id else None
-    if ending.state == "failed" and first:
-        ending = Ending("failed", f"Ray job {job_id}: {first}; resume from the last checkpoint")
-    elif ending.state == "failed" and run.errors and run.errors[-1]["time"] > submitted(run_dir):
-        return Ending("failed", run.errors[-1].get("message", "")), [events.status("failed")]  # its error says it
+    head_restarted = job_id is not None and info is None  # the reason, not what the ranks said as they lost each other
+    if ending.state == "failed" and not head_restarted:
+        first = first_failed_node(node_records(run_dir, job_id)) if job_id else None
+        if first:
+            ending = Ending("failed", f"Ray job {job_id}: {first}; resume from the last checkpoint")
+        elif run.errors and run.errors[-1]["time"] > submitted(run_dir):
+            return Ending("failed", run.errors[-1].get("message", "")), [events.status("failed")]  # its error says it
     return ending, [*([events.error(ending.reason)] if ending.state == "failed" else []),
                     events.status(ending.state, reason=ending.reason)]
 

@@ -29,7 +29,7 @@ import time
 import unicodedata
 from pathlib import Path
 
-from studio_core.backends.base import Ending, RunBackend, SubmitError, has_final_status, recorded
+from studio_core.backends.base import Ending, RunBackend, StopError, SubmitError, has_final_status, recorded
 from studio_core.backends.shell import export_lines, job_name, mesh_note
 from studio_core.backends.storage import unshared_warnings
 from studio_core.backends.slurm import tools as slurm
@@ -121,7 +121,7 @@ class SlurmBackend(RunBackend):
     def node(self, run_dir: Path, launch: dict):
         return this_node(run_dir)
 
-    def check(self, layout) -> list[str]:
+    def check(self, layout, device: str) -> list[str]:
         """The layout's Slurm values (the rule spec.validate applies, applied here too: this
         backend writes nothing it would refuse, however it is called), then the cluster's answer
         to the layout: is Slurm there, is the partition, are there nodes enough."""
@@ -200,13 +200,14 @@ class SlurmBackend(RunBackend):
             return
         try:
             slurm.cancel(job_id)
-        except slurm.SlurmError:
+        except slurm.SlurmError as error:
             if self.alive(run_dir):
-                raise
+                raise StopError(f"Slurm did not cancel job {job_id} of run {run_dir.name}: {error}") from error
         deadline = time.monotonic() + max(grace_s, CANCEL_WAIT_S)
         while self.alive(run_dir):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm still lists job {job_id} of run {run_dir.name} after scancel")
+                raise StopError(f"Slurm still lists job {job_id} of run {run_dir.name} after scancel: see "
+                                f"`squeue -j {job_id}`, and stop it again")
             time.sleep(0.5)
         if not has_final_status(run_dir):
             events.append(run_dir / EVENTS, events.status("stopped", reason=f"Stop now: Slurm cancelled job {job_id}"))
