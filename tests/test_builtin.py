@@ -56,6 +56,10 @@ def test_folder_reloads_offline(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert model.config.model_type == "qwen3"
     assert model.config.vocab_size == len(tokenizer)
+    from studio_core.data.sources import model_config  # what the plan knows of it without building it
+    from studio_core.training.memory import read_shape
+
+    assert read_shape(model_config("builtin:tiny-qwen3"))[0].params() == model.num_parameters()
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id

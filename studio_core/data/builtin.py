@@ -83,6 +83,7 @@ _SEED = 0
 # The tiny model's shape, known without building it (the layout check reads its heads)
 TINY_ARCHITECTURE = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+TINY_VOCAB = 1002  # its tokenizer's: the 1000 of _VOCAB_SIZE, and the added tokens that are not special
 # Serialises builds within one process: seeding torch's global RNG is not thread-safe.
 _BUILD_LOCK = threading.Lock()
 _VOCAB_SIZE = 1000

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from huggingface_hub import constants, try_to_load_from_cache
 
-from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL, TINY_ARCHITECTURE
+from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL, TINY_ARCHITECTURE, TINY_VOCAB
 from studio_core.data.files import check_folder
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -104,7 +104,7 @@ def model_config(name: str) -> dict | None:
     """The model's config.json when it is on this machine (a folder, or the Hub cache), else None.
     The built-in model's shape is known without building it."""
     if name == BUILTIN_MODEL:
-        return dict(TINY_ARCHITECTURE)
+        return {**TINY_ARCHITECTURE, "model_type": "qwen3", "vocab_size": TINY_VOCAB, "tie_word_embeddings": True}
     if _looks_local(name):
         path = Path(name).expanduser() / "config.json"
     else:

@@ -73,6 +73,7 @@ class Trainer:
     rewards: bool = False  # takes reward functions; every other dataset column goes to them
     generates: bool = False  # generates completions as it trains (the Neuron generation defaults)
     reference_model: bool = False  # keeps a frozen copy of the model to compare with
+    sequences_per_example: int = 1  # what one example puts through the model in a step (memory.py)
     uses_max_length: bool = True  # truncates samples at max_length
     not_forecast: str = ""  # why the shape forecast does not apply, when it does not
     task: str = "text-generation"  # what the saved model does: text-generation (chat) or text-classification
@@ -149,7 +150,7 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
         roles=(Role("chosen"), Role("rejected"), Role("prompt", required=False)),
         fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
                 FormField("loss_type", "choice", "sigmoid", "DPO loss", as_list=True)),
-        reference_model=True,
+        reference_model=True, sequences_per_example=2,  # the chosen and the rejected answer
         plots=(PREFERENCE_REWARDS, ("Reward accuracy (chosen above rejected)", ("rewards/accuracies",)))),
     Trainer(
         key="kto", name="KTO", label="KTO (answers marked good or bad)",
@@ -163,7 +164,8 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
                           choices=("kto", "apo_zero_unpaired")),  # from KTOConfig's docstring
                 FormField("desirable_weight", "float", 1.0, "weight of the desirable answers' loss"),
                 FormField("undesirable_weight", "float", 1.0, "weight of the undesirable answers' loss")),
-        reference_model=True, plots=(PREFERENCE_REWARDS, ("KL to the reference", ("kl",))),
+        reference_model=True, sequences_per_example=2,  # the answer, and a mismatched pair for the KL term
+        plots=(PREFERENCE_REWARDS, ("KL to the reference", ("kl",))),
         not_forecast="its KL term sends a second batch, of other shapes, through the model at each step, and the "
                      "forecast walks one per step"),
     Trainer(
@@ -181,7 +183,7 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
         config_class="RewardConfig", trainer_class="RewardTrainer", sample="builtin:preference",
         data_types=("preference", "preference_implicit"), data_help=PREFERENCE_HELP,
         roles=(Role("chosen"), Role("rejected"), Role("prompt", required=False)),
-        task="text-classification",
+        task="text-classification", sequences_per_example=2,  # the chosen and the rejected answer
         plots=(("Accuracy (chosen scored above rejected)", ("accuracy",)), ("Score margin", ("margin",))),
         defaults=(Default("lora_task_type", "SEQ_CLS", "a reward model is a sequence classifier: PEFT then trains "
                           "and saves its score head with the adapter", when=lambda args: args.get("use_peft")),)),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from studio_core import backends
 from studio_core.recipe import eval_data, trainers
-from studio_core.training import padding, precompile
+from studio_core.training import memory, padding, precompile
 from studio_core.data import sources
 from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.machine.children import REPO_ROOT
@@ -77,6 +77,7 @@ class Plan:
     cores: list[int] | None = None  # the cores chosen for the run; None: a plan for another machine
     padding: str = ""  # the resolved pad_to_multiple_of and the sequence lengths it allows (studio_core.training.padding)
     hardware: Hardware | None = None  # what it was planned for: launch.json and the batch script record it
+    memory: memory.Estimate | None = None  # device memory per core, estimated from the model's config
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -88,6 +89,8 @@ class Plan:
         lines += [f"  {key} = {value!r}: {reason}" for key, value, reason in self.applied] or ["  none"]
         lines += ["", "Padding (on Neuron each new batch shape is a compilation):",
                   f"  {self.padding}"] if self.padding else []
+        lines += ["", "Device memory per core (estimated from the model's config):",
+                  *self.memory.describe()] if self.memory else []
         lines += ["", "Warnings:", *[f"  {w}" for w in self.warnings]] if self.warnings else []
         lines += ["", "Cannot launch:", *[f"  {e}" for e in self.errors]] if self.errors else []
         return "\n".join(lines + backends.get(self.backend).describe_launch(self))
@@ -135,6 +138,10 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     errors = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size,
                           cores if cores is not None else spec.layout.cores, hardware, model_config)
     errors += precompile.problems(spec, trainer, args)
+    estimate = memory.estimate(spec.trainer, spec.layout, args, hardware, model_config)
+    too_big, tight = memory.problems(estimate, spec.trainer, spec.layout, args, hardware, model_config)
+    errors += too_big
+    warnings += tight
     flags = flags_problem(hardware)  # the studio's NEURON_CC_FLAGS name another LNC than the runtime's
     errors += [flags] if flags else []
     backend = backends.get(spec.layout.run_on)
@@ -154,7 +161,8 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     if cores is not None:
         final.layout.cores = format_cores(cores)
     return Plan(argv, env, final, applied, warnings, errors, backend.name, cores,
-                padding.describe(args, known, hardware.backend, trainer.generates), hardware=hardware)
+                padding.describe(args, known, hardware.backend, trainer.generates), hardware=hardware,
+                memory=estimate)
 
 
 def trl_problems(spec: RunSpec, hardware: Hardware) -> list[str]:

@@ -1,0 +1,309 @@
+"""Will it fit? Device memory per core, estimated before launch from the model's config alone.
+
+No weights are read: the sizes come from config.json (hidden size, layers, heads, vocabulary,
+MLP width, experts), so a model that is not on this machine is estimated through its config.
+The estimate is for the busiest core (rank 0) and counts, per core:
+
+- weights: every parameter in its load dtype (TRL loads in float32 unless `dtype` or
+  `model_init_kwargs.dtype` says otherwise); the decoder layers' share split by TP, everything
+  split by FSDP (which gathers one whole layer at a time for its forward and backward);
+- gradients and optimizer state of what trains (AdamW: two states per trained parameter, in
+  the parameter's dtype, as torch.optim.AdamW keeps them); LoRA trains only its adapters,
+  which PEFT keeps in float32, and leaves the base weights frozen;
+- activations: what the backward pass keeps of each layer per token, all layers without
+  gradient checkpointing (TRL's trainers turn it on by default), else each layer's input plus
+  one layer recomputed; the logits (batch x length x vocabulary, in float32 for the loss, with
+  their gradient); attention scores too with eager attention;
+- a reference model for DPO and KTO when the whole model trains (with LoRA the base is the
+  reference); DPO's batches hold the chosen and the rejected answers, twice the sequences;
+- for GRPO and RLOO the generation's KV cache (keys and values of every layer for every
+  sequence generated at once, prompt plus completion).
+
+It does not count the runtime's own memory, the compiler's scratch space, or allocator
+fragmentation: the check leaves 10% for them (over 90% is a warning). Lengths are the longest a
+batch can be (`max_length`), so a run whose batches are shorter uses less.
+
+Device memory per core (Hardware): on Trainium the chip's HBM shared by its logical cores
+(hardware.py's instance table: a Trainium2 chip has 96 GiB and 4 logical cores at LNC=2, so
+24 GiB each; 12 GiB at LNC=1); on the CPU the host's memory shared by the run's processes; on
+CUDA unknown here (the estimate is shown without a limit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from studio_core.recipe import trainers
+
+GIB = 2**30
+WARN_FRACTION = 0.9
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
+# Decoder-only families whose layers are attention + a gated MLP (gate, up, down) with RMSNorm,
+# counted from their config's keys. Others are not counted (said, and the launch goes on).
+GATED = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+         "gemma3_text", "phi3", "olmo", "olmo2", "granite", "smollm3", "ministral", "helium", "glm", "cohere"}
+QK_NORM = {"qwen3", "qwen3_moe", "olmo2", "gemma3_text"}  # a norm on each head's queries and keys
+QKV_BIAS = {"qwen2", "qwen2_moe"}
+ARCHITECTURE_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                      "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                      "MixtralForCausalLM": "mixtral", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+                      "Phi3ForCausalLM": "phi3", "OlmoForCausalLM": "olmo", "Olmo2ForCausalLM": "olmo2",
+                      "GraniteForCausalLM": "granite", "SmolLM3ForCausalLM": "smollm3"}
+ADAM_STATES = 2
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's sizes, read from its config."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    experts: int = 0  # 0: a dense MLP
+    expert_intermediate: int = 0
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """Each linear layer of one decoder layer: (in, out, copies)."""
+        h, width = self.hidden, self.expert_intermediate if self.experts else self.intermediate
+        copies = self.experts or 1
+        return {"q_proj": (h, self.q_width, 1), "k_proj": (h, self.kv_width, 1), "v_proj": (h, self.kv_width, 1),
+                "o_proj": (self.q_width, h, 1), "gate_proj": (h, width, copies), "up_proj": (h, width, copies),
+                "down_proj": (width, h, copies)}
+
+    def layer_params(self) -> int:
+        linear = sum(i * o * n for i, o, n in self.linear_shapes().values())
+        bias = self.q_width + 2 * self.kv_width if self.model_type in QKV_BIAS else 0
+        norms = 2 * self.hidden + (2 * self.head_dim if self.model_type in QK_NORM else 0)
+        router = self.hidden * self.experts
+        return linear + bias + norms + router
+
+    def other_params(self) -> int:
+        """Embeddings, the LM head (when not tied to them) and the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.other_params()
+
+
+def read_shape(config: dict | None) -> tuple[Shape | None, str]:
+    """The decoder's sizes, or None and what could not be read."""
+    if not isinstance(config, dict):
+        return None, "the model's config.json could not be read"
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    model_type = text.get("model_type") or next(
+        (ARCHITECTURE_TYPES[a] for a in config.get("architectures") or [] if a in ARCHITECTURE_TYPES), None)
+    if model_type not in GATED:
+        return None, (f"its architecture ({model_type or ', '.join(config.get('architectures') or []) or 'unknown'})"
+                      " is not one the estimate knows how to count")
+    try:
+        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+        shape = Shape(model_type, hidden, int(text["num_hidden_layers"]), heads,
+                      int(text.get("num_key_value_heads") or heads), int(text.get("head_dim") or hidden // heads),
+                      int(text["intermediate_size"]), int(text.get("vocab_size") or 151936),
+                      bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))), experts,
+                      int(text.get("moe_intermediate_size") or text["intermediate_size"]) if experts else 0)
+    except (KeyError, TypeError, ValueError) as error:
+        return None, f"its config.json lacks a size the estimate needs ({error})"
+    return shape, ""
+
+
+@dataclass
+class Estimate:
+    """Bytes per core by part, for the busiest core; `available` None when unknown."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+    available: int | None = None
+    available_source: str = ""
+    not_counted: list[str] = field(default_factory=list)  # what it could not count, said
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fraction(self) -> float | None:
+        return self.total / self.available if self.available and self.parts else None
+
+    def describe(self) -> list[str]:
+        if not self.parts:
+            return [f"  not estimated: {'; '.join(self.not_counted)}"]
+        lines = [f"  {gib(self.total)} of {gib(self.available) if self.available else 'an unknown amount'}"
+                 f"{f' ({self.fraction:.0%})' if self.fraction is not None else ''} per core"
+                 f"{f': {self.available_source}' if self.available_source else ''}"]
+        lines += [f"    {name}: {gib(size)}" for name, size in self.parts.items() if size]
+        lines += [f"  not counted: {item}" for item in self.not_counted]
+        return lines
+
+
+def gib(size: float) -> str:
+    return f"{size / GIB:.2f} GiB" if size < 10 * GIB else f"{size / GIB:.1f} GiB"
+
+
+def dtype_bytes(args: dict, shape_config: dict | None) -> int:
+    """What the weights are loaded in: the recipe's dtype, else TRL's default, float32."""
+    wanted = (args.get("model_init_kwargs") or {}).get("dtype") or args.get("dtype") or "float32"
+    if wanted == "auto":
+        wanted = (shape_config or {}).get("dtype") or (shape_config or {}).get("torch_dtype") or "float32"
+    return DTYPE_BYTES.get(str(wanted).removeprefix("torch."), 4)
+
+
+def lora_params(shape: Shape, args: dict) -> int:
+    """Parameters of the LoRA adapters on one decoder layer: r x (in + out) per targeted linear."""
+    rank = int(args.get("lora_r") or 16)
+    targets = args.get("lora_target_modules") or "all-linear"
+    names = LINEARS if targets in ("all-linear", ["all-linear"]) else [
+        name for name in LINEARS if name in (targets if isinstance(targets, list) else [targets])]
+    return sum(rank * (i + o) * n for name, (i, o, n) in shape.linear_shapes().items() if name in names)
+
+
+def per_core_available(hardware, nproc: int) -> tuple[int | None, str]:
+    if hardware.backend == "neuron" and hardware.chip_memory_gib and hardware.chips and hardware.devices:
+        per_chip = hardware.devices // hardware.chips
+        return (hardware.chip_memory_gib * GIB // per_chip,
+                f"{hardware.chip_memory_gib} GiB of HBM per chip shared by its {per_chip} logical cores at "
+                f"LNC={hardware.lnc}")
+    if hardware.backend == "cpu" and hardware.host_memory_gib:
+        return (int(hardware.host_memory_gib * GIB / max(nproc, 1)),
+                f"this machine's {hardware.host_memory_gib:g} GiB of memory shared by the run's {nproc} process(es)")
+    return None, ""
+
+
+def estimate(trainer: str, layout, args: dict, hardware, config: dict | None) -> Estimate:
+    """The per-core estimate of a run: `args` are the TRL arguments the plan hands the worker."""
+    available, source = per_core_available(hardware, layout.nproc)
+    shape, why = read_shape(config)
+    if shape is None:
+        return Estimate(available=available, available_source=source, not_counted=[why])
+    tp, fsdp = max(layout.tp_size, 1), max(layout.fsdp_size, 1)
+    weight = dtype_bytes(args, config)
+    layer_weights = shape.layer_params() * weight
+    weights = (shape.layers * layer_weights / tp + shape.other_params() * weight) / fsdp
+    parts = {"weights": weights}
+    if fsdp > 1:
+        parts["a layer gathered by FSDP"] = layer_weights / tp
+    lora = bool(args.get("use_peft"))
+    if lora:
+        trained, trained_bytes = shape.layers * lora_params(shape, args) / tp / fsdp, 4  # PEFT keeps adapters in fp32
+        parts["LoRA adapters"] = trained * trained_bytes
+    else:
+        trained, trained_bytes = weights / weight, weight
+    parts["gradients"] = trained * trained_bytes
+    optim = str(args.get("optim") or "adamw_torch")
+    parts["optimizer state"] = trained * trained_bytes * (ADAM_STATES if "adam" in optim else 0)
+    entry = trainers.get(trainer)
+    if entry.reference_model and not lora and not args.get("precompute_ref_log_probs"):
+        parts["reference model"] = weights
+    parts.update(activations(shape, args, entry, tp))
+    if entry.generates:
+        parts["generation cache"] = generation_cache(shape, args, tp, weight)
+    not_counted = []
+    if optim and "adam" not in optim and "sgd" not in optim:
+        not_counted.append(f"the state of optimizer {optim!r} (counted as none)")
+    return Estimate({k: int(v) for k, v in parts.items()}, available, source, not_counted)
+
+
+def activations(shape: Shape, args: dict, entry: trainers.Trainer, tp: int) -> dict[str, float]:
+    """What the backward pass keeps: per layer per token, and the logits."""
+    batch = int(args.get("per_device_train_batch_size") or 8) * entry.sequences_per_example
+    if entry.generates:
+        length = int(args.get("max_prompt_length") or 512) + int(args.get("max_completion_length") or 256)
+    else:
+        length = int(args.get("max_length") or 1024)
+    tokens = batch * length
+    act = 2 if args.get("bf16") or args.get("fp16") else 4
+    width = shape.expert_intermediate if shape.experts else shape.intermediate
+    per_layer = 4 * shape.hidden + (3 * (shape.q_width + shape.kv_width) + 4 * width) / tp
+    if args.get("attn_implementation") == "eager":
+        per_layer += 2 * shape.heads * length / tp  # the scores and their softmax
+    checkpointing = args.get("gradient_checkpointing", True)  # TRL's trainers default it to True
+    kept = shape.layers * shape.hidden + per_layer if checkpointing else shape.layers * per_layer
+    name = "activations (gradient checkpointing)" if checkpointing else "activations"
+    # the logits, their float32 copy for the loss and its gradient
+    scores = shape.vocab if entry.chats else 1  # a reward model's head gives one score per token
+    return {name: tokens * kept * act, "logits": tokens * scores * (act + 8)}
+
+
+def generation_cache(shape: Shape, args: dict, tp: int, weight: int) -> float:
+    """Keys and values of every layer for the sequences generated at once (prompt + completion)."""
+    batch = int(args.get("per_device_train_batch_size") or 8) * int(
+        args.get("steps_per_generation") or args.get("gradient_accumulation_steps") or 1)
+    length = int(args.get("max_prompt_length") or 512) + int(args.get("max_completion_length") or 256)
+    return 2 * shape.layers * shape.kv_width / tp * batch * length * weight
+
+
+def problems(est: Estimate, trainer: str, layout, args: dict, hardware, config) -> tuple[list[str], list[str]]:
+    """(errors, warnings): over the core's memory is refused with the smallest changes that fit;
+    over 90% is a warning."""
+    fraction = est.fraction
+    if fraction is None:  # not estimated, or no limit known: the plan's memory section says which
+        return [], []
+    said = f"the run needs about {gib(est.total)} per core of {gib(est.available)} ({fraction:.0%}; {biggest(est)})"
+    if fraction <= WARN_FRACTION:
+        return [], []
+    fitting = fixes(trainer, layout, args, hardware, config)
+    change = ("It fits with any one of: " + "; ".join(fitting)) if fitting else (
+        "No one change fits: combine LoRA (use_peft: true), more TP or FSDP cores, a smaller batch and a shorter "
+        "max_length, or use a bigger instance")
+    if fraction > 1:
+        return [f"device memory: {said}: it would run out of memory after compiling. {change}"], []
+    return [], [f"device memory: {said}: little is left for the runtime. {change}"]
+
+
+def biggest(est: Estimate) -> str:
+    name, size = max(est.parts.items(), key=lambda item: item[1])
+    return f"most of it {name}, {gib(size)}"
+
+
+def fixes(trainer: str, layout, args: dict, hardware, config) -> list[str]:
+    """Single changes that bring the run under 90% of a core's memory, each the smallest of its
+    kind, with the share it would use."""
+    shape, _ = read_shape(config)
+    tries = []
+    if not args.get("use_peft"):
+        tries.append(["use_peft: true (LoRA)", (layout, {**args, "use_peft": True})])
+    if args.get("gradient_checkpointing") is False:
+        tries.append(["gradient_checkpointing: true", (layout, {**args, "gradient_checkpointing": True})])
+    for key in ("tp_size", "fsdp_size"):
+        size = getattr(layout, key)
+        for more in (2, 4, 8, 16, 32, 64):
+            bigger = replace(layout, **{key: size * more}, nproc=layout.nproc * more)
+            if bigger.nproc > hardware.cores or (key == "tp_size" and shape and shape.kv_heads % bigger.tp_size):
+                break
+            tries.append([f"studio.{key}: {size * more} with studio.nproc: {bigger.nproc}", (bigger, args)])
+    batch, accumulate = int(args.get("per_device_train_batch_size") or 8), int(
+        args.get("gradient_accumulation_steps") or 1)
+    while batch > 1:
+        batch //= 2
+        tries.append([f"per_device_train_batch_size: {batch} (gradient_accumulation_steps: "
+                      f"{accumulate * int(args.get('per_device_train_batch_size') or 8) // batch} keeps the batch)",
+                      (layout, {**args, "per_device_train_batch_size": batch})])
+    length = int(args.get("max_length") or 1024)
+    while length > 128 and not trainers.get(trainer).generates:  # generating runs' lengths are their own
+        length //= 2
+        tries.append([f"max_length: {length}", (layout, {**args, "max_length": length})])
+    found, kinds = [], set()
+    for said, (new_layout, new_args) in tries:
+        kind = said.split(":")[0]
+        if kind in kinds:
+            continue  # the smallest change of this kind already fits
+        fraction = estimate(trainer, new_layout, new_args, hardware, config).fraction
+        if fraction is not None and fraction <= WARN_FRACTION:
+            found.append(f"{said} ({fraction:.0%})")
+            kinds.add(kind)
+    return found

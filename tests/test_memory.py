@@ -1,0 +1,105 @@
+"""Device memory per core, estimated before launch from a model's config alone (no weights):
+published Trainium layouts are accepted, one clearly too small is refused with changes that fit,
+and a config the estimate cannot count says so without blocking the launch. Pure planning, fed
+with real instance descriptions (bench/memory.py compares the estimate with measured peaks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from studio_core.machine.hardware import instance_hardware
+from studio_core.recipe.spec import RunSpec
+from studio_core.training.memory import read_shape
+from studio_core.training.plan import plan
+
+pytestmark = pytest.mark.fast
+
+# Qwen3's config.json values (huggingface.co/Qwen/Qwen3-0.6B and Qwen3-8B), the sizes the estimate reads
+QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+             "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True}
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}
+
+
+def planned(config, instance="trn2.3xlarge", trainer="sft", studio=None, **args):
+    spec = RunSpec.from_dict({"model_name_or_path": "Qwen/Qwen3-0.6B", "dataset_name": "builtin:qa",
+                              **args, "studio": {"trainer": trainer, **(studio or {})}})
+    return plan(spec, instance_hardware(instance), model_config=config)
+
+
+def memory_errors(launch) -> list[str]:
+    return [e for e in launch.errors if e.startswith("device memory")]
+
+
+def test_the_parameters_counted_from_the_config_are_the_models():
+    assert read_shape(QWEN3_06B)[0].params() == pytest.approx(596e6, rel=0.01)  # Qwen3-0.6B: 0.6B with embeddings
+    assert read_shape(QWEN3_8B)[0].params() == pytest.approx(8.19e9, rel=0.01)  # Qwen3-8B: 8.2B
+
+
+def test_trls_qwen3_06b_on_one_core_is_accepted():
+    """TRL's Trainium guide: Qwen3-0.6B SFT, batch 4, one NeuronCore of a trn2.3xlarge (24 GiB at LNC=2)."""
+    launch = planned(QWEN3_06B, per_device_train_batch_size=4)
+    assert memory_errors(launch) == [] and launch.memory.available == 24 * 2**30
+    assert 0.3 < launch.memory.fraction < 0.9, launch.memory.describe()
+    assert "96 GiB of HBM per chip shared by its 4 logical cores at LNC=2" in launch.describe()
+
+
+def test_the_qwen3_8b_tp4_fsdp8_layout_is_accepted_and_sharded():
+    """The Neuron guide's recipe: Qwen3-8B, TP 4 x FSDP 8 = 32 processes, bf16, max_length 2048, batch 4."""
+    launch = planned(QWEN3_8B, "trn2.48xlarge", per_device_train_batch_size=4, max_length=2048, dtype="bfloat16",
+                     studio={"nproc": 32, "tp_size": 4, "fsdp_size": 8})
+    assert memory_errors(launch) == [], launch.errors
+    parts = launch.memory.parts
+    # TP splits the layers (not the embeddings, counted whole: the conservative side), FSDP everything
+    assert 8.19e9 * 2 / 32 < parts["weights"] < 8.19e9 * 2 / 8
+    assert "a layer gathered by FSDP" in parts
+
+
+def test_qwen3_8b_on_one_core_is_refused_saying_what_would_fit():
+    launch = planned(QWEN3_8B, per_device_train_batch_size=4)
+    [error] = memory_errors(launch)
+    assert error.startswith("device memory: the run needs about ") and "of 24.0 GiB" in error
+    assert "it would run out of memory after compiling" in error
+    # 32 GB of float32 weights alone: no single change fits on one trn2.3xlarge core
+    assert "No one change fits" in error
+    smaller = planned(QWEN3_06B, per_device_train_batch_size=32, max_length=4096)
+    [error] = memory_errors(smaller)
+    assert "It fits with any one of: " in error and "per_device_train_batch_size: " in error
+    fits = error.split("It fits with any one of: ")[1].split("; ")
+    assert all(idea.endswith("%)") for idea in fits), fits
+
+
+def test_each_part_moves_the_way_it_should():
+    base = planned(QWEN3_06B, per_device_train_batch_size=2).memory
+    lora = planned(QWEN3_06B, per_device_train_batch_size=2, use_peft=True).memory
+    assert lora.parts["gradients"] < base.parts["gradients"] / 50 and "LoRA adapters" in lora.parts
+    eager = planned(QWEN3_06B, per_device_train_batch_size=2, gradient_checkpointing=False).memory
+    assert eager.parts["activations"] > 5 * base.parts["activations (gradient checkpointing)"]
+    dpo = planned(QWEN3_06B, trainer="dpo", per_device_train_batch_size=2).memory
+    assert dpo.parts["reference model"] == dpo.parts["weights"] and dpo.parts["logits"] == 2 * base.parts["logits"]
+    assert "reference model" not in planned(QWEN3_06B, trainer="dpo", use_peft=True).memory.parts
+    grpo = planned(QWEN3_06B, trainer="grpo", per_device_train_batch_size=4, max_completion_length=128,
+                   model_init_kwargs={"dtype": "bfloat16"}, rewards=None).memory
+    assert grpo.parts["generation cache"] > 0 and grpo.parts["weights"] == pytest.approx(596e6 * 2, rel=0.01)
+    tp = planned(QWEN3_06B, per_device_train_batch_size=2, studio={"nproc": 2, "tp_size": 2}).memory
+    assert tp.parts["weights"] < base.parts["weights"]
+
+
+@pytest.mark.parametrize("config, said", [
+    (None, "the model's config.json could not be read"),
+    ({"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": 768},
+     "its architecture (mamba) is not one the estimate knows how to count"),
+    ({"model_type": "llama", "hidden_size": 64}, "its config.json lacks a size the estimate needs"),
+])
+def test_a_config_it_cannot_count_is_said_and_blocks_nothing(config, said):
+    launch = planned(config)
+    assert memory_errors(launch) == [] and launch.memory.parts == {}
+    assert said in launch.describe()
+
+
+def test_a_reward_model_scores_instead_of_predicting_the_vocabulary():
+    sft = planned(QWEN3_06B, per_device_train_batch_size=2).memory
+    reward = planned(QWEN3_06B, trainer="reward", per_device_train_batch_size=2).memory
+    assert reward.parts["logits"] < sft.parts["logits"] / 1000
