@@ -24,7 +24,8 @@ from studio_core.recipe import trainers
 from studio_core.machine.hardware import Hardware
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import (ACTIVE_STATES, RunView, compile_totals_text, compiling_text, format_loss,
-                                   format_seconds, late_compile_text, short_seconds, studio_cost_text)
+                                   format_seconds, late_compile_text, memory_text, short_seconds,
+                                   studio_cost_text)
 from studio_core.machine.sizes import MB
 from studio_core.recipe.spec import SpecError
 
@@ -276,13 +277,13 @@ def progress_html(view: RunView) -> str:
             f"<div style='background:#eee8d5;border-radius:4px;height:14px'>"
             f"<div style='background:#268bd2;width:{fraction * 100:.1f}%;height:14px;border-radius:4px'></div>"
             f"</div><div style='font-size:0.9em;margin-top:4px'>{html.escape(label)}</div></div>"
-            + precompile_html(view) + studio_cost_html(view) + checkpoints_html(view))
+            + precompile_html(view) + line_html("studio-cost", studio_cost_text(view.studio_cost))
+            + line_html("run-memory", memory_text(view)) + checkpoints_html(view))
 
 
-def studio_cost_html(view: RunView) -> str:
-    """The studio's own time per step in the training process, once the run has reported it."""
-    text = studio_cost_text(view.studio_cost)
-    return f"<div class='studio-cost' style='font-size:0.85em'>{html.escape(text[0].upper() + text[1:])}</div>" \
+def line_html(css_class: str, text: str | None) -> str:
+    """A summary line under the bar (the studio's own time per step, memory per core), once known."""
+    return f"<div class='{css_class}' style='font-size:0.85em'>{html.escape(text[0].upper() + text[1:])}</div>" \
         if text else ""
 
 

@@ -17,7 +17,7 @@ from studio_core.data import sources
 from studio_core.training.forecast import forecast_in_subprocess
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import (FINAL_STATES, RunView, format_seconds, format_time, late_compile_text,
-                                   studio_cost_text)
+                                   memory_text, studio_cost_text)
 from studio_core.training.scripts import launch_script, submit_script
 from studio_core.recipe.spec import Layout, SpecError
 
@@ -159,9 +159,9 @@ def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:
         if open_bar is not None:
             open_bar.close()
     print(f"Run {view.id}: {state} (exit code {view.exit_code})" + (f": {view.reason}" if view.reason else ""))
-    cost = studio_cost_text(view.studio_cost)
-    if cost:
-        print(cost[0].upper() + cost[1:])
+    for line in (studio_cost_text(view.studio_cost), memory_text(view)):
+        if line:
+            print(line[0].upper() + line[1:])
     if state == "failed":
         for event in view.errors[-1:]:
             print(event.get("traceback") or "", file=sys.stderr)

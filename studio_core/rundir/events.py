@@ -12,7 +12,8 @@ Who writes what:
     supervisor   log, hardware (every 2 s; per node on Slurm), error, status finished / failed / stopped,
                  precompile_end
     precompile jobs (before torchrun)  precompile_start, precompiled
-    worker       status running, progress, metrics, checkpoint, saved_stop, error, log, studio_cost
+    worker       status running, progress, metrics, checkpoint, saved_stop, error, log, studio_cost,
+                 peak_memory
     compile_watch (in the worker)  compile_start, compile_end, compile_metrics, shape
     downloads (in the worker)      download, log
 
@@ -139,6 +140,12 @@ def hardware(sample: dict) -> dict:
     return {**_event("hardware"), **sample}
 
 
+def peak_memory(bytes_: int | None, measured: str, device: str) -> dict:
+    """The most memory rank 0 used while it trained (studio_core/training/peak_memory.py): `bytes`
+    (None when the device does not report it), `measured`: how, or why not; `device`."""
+    return _event("peak_memory", bytes=bytes_, measured=measured, device=device)
+
+
 def studio_cost(steps: int, parts: dict[str, dict], step_cpu_ms: float | None = None) -> dict:
     """The studio's own time in the training process, at the end of training (rank 0): the time
     around everything it runs per step. `parts`: {name: {seconds, cpu_seconds, calls}}:
@@ -179,7 +186,7 @@ def precompile_end(seconds: float, failed: list[int] | None = None) -> dict:
 
 TYPES = ("status", "progress", "metrics", "log", "error", "compile_start", "compile_end", "compile_metrics",
          "shape", "checkpoint", "saved_stop", "resume", "download", "hardware", "studio_cost",
-         "precompile_start", "precompiled", "precompile_end")
+         "peak_memory", "precompile_start", "precompiled", "precompile_end")
 
 
 # --- writing and reading ------------------------------------------------------------------
@@ -301,6 +308,7 @@ class RunState:
     hardware: list[dict] = field(default_factory=list)  # hardware samples
     download: dict | None = None  # the latest download event
     studio_cost: dict | None = None  # this attempt's studio_cost event, once its training ended
+    peak_memory: dict | None = None  # this attempt's peak_memory event, once its training ended
     attempts: int = 1  # 1 + the resumes
     spans: list[Attempt] = field(default_factory=list)  # each attempt's times, the first run's included
     precompile: dict | None = None  # {jobs, total, done: [precompiled events], seconds, failed} (precompile.py)
@@ -349,7 +357,7 @@ class RunState:
             step = event.get("step", 0)
             self.metrics = [m for m in self.metrics if m.get("step", 0) <= step]
             self.step, self.progress_times, self.ended, self.exit_code, self.reason = step, [], None, None, None
-            self.compiling, self.studio_cost = {}, None
+            self.compiling, self.studio_cost, self.peak_memory = {}, None, None
             self.attempts += 1
         elif kind == "hardware":
             self.hardware.append(event)
@@ -357,6 +365,8 @@ class RunState:
             self.download = event
         elif kind == "studio_cost":
             self.studio_cost = event
+        elif kind == "peak_memory":
+            self.peak_memory = event
         elif kind == "error":
             self.errors.append(event)
         elif kind in ("precompile_start", "precompiled", "precompile_end"):

@@ -160,11 +160,12 @@ def read_launch(run_dir: Path) -> dict:
 
 
 def launch_record(launch) -> dict:
-    """launch.json but its `created`, from a Plan: what will run, where, and why (no secret)."""
+    """launch.json but its `created`, from a Plan: what will run, where, and why (no secret), and
+    the device memory per core it was estimated to need."""
     return {"argv": launch.argv, "env": launch.env, "backend": launch.backend,
             "hardware": launch.hardware.to_dict() if launch.hardware else None,
             "applied": [[k, v, why] for k, v, why in launch.applied], "warnings": launch.warnings,
-            "cores": launch.cores}
+            "cores": launch.cores, "memory": launch.memory.record() if launch.memory else None}
 
 
 def write_launch(run_dir: Path, record: dict, created: float | None) -> None:

@@ -15,8 +15,10 @@ from studio_core import backends
 from studio_core.rundir.checkpoints import RESUME_ENV, list_checkpoints
 from studio_core.rundir import folder
 from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES, STATES, EventReader, RunState
+from studio_core.training.memory import gib
 
-__all__ = ["ACTIVE_STATES", "FINAL_STATES", "STATES", "RunView", "late_compile_text", "studio_cost_text"]
+__all__ = ["ACTIVE_STATES", "FINAL_STATES", "STATES", "RunView", "late_compile_text", "memory_text",
+           "studio_cost_text"]
 
 RECENT_STEPS = 20  # the ETA's window of step times
 
@@ -313,6 +315,22 @@ def compile_totals_text(view: RunView) -> str:
 def short_seconds(seconds: float) -> str:
     """A short time as the compile panel shows it: 12.3 s, or 1:05 past a minute."""
     return f"{seconds:.1f} s" if seconds < 60 else format_seconds(seconds)
+
+
+def memory_text(view: RunView) -> str | None:
+    """The run's device memory per core: the plan's estimate (launch.json) and, once training
+    ended, rank 0's measured peak (its peak_memory event): "memory per core: estimated 1.16 GiB
+    before launch, measured 0.98 GiB at its peak (the estimate is 1.18 x the measurement)"."""
+    estimated = (view.launch().get("memory") or {}).get("bytes")
+    peak = view.peak_memory or {}
+    parts = [f"estimated {gib(estimated)} before launch"] if estimated else []
+    if peak.get("bytes"):
+        parts.append(f"measured {gib(peak['bytes'])} at its peak ({peak.get('measured')})")
+        if estimated:
+            parts.append(f"the estimate is {estimated / peak['bytes']:.2f} x the measurement")
+    elif peak:
+        parts.append(f"not measured: {peak.get('measured')}")
+    return "memory per core: " + "; ".join(parts) if parts else None
 
 
 def studio_cost_text(cost: dict | None) -> str | None:

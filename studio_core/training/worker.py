@@ -42,6 +42,7 @@ from studio_core.rundir.checkpoints import (  # noqa: E402
     stop_and_save_callback,
 )
 from studio_core.training.compile_watch import CompileWatch, EventBuffer, ShapeWatch, StepCost, TrainerTokens
+from studio_core.training.peak_memory import PeakMemory
 from studio_core.rundir import events
 from studio_core.rundir.folder import EVENTS, OUTPUT_INFO, SPEC
 from studio_core.recipe.spec import RunSpec, SpecError
@@ -155,7 +156,10 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> str | None:
             first, last = self.step_cpu
             step_cpu_ms = (last - first) / (steps - 1) * 1000 if steps > 1 and first is not None else None
             events.append(log, events.studio_cost(steps, self.cost.parts(), step_cpu_ms=step_cpu_ms))
+            device = trainer.accelerator.device.type
+            events.append(log, events.peak_memory(*peak.measured(device), device=device))
 
+    peak = PeakMemory()  # before the model loads
     cost = StepCost()  # rank 0 reports it; every other rank makes the same stop check
     stop_and_save = stop_and_save_callback(run_dir, RANK, int(os.environ.get("WORLD_SIZE", "1")), cost)
     guard = guard_callback(run_dir, trainer_spec.rewards)  # last: it sees the save the others asked for
