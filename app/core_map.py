@@ -7,6 +7,7 @@ import html
 
 from studio_core.machine.hardware import Hardware
 from studio_core.machine.layout import tp_groups
+from studio_core.training.memory import WARN_FRACTION, gib
 
 GROUP_COLOURS = ("#268bd2", "#2aa198", "#6c71c4", "#b58900", "#cb4b16", "#859900", "#d33682", "#073642")
 
@@ -47,3 +48,40 @@ def core_map_html(hardware: Hardware, cores: list[int], tp_size: int, held: dict
               + (f", TP groups of {tp_size} (one colour each)" if tp_size > 1 else "")
               + ("" if nodes else f"; {len(held)} held by others") + "</div>")
     return f"<div class='core-map'>{''.join(rows)}{legend}</div>"
+
+
+PART_COLOURS = {"weights": "#268bd2", "a layer gathered by FSDP": "#2aa198", "LoRA adapters": "#6c71c4",
+                "gradients": "#b58900", "optimizer state": "#cb4b16", "reference model": "#859900",
+                "generation cache": "#d33682"}  # activations and the LM head: the two greys below
+
+
+def memory_html(estimate, cores: int) -> str:
+    """The estimated device memory of each of the run's cores (the busiest's: they are alike), as a
+    bar of its parts against what a core has (training/memory.py's Estimate)."""
+    if estimate is None:
+        return ""
+    if not estimate.parts:
+        return (f"<div class='memory-bar' data-fraction='' style='font-size:0.85em;margin-top:6px'>Memory per core "
+                f"not estimated: {html.escape('; '.join(estimate.not_counted))}</div>")
+    whole = max(estimate.available or 0, estimate.total)
+    segments = []
+    for name, size in estimate.parts.items():
+        colour = PART_COLOURS.get(name, "#586e75" if name.startswith("LM head") else "#93a1a1")
+        if size:
+            segments.append(f"<div class='memory-part' data-part='{html.escape(name)}' title='{html.escape(name)}: "
+                            f"{gib(size)}' style='background:{colour};width:{size / whole * 100:.2f}%;height:16px'>"
+                            "</div>")
+    fraction = estimate.fraction
+    over, tight = fraction is not None and fraction > 1, fraction is not None and fraction > WARN_FRACTION
+    colour = "#dc322f" if over else "#cb4b16" if tight else "#586e75"
+    of = f" of {gib(estimate.available)} ({fraction:.0%})" if fraction is not None else \
+        " (what a core has is not known)"
+    limit = (f"<div style='position:absolute;left:{estimate.available / whole * 100:.2f}%;top:-2px;bottom:-2px;"
+             "border-left:2px solid #dc322f' title='what a core has'></div>" if estimate.available else "")
+    legend = ", ".join(f"{name} {gib(size)}" for name, size in estimate.parts.items() if size)
+    return (f"<div class='memory-bar' data-fraction='{'' if fraction is None else f'{fraction:.3f}'}' "
+            f"style='margin-top:8px;font-size:0.85em'>"
+            f"<div style='color:{colour}'>Device memory, each of the run's {cores} core(s): about "
+            f"{gib(estimate.total)}{of}, estimated from the model's config</div>"
+            f"<div style='position:relative;display:flex;background:#eee8d5;border-radius:3px;margin:3px 0'>"
+            f"{''.join(segments)}{limit}</div><div style='color:#657b83'>{html.escape(legend)}</div></div>")

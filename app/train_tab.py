@@ -15,7 +15,7 @@ import pandas as pd
 import yaml
 
 from app import forecast_panel, run_panel
-from app.core_map import core_map_html
+from app.core_map import core_map_html, memory_html
 from app.train_form import (TARGET_LABELS, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
                             learning_rate_start, run_backend, spec_from_form, target_hardware, trainer_info)
 from studio_core.recipe import data_check, dataset_check, trainers
@@ -244,7 +244,10 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         problems = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size, cores, target)
         problems += [f"core {c} is held by {held[c]}: choose free cores, or stop it first"
                      for c in cores or [] if c in held]
-        return core_map_html(target, cores or [], spec.layout.tp_size, held, nodes), problems
+        # the run's memory per core: the plan's estimate (its defaults for the target applied); too much is said there
+        estimate, too_big = manager.memory(spec, target, cores or None)
+        return (core_map_html(target, cores or [], spec.layout.tp_size, held, nodes)
+                + memory_html(estimate, spec.layout.nproc)), problems + too_big
 
     def on_layout(values):
         """The core map; the layout's problems go to the message area, as Start's refusals do
@@ -308,7 +311,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
     w["run_on"].change(on_run_on, w["run_on"], [*form.option_boxes.values(), form.nodes_box, w["cores"]],
                        show_progress="hidden")
     layout_io = (on_layout, inputs | {message}, [form.core_map, message])
-    for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc", "run_on", "nodes"):
+    for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc", "run_on", "nodes",  # and the memory's
+                 "model", "trainer", "use_peft", "per_device_train_batch_size", "max_length"):
         w[name].change(*layout_io, show_progress="hidden", concurrency_id="core-map")
     # one queue for every redraw, so an older one (the accordion opening) never lands after a newer one
     form.layout_box.expand(*layout_io, show_progress="hidden", concurrency_id="core-map")

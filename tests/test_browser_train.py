@@ -1,7 +1,8 @@
-"""The Train tab in a real browser: a run clicked through on the built-in default, bad input
-refused before anything starts, a failed run explained, a two-process layout with its core map
-and exported scripts, a Ray run planned and refused when its cluster does not answer, cores others hold, the learning rate's starting value, and the shape
-forecast with a suggestion applied and a compiled run's compilations shown live.
+"""The Train tab in a real browser: a run clicked through on the built-in default, bad input refused
+before anything starts, a failed run explained, a two-process layout with its core map and
+exported scripts, a Ray run planned and refused when its cluster does not answer, the memory bar
+and a run too big for it refused, cores others hold, the learning rate's starting value, and the
+shape forecast with a suggestion applied and a compiled run's compilations shown live.
 
 Chromium through Playwright, the app as its own process, one app for this file
 (tests/studio_browser.py); skipped, saying so, where Chromium is missing.
@@ -121,7 +122,7 @@ def test_a_two_process_layout_from_the_page(page, app):
     expect(core_map).to_contain_text("2 of 2 CPU cores for this run", timeout=30_000)
     set_number(page, "max_steps", 10)
     page.locator("#export").click()
-    expect(page.locator("#train-message")).to_contain_text("launch.sh")
+    expect(page.locator("#train-message")).to_contain_text("launch.sh", timeout=30_000)
     # offered for download from the default runs folder (Gradio refused it with a red toast)
     for name in ("sft-builtin-tiny-qwen3-launch.sh", "sft-builtin-tiny-qwen3-slurm.sh"):
         expect(page.locator("#exports").get_by_role("cell", name=name, exact=True)).to_be_visible(timeout=30_000)
@@ -154,6 +155,24 @@ def test_a_ray_run_from_the_page_is_planned_and_refused_when_its_cluster_does_no
     message.get_by_text("Nothing was launched").wait_for()
     assert f"no Ray cluster answers at {address}" in message.inner_text()
     assert "Traceback" not in message.inner_text() and app.new_runs() == []
+
+
+def test_the_memory_bar_shows_the_estimate_and_a_run_too_big_is_refused(page, app):
+    page.get_by_text("Layout: processes, parallelism, cores").click()
+    bar = page.locator("#core-map .memory-bar").first
+    expect(bar).to_contain_text("Device memory, each of the run's 1 core(s): about", timeout=30_000)
+    assert float(bar.get_attribute("data-fraction")) < 0.9
+    expect(bar.locator(".memory-part[data-part='weights']")).to_have_count(1)
+    set_number(page, "batch_size", 65536)  # 65536 x 4096 tokens: their activations alone need a terabyte
+    set_number(page, "max_length", 4096)
+    expect(page.locator("#core-map .memory-bar[data-fraction^='1'], #core-map .memory-bar[data-fraction^='2'], "
+                        "#core-map .memory-bar[data-fraction^='3']").first).to_be_visible(timeout=30_000)
+    message = page.locator("#train-message")
+    expect(message).to_contain_text("device memory: the run needs about", timeout=30_000)
+    page.locator("#start").click()
+    message.get_by_text("Nothing was launched").wait_for()
+    assert "It fits with any one of: per_device_train_batch_size: " in message.inner_text()
+    assert app.new_runs() == []
 
 
 def test_every_element_id_in_the_page_is_unique_with_every_part_shown(page):

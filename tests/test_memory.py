@@ -23,6 +23,9 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
             "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}
 
 
+HEAD = "LM head (logits in tiles)"
+
+
 def planned(config, instance="trn2.3xlarge", trainer="sft", studio=None, **args):
     spec = RunSpec.from_dict({"model_name_or_path": "Qwen/Qwen3-0.6B", "dataset_name": "builtin:qa",
                               **args, "studio": {"trainer": trainer, **(studio or {})}})
@@ -75,10 +78,13 @@ def test_each_part_moves_the_way_it_should():
     base = planned(QWEN3_06B, per_device_train_batch_size=2).memory
     lora = planned(QWEN3_06B, per_device_train_batch_size=2, use_peft=True).memory
     assert lora.parts["gradients"] < base.parts["gradients"] / 50 and "LoRA adapters" in lora.parts
+    # the frozen head gets no float32 gradient of its 151936 x 1024 weight
+    assert base.parts[HEAD] - lora.parts[HEAD] == 151936 * 1024 * 4
     eager = planned(QWEN3_06B, per_device_train_batch_size=2, gradient_checkpointing=False).memory
     assert eager.parts["activations"] > 5 * base.parts["activations (gradient checkpointing)"]
     dpo = planned(QWEN3_06B, trainer="dpo", per_device_train_batch_size=2).memory
-    assert dpo.parts["reference model"] == dpo.parts["weights"] and dpo.parts["logits"] == 2 * base.parts["logits"]
+    assert dpo.parts["reference model"] == dpo.parts["weights"]
+    assert dpo.parts[HEAD] > base.parts[HEAD]  # the chosen and the rejected answers: twice the rows of logits
     assert "reference model" not in planned(QWEN3_06B, trainer="dpo", use_peft=True).memory.parts
     grpo = planned(QWEN3_06B, trainer="grpo", per_device_train_batch_size=4, max_completion_length=128,
                    model_init_kwargs={"dtype": "bfloat16"}, rewards=None).memory
@@ -102,4 +108,22 @@ def test_a_config_it_cannot_count_is_said_and_blocks_nothing(config, said):
 def test_a_reward_model_scores_instead_of_predicting_the_vocabulary():
     sft = planned(QWEN3_06B, per_device_train_batch_size=2).memory
     reward = planned(QWEN3_06B, trainer="reward", per_device_train_batch_size=2).memory
-    assert reward.parts["logits"] < sft.parts["logits"] / 1000
+    assert HEAD in sft.parts and HEAD not in reward.parts
+
+
+def test_a_run_without_max_length_is_counted_at_trls_default_and_says_so():
+    off = planned(QWEN3_06B, per_device_train_batch_size=1, max_length=None).memory
+    default = planned(QWEN3_06B, per_device_train_batch_size=1).memory
+    assert off.parts == default.parts  # both counted at 1024 tokens
+    assert any("max_length is off: counted as 1024" in item for item in off.not_counted)
+    assert default.not_counted == []
+
+
+def test_the_lm_heads_tiles_are_trls():
+    """The estimate counts TRL's fused LM head by its tile sizes, copied from TRL's source."""
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils
+
+    from studio_core.training.memory import TOKEN_CHUNK, VOCAB_CHUNK
+
+    assert (TOKEN_CHUNK, VOCAB_CHUNK) == (chunked_logprob.TOKEN_CHUNK_SIZE, utils._CHUNKED_LOGPROB_CHUNK_SIZE)

@@ -22,6 +22,7 @@ from studio_core.training.plan import plan
 from studio_core.rundir import events
 from studio_core.runs.manager import RunManager
 from studio_core.training.scripts import submit_script
+from studio_core.data.sources import model_config
 from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast
@@ -51,7 +52,8 @@ def test_the_exported_script_is_the_submitted_one_but_the_run_id_with_efa_for_tr
     spec = RunSpec.load(RECIPE).with_overrides(["studio.run_on=slurm", "studio.nodes=4"])
     other = "20990101-000000-tiny-sft-abcdef"
     submitted = batch_script(plan(spec, instance_hardware("trn2.48xlarge"), run_dir=runs / other, run_id=other,
-                                  compile_cache=compile_cache_root()))
+                                  compile_cache=compile_cache_root(),
+                                  model_config=model_config(spec.model_name_or_path)))  # as the manager plans
     assert exported.replace(run_id, other).splitlines() == submitted.splitlines()
     assert "#SBATCH --nodes=4" in exported and "--output" not in exported  # Slurm opens no file of the folder
 

@@ -1,6 +1,7 @@
 """What the studio runs per training step costs the step: no device value read (the shape hook
 reads tensor metadata only, the tokens are TRL's own host count), the per-step events written a
-few at a time, and the studio's own time measured in the process (`studio_cost`)."""
+few at a time, and the studio's own time measured in the process (`studio_cost`); beside it, at the
+end of training, the memory the process used at its peak (`peak_memory`) against the plan's estimate."""
 
 import itertools
 
@@ -11,7 +12,7 @@ from studio_core.training.compile_watch import EventBuffer, ShapeWatch, StepCost
 from studio_core.rundir import events
 from studio_core.rundir.events import fold, read
 from studio_core.runs.manager import RunManager
-from studio_core.runs.view import studio_cost_text
+from studio_core.runs.view import memory_text, studio_cost_text
 
 
 class TakesIds(torch.nn.Module):
@@ -91,3 +92,16 @@ def test_progress_tokens_are_trls_count_over_all_ranks_and_the_cost_is_reported(
     assert calls["log"] >= 40  # a loss every step, and the totals at the end
     assert 0 < cost["cpu_seconds"] and 0 < cost["seconds"]
     assert cost["step_cpu_ms"] > 0  # the training thread's CPU per step, which the studio's is a share of
+
+
+def test_the_run_measures_its_peak_memory_beside_the_plans_estimate(two_process_runs):
+    view = RunManager(two_process_runs.runs_dir).view(two_process_runs.ids["run"])
+    (peak,) = [e for e in read(view.dir / "events.jsonl") if e["type"] == "peak_memory"]  # rank 0's alone
+    assert peak["device"] == "cpu" and peak["measured"].startswith("the model's tensors plus")
+    estimate = view.launch()["memory"]
+    assert estimate["bytes"] == sum(estimate["parts"].values()) and estimate["available"] > estimate["bytes"]
+    # the tiny model's weights, gradients and AdamW's two states alone are 4 x its float32 size
+    assert peak["bytes"] > estimate["parts"]["weights"] * 4 and view.peak_memory == peak
+    text = memory_text(view)
+    assert text.startswith("memory per core: estimated ") and "measured" in text
+    assert f"the estimate is {estimate['bytes'] / peak['bytes']:.2f} x the measurement" in text

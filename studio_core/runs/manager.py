@@ -26,6 +26,7 @@ from studio_core.rundir.checkpoints import RESUME_ENV, clear_control, list_check
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.cores import format_cores, parse_cores
 from studio_core.machine.hardware import Hardware
+from studio_core.training.memory import MEMORY_ERROR
 from studio_core.training.plan import Plan, plan, trl_problems
 from studio_core.rundir import events, folder
 from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES
@@ -69,6 +70,13 @@ class RunManager:
         if problems:
             raise SpecError(problems)
         return spec
+
+    @staticmethod
+    def memory(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None) -> tuple:
+        """The plan's device memory per core (training/memory.py's Estimate) and its refusal, if
+        any, without the spec's slower checks: what the Train tab draws under its core map."""
+        launch = plan(spec, hardware, cores, model_config=sources.model_config(spec.model_name_or_path))
+        return launch.memory, [error for error in launch.errors if error.startswith(MEMORY_ERROR)]
 
     def plan(self, spec: RunSpec, hardware: Hardware, this_machine: bool = False, elsewhere: bool = False) -> Plan:
         """The plan of a launch, the spec checked first. With `this_machine` (a preview of Start

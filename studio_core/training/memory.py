@@ -11,9 +11,10 @@ The estimate is for the busiest core (rank 0) and counts, per core:
   the parameter's dtype, as torch.optim.AdamW keeps them); LoRA trains only its adapters,
   which PEFT keeps in float32, and leaves the base weights frozen;
 - activations: what the backward pass keeps of each layer per token, all layers without
-  gradient checkpointing (TRL's trainers turn it on by default), else each layer's input plus
-  one layer recomputed; the logits (batch x length x vocabulary, in float32 for the loss, with
-  their gradient); attention scores too with eager attention;
+  gradient checkpointing, else each layer's input plus one layer recomputed (TRL's trainers
+  turn it on by default); the LM head, which TRL computes in tiles of the logits (TILE_COPIES),
+  with the float32 gradients of its weight and of the hidden states, often the biggest part;
+  attention scores too with eager attention;
 - a reference model for DPO and KTO when the whole model trains (with LoRA the base is the
   reference); DPO's batches hold the chosen and the rejected answers, twice the sequences;
 - for GRPO and RLOO the generation's KV cache (keys and values of every layer for every
@@ -37,6 +38,7 @@ from studio_core.recipe import trainers
 
 GIB = 2**30
 WARN_FRACTION = 0.9
+MEMORY_ERROR = "device memory: "  # how the plan's memory error begins
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 # Decoder-only families whose layers are attention + a gated MLP (gate, up, down) with RMSNorm,
 # counted from their config's keys. Others are not counted (said, and the launch goes on).
@@ -50,6 +52,19 @@ ARCHITECTURE_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistra
                       "Phi3ForCausalLM": "phi3", "OlmoForCausalLM": "olmo", "Olmo2ForCausalLM": "olmo2",
                       "GraniteForCausalLM": "granite", "SmolLM3ForCausalLM": "smollm3"}
 ADAM_STATES = 2
+DEFAULT_LENGTH = 1024  # TRL's max_length, what a run without one is counted at
+# TRL's trainers score tokens through a fused LM head (trl/trainer/utils.py add_fused_lm_head, its
+# kernel trl/kernels/chunked_logprob.py ChunkedLogProbFunction): the logits are never whole, but
+# computed tile by tile, [up to TOKEN_CHUNK rows, up to VOCAB_CHUNK columns], in the compute dtype,
+# forward and again in backward, with the gradients of the hidden states and of the head's weight
+# (only where it trains: not with LoRA, ChunkedLogProbFunction.backward's needs_input_grad)
+# accumulated in float32. Without Triton (on the CPU, and on Neuron) the tile goes through plain
+# torch ops: 8.5 tiles' worth at its peak, measured on this machine's CPU in float32 (34 bytes per
+# tile element, fitted over vocabularies of 8,000 to 64,000 and 256 to 2,048 tokens:
+# bench/memory.py). Assumed to scale with the compute dtype on Neuron, where it is not measured.
+TOKEN_CHUNK = 4096  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE (tests/test_memory.py checks both)
+VOCAB_CHUNK = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
+TILE_COPIES = 8.5
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -140,6 +155,11 @@ class Estimate:
     def fraction(self) -> float | None:
         return self.total / self.available if self.available and self.parts else None
 
+    def record(self) -> dict:
+        """What launch.json keeps of it: bytes per core in all and by part, what a core has."""
+        return {"bytes": self.total if self.parts else None, "parts": self.parts, "available": self.available,
+                "not_counted": self.not_counted}
+
     def describe(self) -> list[str]:
         if not self.parts:
             return [f"  not estimated: {'; '.join(self.not_counted)}"]
@@ -152,6 +172,9 @@ class Estimate:
 
 
 def gib(size: float) -> str:
+    """Bytes in the unit device memory is sold in: 742 MiB, 2.22 GiB, 15.1 GiB."""
+    if size < GIB:
+        return f"{size / 2**20:.0f} MiB"
     return f"{size / GIB:.2f} GiB" if size < 10 * GIB else f"{size / GIB:.1f} GiB"
 
 
@@ -213,18 +236,21 @@ def estimate(trainer: str, layout, args: dict, hardware, config: dict | None) ->
     if entry.generates:
         parts["generation cache"] = generation_cache(shape, args, tp, weight)
     not_counted = []
+    if not entry.generates and "max_length" in args and not args["max_length"]:
+        not_counted.append(f"samples longer than {DEFAULT_LENGTH} tokens (max_length is off: counted as "
+                           f"{DEFAULT_LENGTH}, TRL's default)")
     if optim and "adam" not in optim and "sgd" not in optim:
         not_counted.append(f"the state of optimizer {optim!r} (counted as none)")
     return Estimate({k: int(v) for k, v in parts.items()}, available, source, not_counted)
 
 
 def activations(shape: Shape, args: dict, entry: trainers.Trainer, tp: int) -> dict[str, float]:
-    """What the backward pass keeps: per layer per token, and the logits."""
+    """What the backward pass keeps of the layers, per token, and the LM head's tiles and gradients."""
     batch = int(args.get("per_device_train_batch_size") or 8) * entry.sequences_per_example
     if entry.generates:
         length = int(args.get("max_prompt_length") or 512) + int(args.get("max_completion_length") or 256)
     else:
-        length = int(args.get("max_length") or 1024)
+        length = int(args.get("max_length") or DEFAULT_LENGTH)
     tokens = batch * length
     act = 2 if args.get("bf16") or args.get("fp16") else 4
     width = shape.expert_intermediate if shape.experts else shape.intermediate
@@ -234,9 +260,12 @@ def activations(shape: Shape, args: dict, entry: trainers.Trainer, tp: int) -> d
     checkpointing = args.get("gradient_checkpointing", True)  # TRL's trainers default it to True
     kept = shape.layers * shape.hidden + per_layer if checkpointing else shape.layers * per_layer
     name = "activations (gradient checkpointing)" if checkpointing else "activations"
-    # the logits, their float32 copy for the loss and its gradient
-    scores = shape.vocab if entry.chats else 1  # a reward model's head gives one score per token
-    return {name: tokens * kept * act, "logits": tokens * scores * (act + 8)}
+    if not entry.chats:  # a reward model's head gives one score per token: nothing to count
+        return {name: tokens * kept * act}
+    tile = min(tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK) * TILE_COPIES * act
+    # float32 gradients of the hidden states, and of the head's weight unless it is frozen (LoRA)
+    gradients = (tokens + (0 if args.get("use_peft") else shape.vocab)) * shape.hidden * 4
+    return {name: tokens * kept * act, "LM head (logits in tiles)": tile + gradients}
 
 
 def generation_cache(shape: Shape, args: dict, tp: int, weight: int) -> float:
@@ -261,8 +290,9 @@ def problems(est: Estimate, trainer: str, layout, args: dict, hardware, config) 
         "No one change fits: combine LoRA (use_peft: true), more TP or FSDP cores, a smaller batch and a shorter "
         "max_length, or use a bigger instance")
     if fraction > 1:
-        return [f"device memory: {said}: it would run out of memory after compiling. {change}"], []
-    return [], [f"device memory: {said}: little is left for the runtime. {change}"]
+        when = " after compiling" if hardware.backend == "neuron" else ""
+        return [f"{MEMORY_ERROR}{said}: it would run out of memory{when}. {change}"], []
+    return [], [f"{MEMORY_ERROR}{said}: little is left for the runtime. {change}"]
 
 
 def biggest(est: Estimate) -> str:
@@ -293,7 +323,7 @@ def fixes(trainer: str, layout, args: dict, hardware, config) -> list[str]:
         tries.append([f"per_device_train_batch_size: {batch} (gradient_accumulation_steps: "
                       f"{accumulate * int(args.get('per_device_train_batch_size') or 8) // batch} keeps the batch)",
                       (layout, {**args, "per_device_train_batch_size": batch})])
-    length = int(args.get("max_length") or 1024)
+    length = int(args.get("max_length") or DEFAULT_LENGTH)
     while length > 128 and not trainers.get(trainer).generates:  # generating runs' lengths are their own
         length //= 2
         tries.append([f"max_length: {length}", (layout, {**args, "max_length": length})])

@@ -115,6 +115,7 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> str | None:
             self.state = state
             self.tokens = TrainerTokens(trainer)
             self.first_step = state.global_step  # a resumed attempt begins at its checkpoint's step
+            peak.training_begins(trainer.model, getattr(trainer, "ref_model", None))
             self.shapes.install(trainer.model_wrapped)  # outermost wrapper: outside the compiled graph
             if trainer.model is not trainer.model_wrapped and not args.torch_compile:  # evaluation: unwrapped
                 self.shapes.install(trainer.model)
