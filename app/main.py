@@ -14,6 +14,7 @@ import gradio as gr
 
 from app import cache_panel, chat_tab, doctor_tab, eval_tab, export_tab, runs_tab, train_tab
 from studio_core.machine.hardware import Hardware, detect_hardware
+from studio_core.runs import queue
 from studio_core.runs.manager import RunManager
 
 CSS = (".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace; font-size: 0.8em} "
@@ -88,6 +89,7 @@ def launch_settings(runs_dir: Path) -> dict:
 
 def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
     manager = RunManager(runs_dir)
+    queue.ensure_runner(manager.runs_dir)  # after a reboot: its queued runs start again when their cores are free
     hardware = hardware or detect_hardware()
     with gr.Blocks(title="Trainium fine-tuning studio") as demo:
         gr.Markdown("# Trainium fine-tuning studio")

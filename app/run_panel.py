@@ -18,7 +18,7 @@ import pandas as pd
 
 from app.hardware_panel import AXES, HardwarePanel
 from studio_core.backends import StopError
-from studio_core.runs import history
+from studio_core.runs import history, queue
 from studio_core.training import precompile
 from studio_core.recipe import trainers
 from studio_core.machine.hardware import Hardware
@@ -29,7 +29,7 @@ from studio_core.runs.view import (ACTIVE_STATES, RunView, compile_totals_text, 
 from studio_core.machine.sizes import MB
 from studio_core.recipe.spec import SpecError
 
-STATE_COLOURS = {"starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
+STATE_COLOURS = {"queued": "#93a1a1", "starting": "#b58900", "running": "#268bd2", "finished": "#2aa198",
                  "failed": "#dc322f", "stopped": "#6c71c4"}
 TRAINER_PLOTS = max(len(t.plots) for t in trainers.TRAINERS.values())  # the most plots a trainer has
 # How often a page looks at the run it shows: a new event shows within this plus the redraw
@@ -40,33 +40,49 @@ LOOK_EVERY_S = 0.5
 
 
 class RunControls:
-    """Stop, Stop and save and Resume for the run a page shows (`prefix` keeps the element ids
-    of two tabs apart), each enabled only when it applies to that run."""
+    """Stop, Stop and save, Resume and, for a queued run, Move to the front, for the run a page
+    shows (`prefix` keeps the element ids of two tabs apart), each enabled only when it applies
+    to that run. Stop cancels a queued run."""
 
     def __init__(self, prefix: str = ""):
         with gr.Row():
             self.stop = gr.Button("Stop", variant="stop", interactive=False, elem_id=f"{prefix}stop")
             self.save = gr.Button("Stop and save", interactive=False, elem_id=f"{prefix}stop-save")
             self.resume = gr.Button("Resume", interactive=False, elem_id=f"{prefix}resume")
+            self.first = gr.Button("Move to the front of the queue", interactive=False, visible=False,
+                                   elem_id=f"{prefix}queue-first")
 
     @property
     def components(self) -> list[gr.Component]:
-        return [self.stop, self.save, self.resume]
+        return [self.stop, self.save, self.resume, self.first]
 
     def states(self, view: RunView | None) -> dict:
         """{button: enabled or not} for this run (or for none)."""
         going = view is not None and view.active
+        queued = going and view.live_state == "queued"
         resumable = (view is not None and view.live_state in ("stopped", "failed") and not view.spec_problem
                      and bool(view.saved_checkpoints()))
-        return {self.stop: gr.update(interactive=going), self.save: gr.update(interactive=going),
-                self.resume: gr.update(interactive=resumable)}
+        return {self.stop: gr.update(interactive=going), self.save: gr.update(interactive=going and not queued),
+                self.resume: gr.update(interactive=resumable),
+                self.first: gr.update(visible=queued, interactive=queued and queue.place(view.dir)[0] > 1)}
 
     def wire(self, manager: RunManager, hardware: Hardware, run_id: gr.Component, message: gr.Component):
         """The buttons act on the run `run_id` names and say what they did in `message`; returns
         Resume's event (a page that follows the run chains on it)."""
         self.stop.click(lambda r: stop_run(manager, r), run_id, message)
         self.save.click(lambda r: stop_and_save(manager, r), run_id, message)
+        self.first.click(lambda r: move_to_front(manager, r), run_id, message)
         return self.resume.click(lambda r: resume_run(manager, hardware, r), run_id, message)
+
+
+def move_to_front(manager: RunManager, run_id: str | None) -> str:
+    if not run_id:
+        return "No run to move."
+    try:
+        queue.move(manager.runs_dir, run_id, 1)
+    except queue.QueueError as error:
+        return f"**Not moved:** {error}"
+    return f"Run `{run_id}` is now first in the queue: it starts as soon as its cores are free."
 
 
 def stop_run(manager: RunManager, run_id: str | None) -> str:
@@ -76,6 +92,8 @@ def stop_run(manager: RunManager, run_id: str | None) -> str:
         view = manager.stop(run_id)
     except StopError as error:
         return f"**Not stopped:** {error}"
+    if view.reason == queue.CANCELLED:
+        return f"Run `{run_id}` was cancelled while queued: it never started."
     return f"Run `{run_id}` is {view.live_state}; none of its processes is left."
 
 

@@ -179,6 +179,8 @@ class TrainForm:
             with gr.Row():
                 w["cores"] = gr.Textbox(label=LAYOUT_LABELS["cores"], placeholder="next free", elem_id="cores",
                                         info="e.g. 0-3 or 0,1; empty: the first free valid block")
+                w["queue_if_busy"] = gr.Checkbox(True, label="Queue it if its cores are busy", elem_id="queue_if_busy",
+                                                 info="it starts when they are free, in its turn; off: Start refuses")
                 w["target"] = gr.Dropdown([THIS_MACHINE, *INSTANCES], value=THIS_MACHINE,
                                           label=TARGET_LABELS["instance"],
                                           info="another instance type: preview and export only",

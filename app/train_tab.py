@@ -191,7 +191,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         v = form.named(values)
         target = target_hardware(v, hardware)
         launch = manager.plan(spec_from_form(v), target, this_machine=target is hardware,
-                              elsewhere=target is not hardware)
+                              elsewhere=target is not hardware, queue_if_busy=bool(v.get("queue_if_busy")))
         if whole and launch.errors:
             raise SpecError(launch.errors)
         return v, target, launch
@@ -242,8 +242,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         except ValueError as error:
             return "", [f"studio.cores: {error}"]
         problems = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size, cores, target)
-        problems += [f"core {c} is held by {held[c]}: choose free cores, or stop it first"
-                     for c in cores or [] if c in held]
+        if not v.get("queue_if_busy"):  # else Start queues the run until they are free (the map shows them held)
+            problems += [f"core {c} is held by {held[c]}: choose free cores, stop it first, or queue the run"
+                         for c in cores or [] if c in held]
         # the run's memory per core: the plan's estimate (its defaults for the target applied); too much is said there
         estimate, too_big = manager.memory(spec, target, cores or None)
         return (core_map_html(target, cores or [], spec.layout.tp_size, held, nodes)
@@ -277,11 +278,15 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
                 raise SpecError([f"{TARGET_LABELS['instance']}: {v['target']} is not this machine "
                                  f"({hardware.describe()}); Preview or Export the launch script for it, or plan "
                                  "for this machine"])
-            view = manager.start(spec, target_hardware(v, hardware))
+            view = manager.start(spec, target_hardware(v, hardware), queue_if_busy=bool(v.get("queue_if_busy")))
         except SpecError as error:
             yield problems_markdown(error), gr.update(), gr.update()
             return
         where = view.where()
+        if view.live_state == "queued":
+            yield (f"Queued run `{view.id}` ({where}). It starts when its cores are free; the Runs tab shows its "
+                   "place, Stop cancels it.", gr.update(visible=False), view.id)
+            return
         yield (f"Started run `{view.id}`" + (f" ({where})" if where else "") + ". It keeps going if you close "
                "this page.", gr.update(visible=False), view.id)
 
@@ -311,8 +316,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
     w["run_on"].change(on_run_on, w["run_on"], [*form.option_boxes.values(), form.nodes_box, w["cores"]],
                        show_progress="hidden")
     layout_io = (on_layout, inputs | {message}, [form.core_map, message])
-    for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc", "run_on", "nodes",  # and the memory's
-                 "model", "trainer", "use_peft", "per_device_train_batch_size", "max_length"):
+    for name in ("nproc", "tp_size", "fsdp_size", "cores", "target", "lnc", "run_on", "nodes", "queue_if_busy",
+                 "model", "trainer", "use_peft", "per_device_train_batch_size", "max_length"):  # these: its memory
         w[name].change(*layout_io, show_progress="hidden", concurrency_id="core-map")
     # one queue for every redraw, so an older one (the accordion opening) never lands after a newer one
     form.layout_box.expand(*layout_io, show_progress="hidden", concurrency_id="core-map")

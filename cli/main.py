@@ -15,12 +15,13 @@ from cli.export import cmd_export
 from cli.fields import add_flags, add_layout_flags, flags, values_joined
 from cli.options import CommandLineError, picked_by_option, repeated_flags, whole_number
 from cli.serve import cmd_serve
-from cli.train import cmd_plan, cmd_runs, cmd_stop, cmd_train
+from cli.train import cmd_plan, cmd_queue, cmd_runs, cmd_stop, cmd_train
 from studio_core.backends import EXPORT, StopError, with_options
 from studio_core.machine import compile_cache
 from studio_core.serve.chat import MAX_CACHE_LEN
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
 from studio_core.runs.manager import DamagedRun, RunNotFound, default_runs_dir, run_id_given
+from studio_core.runs.queue import QueueError
 from studio_core.recipe.spec import Layout, SpecError
 
 USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
@@ -29,6 +30,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
     python launch.py train RECIPE.yaml        train, with a progress bar; Ctrl-C stops the run
     python launch.py plan RECIPE.yaml         print the exact command, environment and shape forecast; runs nothing
     python launch.py runs                     list the runs in the runs folder
+    python launch.py queue [RUN_ID --to N]    the queued runs (a run whose cores are busy waits); move one
     python launch.py stop RUN_ID [--save]     stop a run (--save: a checkpoint first, to resume from)
     python launch.py train --resume RUN_ID    go on from the run's last checkpoint [--from-checkpoint STEP]
     python launch.py train RECIPE --slurm     submit to a Slurm cluster [--nodes N --partition P --time T]
@@ -42,7 +44,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
 Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
 """
 
-COMMANDS = ("serve", "train", "plan", "runs", "stop", "cache", "chat", "eval", "export", "doctor")
+COMMANDS = ("serve", "train", "plan", "runs", "queue", "stop", "cache", "chat", "eval", "export", "doctor")
 
 
 def main(argv: list[str]) -> int:
@@ -69,7 +71,7 @@ def main(argv: list[str]) -> int:
     except StopError as error:
         print(f"Not stopped: {error}", file=sys.stderr)
         return 1
-    except (CommandLineError, CpuCoresError) as error:
+    except (CommandLineError, CpuCoresError, QueueError) as error:
         print(error, file=sys.stderr)
         return 2
 
@@ -172,7 +174,12 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("--resume", metavar="RUN_ID", help="go on with a run from its last checkpoint "
                              "(instead of a recipe), in the same run folder")
             sub.add_argument("--from-checkpoint", type=int, metavar="STEP", help="with --resume: this checkpoint")
+            sub.add_argument("--no-queue", action="store_true", help="refuse the run when its cores are busy "
+                             "(by default it waits in the queue and starts when they are free)")
     command("runs", cmd_runs, "list runs with their state")
+    queue = command("queue", cmd_queue, "list the queued runs in order, with what each waits for; move one")
+    queue.add_argument("run_id", nargs="?", help="with --to: the queued run to move")
+    queue.add_argument("--to", type=whole_number(1), metavar="PLACE", help="move the run to this place (1: next)")
     stop = command("stop", cmd_stop, "stop a run")
     stop.add_argument("run_id")
     stop.add_argument("--save", action="store_true", help="save a checkpoint at the next step, then stop "

@@ -15,6 +15,7 @@ from studio_core.backends import EXPORT
 from studio_core.training import precompile
 from studio_core.data import sources
 from studio_core.training.forecast import forecast_in_subprocess
+from studio_core.runs import queue
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import (FINAL_STATES, RunView, format_seconds, format_time, late_compile_text,
                                    memory_text, studio_cost_text)
@@ -89,9 +90,11 @@ def cmd_train(args) -> int:
     elif args.from_checkpoint is not None:
         raise SpecError(["--from-checkpoint goes with --resume RUN_ID (a new run from a recipe starts at step 0)"])
     else:
-        view = manager.start(load_spec(args), hardware_for(args), planned=print_warnings)
+        view = manager.start(load_spec(args), hardware_for(args), planned=print_warnings,
+                             queue_if_busy=not args.no_queue)
         where = view.where()
-        print(f"Run {view.id} started; its folder: {view.dir}" + (f" ({where})" if where else ""))
+        print(f"Run {view.id} {'queued' if view.live_state == 'queued' else 'started'}; its folder: {view.dir}"
+              + (f" ({where})" if where else ""))
     if args.detach:
         return 0
 
@@ -122,12 +125,15 @@ def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:
     run's history (metrics, late compilations, steps up to its checkpoint) is not shown again."""
     from tqdm import tqdm
 
-    bar, shown, warned, fetch, precompiled = None, 0, 0, None, None
+    bar, shown, warned, fetch, precompiled, queued = None, 0, 0, None, None, view.live_state == "queued"
     first_step = view.step if resumed else 0
     if resumed:
         shown, warned = len(view.metrics), len(view.late_compiles())
     while True:
         view = manager.view(view.id)
+        if queued and view.live_state != "queued":
+            queued = False
+            print(f"Run {view.id} left the queue: {view.live_state}", flush=True)
         if bar is None:
             fetch = follow_download(view, fetch)
             line = precompile.describe(view.precompile)
@@ -207,7 +213,9 @@ def clock(seconds: float | None) -> str:
 def cmd_runs(args) -> int:
     """The runs, newest first: started is the first start, training the time going (idle time
     between a stop and a resume left out), wall from the first start to the end."""
-    runs = RunManager(runs_folder(args)).list()
+    manager = RunManager(runs_folder(args))
+    queue.ensure_runner(manager.runs_dir)  # after a reboot: queued runs start again when their cores are free
+    runs = manager.list()
     print(f"{'run':48} {'state':9} {'step':>11}  {'started':19} {'training':>8} {'wall':>8}  model / dataset")
     for view in runs:
         steps = f"{view.step}/{view.max_steps or '?'}"
@@ -220,6 +228,23 @@ def cmd_runs(args) -> int:
             print(f"    {view.error_text}")
         for problem in view.damage():
             print(f"    damaged: {problem}")
+    return 0
+
+
+def cmd_queue(args) -> int:
+    """The queued runs in order, each with what it waits for; with RUN_ID --to N, move one first."""
+    runs_dir = runs_folder(args, write=bool(args.to))
+    if (args.run_id is None) != (args.to is None):
+        raise CommandLineError("give both a queued run and --to PLACE to move it, or neither to list the queue")
+    if args.to:
+        queue.move(runs_dir, args.run_id, args.to)
+        print(f"Run {args.run_id} is now {queue.ordinal(args.to)} in the queue")
+    queue.ensure_runner(runs_dir)  # after a reboot: queued runs start again when their cores are free
+    order = queue.queued(runs_dir)
+    if not order:
+        print("No run is queued.")
+    for path in order:
+        print(f"{path.name:48} {queue.describe(path)}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The Train tab in a real browser: a run clicked through on the built-in default, bad input refused
 before anything starts, a failed run explained, a two-process layout with its core map and
 exported scripts, a Ray run planned and refused when its cluster does not answer, the memory bar
-and a run too big for it refused, cores others hold, the learning rate's starting value, and the
+and a run too big for it refused, cores others hold (a run queued for them, then cancelled), the
+learning rate's starting value, and the
 shape forecast with a suggestion applied and a compiled run's compilations shown live.
 
 Chromium through Playwright, the app as its own process, one app for this file
@@ -165,8 +166,8 @@ def test_the_memory_bar_shows_the_estimate_and_a_run_too_big_is_refused(page, ap
     expect(bar.locator(".memory-part[data-part='weights']")).to_have_count(1)
     set_number(page, "batch_size", 65536)  # 65536 x 4096 tokens: their activations alone need a terabyte
     set_number(page, "max_length", 4096)
-    expect(page.locator("#core-map .memory-bar[data-fraction^='1'], #core-map .memory-bar[data-fraction^='2'], "
-                        "#core-map .memory-bar[data-fraction^='3']").first).to_be_visible(timeout=30_000)
+    page.wait_for_function("() => { const bar = document.querySelector('#core-map .memory-bar');"
+                           " return bar !== null && parseFloat(bar.dataset.fraction) > 1; }", timeout=30_000)
     message = page.locator("#train-message")
     expect(message).to_contain_text("device memory: the run needs about", timeout=30_000)
     page.locator("#start").click()
@@ -198,6 +199,7 @@ def test_the_core_map_marks_the_cores_others_hold_and_names_them(new_page, app):
         core_map = page.locator("#core-map")
         expect(core_map.locator(".core[data-state='busy']")).to_have_count(1, timeout=30_000)
         expect(core_map.locator(".core[data-core='1']")).to_have_attribute("data-state", "r0")
+        page.locator("#queue_if_busy input").uncheck()  # refused, not queued
         cores = page.locator("#cores input, #cores textarea").first
         cores.fill("0")
         cores.press("Tab")
@@ -211,6 +213,41 @@ def test_the_core_map_marks_the_cores_others_hold_and_names_them(new_page, app):
         cores.press("Tab")
         page.locator("#preview").click()  # and the preview refuses it the same way
         expect(page.locator("#train-message")).to_contain_text(f"core 0 is held by run {holder}")
+
+
+def test_runs_whose_cores_are_busy_are_queued_from_the_page_moved_and_cancelled(new_page, app):
+    from studio_core.machine import leases
+    from studio_core.runs import queue
+    from studio_core.runs.manager import RunManager
+
+    with leases.acquire(app.runs_dir, "cpu", [0, 1], holder="chat-holding-both", kind="chat"):
+        page = new_page(app.url)
+        set_number(page, "max_steps", 3)
+        page.locator("#start").click()
+        message = page.locator("#train-message")
+        expect(message).to_contain_text("Queued run", timeout=60_000)
+        expect(message).to_contain_text("queued, 1st of 1: waits for 1 free cpu core(s)")
+        [first] = app.new_runs()
+        page.locator("#start").click()
+        expect(message).to_contain_text(f"queued, 2nd of 2: after run {first.id}", timeout=60_000)
+        second = next(view for view in app.new_runs() if view.id != first.id)
+        run_state(page, "QUEUED").wait_for(timeout=30_000)  # the Train tab follows the second
+        expect(page.locator("#stop")).to_be_enabled()
+        expect(page.locator("#stop-save")).to_be_disabled()  # nothing to save: it has not started
+
+        page.get_by_role("tab", name="Runs").click()
+        page.locator("#open-run input").first.click()
+        page.get_by_role("option", name=second.id, exact=True).click(timeout=30_000)
+        expect(page.locator("#runs-queue-first")).to_be_enabled(timeout=30_000)
+        page.locator("#runs-queue-first").click()
+        expect(page.locator("#runs-message")).to_contain_text("is now first in the queue", timeout=30_000)
+        assert [path.name for path in queue.queued(app.runs_dir)] == [second.id, first.id]
+        page.locator("#runs-stop").click()
+        expect(page.locator("#runs-message")).to_contain_text("cancelled while queued: it never started",
+                                                              timeout=30_000)
+        RunManager(app.runs_dir).stop(first.id)
+    assert [view.live_state for view in app.new_runs()] == ["stopped", "stopped"]
+    assert queue.queued(app.runs_dir) == []
 
 
 def test_learning_rate_starts_at_trls_default_for_another_model_unless_typed(page):

@@ -40,6 +40,7 @@ from studio_core.data.builtin import BUILTIN_DATASETS
 from studio_core.serve.chat import EMPTY_ANSWER
 from studio_core.machine.procs import kill_run_processes
 from studio_core.runs.manager import RunManager
+from studio_core.runs import queue
 from studio_core.recipe.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -228,6 +229,12 @@ def after_runs(s: Session, args: list[str], done: subprocess.CompletedProcess) -
         assert line.split()[1:3] == [view.live_state, f"{view.step}/{view.max_steps}"], line
 
 
+def after_queue(s: Session, args: list[str], done: subprocess.CompletedProcess) -> None:
+    queued = [path.name for path in queue.queued(s.manager.runs_dir)]
+    listed = [line.split()[0] for line in done.stdout.splitlines()] if queued else done.stdout.splitlines()
+    assert listed == (queued or ["No run is queued."]), done.stdout
+
+
 def after_plan(s: Session, args: list[str], done: subprocess.CompletedProcess) -> None:
     expected = RunSpec.load(REPO / args[1])
     instance = option(args, "--instance")
@@ -312,7 +319,8 @@ def after_export(s: Session, args: list[str], done: subprocess.CompletedProcess)
 
 
 BEFORE = {"cache": before_cache}
-AFTER = {"train": after_train, "stop": after_stop, "runs": after_runs, "plan": after_plan, "cache": after_cache,
+AFTER = {"train": after_train, "stop": after_stop, "runs": after_runs, "queue": after_queue, "plan": after_plan,
+         "cache": after_cache,
          "chat": after_chat, "eval": after_eval, "export": after_export}
 
 

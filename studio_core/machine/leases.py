@@ -135,9 +135,14 @@ class NoFreeCores(ValueError):
             super().__init__(f"{len(held)} of {count} are held ({self.holding})")
 
 
+class NamedCoresHeld(ValueError):
+    """Cores asked for by name are held by others; the message names who holds them."""
+
+
 def choose(runs_dir: str | Path, hardware, nproc: int, cores: str | None) -> list[int]:
-    """The cores a run or chat will hold: `cores` if all are free (ValueError naming the
-    holders if not), else the first free valid block of `nproc` (NoFreeCores if none).
+    """The cores a run or chat will hold: `cores` if all are free (NamedCoresHeld naming the
+    holders if not; ValueError if there is no such core), else the first free valid block of
+    `nproc` (NoFreeCores if none).
     Call it inside choosing(), so no other start takes them before their holder does."""
     count = hardware.cores
     held = holders(runs_dir, hardware.backend, count)
@@ -149,7 +154,7 @@ def choose(runs_dir: str | Path, hardware, nproc: int, cores: str | None) -> lis
                              f"{', '.join(map(str, beyond))}: name cores from that range")
         busy = [f"core {c} is held by {describe(held[c])}" for c in wanted if c in held]
         if busy:
-            raise ValueError(f"{'; '.join(busy)}: choose free cores, or stop what holds them first")
+            raise NamedCoresHeld(f"{'; '.join(busy)}: choose free cores, or stop what holds them first")
         return wanted
     block = pick_cores(nproc, set(range(count)) - set(held), hardware)
     if block is None:

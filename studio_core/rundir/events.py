@@ -6,7 +6,8 @@ their own. Readers skip lines they cannot use (a torn last line, a type they do 
 an event without a time), so the format can grow.
 
 Who writes what:
-    manager      status starting, log (plan warnings, stop and save), resume
+    manager      status queued (cores busy: runs/queue.py) and starting, log (plan warnings, stop
+                 and save), resume; status stopped for a run cancelled while queued
     backend      log (a Slurm job id), error and status failed / stopped (a Slurm job that ended
                  without a final status: Slurm's reason)
     supervisor   log, hardware (every 2 s; per node on Slurm), error, status finished / failed / stopped,
@@ -34,9 +35,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STATES = ("starting", "running", "finished", "failed", "stopped")
+STATES = ("queued", "starting", "running", "finished", "failed", "stopped")
 FINAL_STATES = ("finished", "failed", "stopped")
-ACTIVE_STATES = ("starting", "running")
+ACTIVE_STATES = ("queued", "starting", "running")  # queued: waiting for its cores (runs/queue.py)
 WARMUP_STEPS = 2  # compilations in these first steps are expected; later ones get a warning
 
 
@@ -315,9 +316,11 @@ class RunState:
 
     def apply(self, event: dict) -> None:
         kind, when = event["type"], event["time"]
-        if kind == "resume" or not self.spans:
+        # a queued run has begun no attempt: the time it waits for its cores is no part of the run
+        waiting = event.get("state") == "queued" if kind == "status" else self.state == "queued"
+        if not waiting and (kind == "resume" or not self.spans):
             self.spans.append(Attempt(when, when))
-        elif not self.spans[-1].ended:
+        elif not waiting and not self.spans[-1].ended:
             self.spans[-1].end = max(self.spans[-1].end, when)
         if kind == "status":
             self.state = event.get("state", self.state)

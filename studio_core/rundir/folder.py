@@ -174,15 +174,16 @@ def write_launch(run_dir: Path, record: dict, created: float | None) -> None:
     write_json(run_dir / LAUNCH, {"created": created, **record})
 
 
-def write_new_run(path: Path, spec_yaml: str, record: dict, created: float) -> None:
+def write_new_run(path: Path, spec_yaml: str, record: dict, created: float, state: str = "starting") -> None:
     """A new run's files, in the folder `path` (made under a temporary name, renamed to the run id
-    when whole): spec.yaml, launch.json, and its first events (starting, the plan's warnings).
-    The manager writes them for a run it starts, and a batch job started by plain sbatch for its own."""
+    when whole): spec.yaml, launch.json, and its first events (`state`: starting, or queued for a
+    run that waits for its cores; the plan's warnings). The manager writes them for a run it
+    starts, and a batch job started by plain sbatch for its own."""
     from studio_core.rundir import events
 
     (path / SPEC).write_text(spec_yaml)
     write_launch(path, record, created)
-    events.append(path / EVENTS, events.status("starting"))
+    events.append(path / EVENTS, events.status(state))
     for warning in record.get("warnings", []):
         events.append(path / EVENTS, events.log(f"warning: {warning}"))
 

@@ -26,6 +26,7 @@ from studio_core.rundir.checkpoints import RESUME_ENV, clear_control, list_check
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.cores import format_cores, parse_cores
 from studio_core.machine.hardware import Hardware
+from studio_core.runs import queue
 from studio_core.training.memory import MEMORY_ERROR
 from studio_core.training.plan import Plan, plan, trl_problems
 from studio_core.rundir import events, folder
@@ -78,19 +79,25 @@ class RunManager:
         launch = plan(spec, hardware, cores, model_config=sources.model_config(spec.model_name_or_path))
         return launch.memory, [error for error in launch.errors if error.startswith(MEMORY_ERROR)]
 
-    def plan(self, spec: RunSpec, hardware: Hardware, this_machine: bool = False, elsewhere: bool = False) -> Plan:
+    def plan(self, spec: RunSpec, hardware: Hardware, this_machine: bool = False, elsewhere: bool = False,
+             queue_if_busy: bool = False) -> Plan:
         """The plan of a launch, the spec checked first. With `this_machine` (a preview of Start
         here, now) the cores are the ones Start would take at this moment: the asked-for ones if
-        free (else SpecError naming their holder), or the next free block. With `elsewhere` (a
+        free (else SpecError naming their holder; with `queue_if_busy` a plan that says Start
+        queues the run), or the next free block. With `elsewhere` (a
         plan for another machine: --instance, "Plan for") a Hub model or dataset this machine
         does not have is neither fetched nor checked; a warning says so."""
         data_warnings: list[str] = []
         spec = self.check(spec, warnings=data_warnings, elsewhere=elsewhere, hardware=hardware)
         this_machine = this_machine and backends.get(spec.layout.run_on).local_cores
-        cores = self.choose_cores(spec, hardware) if this_machine else (
+        cores = self.choose_cores(spec, hardware, wait=queue_if_busy) if this_machine else (
             parse_cores(spec.layout.cores) if spec.layout.cores else None)
         launch = self._plan(spec, hardware, cores, warnings=data_warnings)
-        if this_machine and not launch.errors:
+        if this_machine and cores is None:
+            holders = "; ".join(sorted(set(self.core_holders(hardware).values())))
+            launch.warnings.insert(0, f"its cores are busy now (held by {holders}): Start queues the run, which "
+                                      "starts when they are free")
+        elif this_machine and not launch.errors:
             launch.applied.insert(0, ("studio.cores", format_cores(cores), "free on this machine now; Start takes "
                                       "the cores that are free when it is clicked (next free, when none are named)"))
         return launch
@@ -124,11 +131,13 @@ class RunManager:
         return launch
 
     # --- starting ----------------------------------------------------------------------
-    def start(self, spec: RunSpec, hardware: Hardware, planned: Callable[[Plan], None] | None = None) -> RunView:
+    def start(self, spec: RunSpec, hardware: Hardware, planned: Callable[[Plan], None] | None = None,
+              queue_if_busy: bool = False) -> RunView:
         """Check, pick cores, plan, write the run folder, hand it to the spec's backend.
         Raises SpecError (naming the holder when a core is taken, or what the cluster refused);
-        nothing is left behind then. `planned` is shown the plan (its warnings: the data check's
-        among them) once it is made, before anything runs."""
+        nothing is left behind then. With `queue_if_busy`, a run whose cores are busy is queued
+        instead (runs/queue.py: it starts when they are free, its turn come). `planned` is shown the
+        plan (its warnings: the data check's among them) once it is made, before anything runs."""
         data_warnings: list[str] = []
         # before the lock: the slow part
         spec = self.check(spec, run_user_code=True, warnings=data_warnings, hardware=hardware)
@@ -148,15 +157,48 @@ class RunManager:
                 raise SpecError([f"not submitted: {error}"]) from error
             return self.view(run_id)
         with leases.choosing(self.runs_dir):  # until the run's process holds the cores chosen here
-            cores = self.choose_cores(spec, hardware)
+            cores = self.choose_cores(spec, hardware, wait=queue_if_busy)  # None: busy, it waits
             launch = self._plan(spec, hardware, cores, run_id, data_warnings)
             if launch.errors:
                 raise SpecError(launch.errors)
             if planned is not None:
                 planned(launch)
-            run_dir = self._create(run_id, launch)
-            backend.submit(run_dir, launch, device=hardware.backend)
+            run_dir = self._create(run_id, launch, queued=cores is None)
+            if cores is not None:
+                backend.submit(run_dir, launch, device=hardware.backend)
+        if cores is None:
+            queue.ensure_runner(self.runs_dir)
         return self.view(run_id)
+
+    def start_queued(self) -> list[tuple[str, str | None]]:
+        """Start the queued runs whose turn it is, on their cores if free (runs/queue.py): the first
+        queued first; one whose cores are busy holds up the ones after it. -> (run id, None when
+        started, else why it could not be: it ended as failed) for each run it took out of the queue."""
+        done = []
+        with leases.choosing(self.runs_dir):  # what it reads of a run's state holds until it is started
+            for run_dir in queue.queued(self.runs_dir):
+                try:
+                    spec = load_spec(run_dir)
+                    hardware = Hardware(**folder.read_launch(run_dir)["hardware"])
+                    cores = self.choose_cores(spec, hardware, wait=True)
+                    launch = None if cores is None else self._plan(spec, hardware, cores, run_dir.name)
+                    if launch is not None and launch.errors:
+                        raise SpecError(launch.errors)
+                except (SpecError, folder.DamagedRun, KeyError, TypeError) as error:
+                    problem = f"could not start from the queue: {error}"
+                    events.append(run_dir / folder.EVENTS, events.status("failed", reason=problem))
+                    queue.leave(run_dir)
+                    done.append((run_dir.name, problem))
+                    continue
+                if launch is None:
+                    break  # its turn, but its cores are busy: the runs after it wait too
+                folder.write_launch(run_dir, folder.launch_record(launch),
+                                    created=folder.read_launch(run_dir).get("created"))
+                events.append(run_dir / folder.EVENTS, events.status("starting"))
+                queue.leave(run_dir)
+                backends.get(spec.layout.run_on).submit(run_dir, launch, device=hardware.backend)
+                done.append((run_dir.name, None))
+        return done
 
     @staticmethod
     def _ready(spec: RunSpec, device: str) -> backends.RunBackend:
@@ -168,12 +210,15 @@ class RunManager:
             raise SpecError(problems)
         return backend
 
-    def _create(self, run_id: str, launch: Plan) -> Path:
+    def _create(self, run_id: str, launch: Plan, queued: bool = False) -> Path:
         """The run folder, made under a temporary name and renamed when whole: a listing never
-        sees half a run."""
+        sees half a run. A `queued` one gets its place in the queue, last."""
         tmp = self.runs_dir / f"{folder.CREATING}{run_id}"
         tmp.mkdir()
-        folder.write_new_run(tmp, launch.spec.to_yaml(), folder.launch_record(launch), created=time.time())
+        folder.write_new_run(tmp, launch.spec.to_yaml(), folder.launch_record(launch), created=time.time(),
+                             state="queued" if queued else "starting")
+        if queued:
+            queue.enter(tmp)
         run_dir = self.runs_dir / run_id
         tmp.rename(run_dir)
         return run_dir
@@ -239,17 +284,25 @@ class RunManager:
         events.append(run_dir / folder.EVENTS, events.resume(chosen["step"], chosen["path"]))
         events.append(run_dir / folder.EVENTS, events.status("starting"))
 
-    def choose_cores(self, spec: RunSpec, hardware: Hardware) -> list[int]:
+    def choose_cores(self, spec: RunSpec, hardware: Hardware, wait: bool = False) -> list[int] | None:
         """The cores the run will hold: the ones asked for if all are free, else the first free
-        valid block ("next free"). On the CPU backend these are CPU cores the run is pinned to."""
+        valid block ("next free"). On the CPU backend these are CPU cores the run is pinned to.
+        Busy: SpecError naming who holds them, or with `wait` None (the run can wait for them)."""
         try:
             return leases.choose(self.runs_dir, hardware, spec.layout.nproc, spec.layout.cores)
         except leases.NoFreeCores as none:
             if none.wanted > none.count:  # no wait frees enough cores: the machine is too small
                 raise SpecError([f"studio.nproc: {spec.layout.nproc} processes but this machine has {none.count} "
                                  f"{hardware.backend} cores: use at most {none.count}"]) from none
+            if wait and none.held:
+                return None
             raise SpecError([f"studio.nproc: no {spec.layout.nproc} free {hardware.backend} cores in a valid "
-                             f"block; {none}: wait for or stop one of them, or ask for fewer processes"]) from none
+                             f"block; {none}: wait for or stop one of them, ask for fewer processes, or queue the "
+                             "run (it starts when they are free)"]) from none
+        except leases.NamedCoresHeld as error:
+            if wait:
+                return None
+            raise SpecError([f"studio.cores: {error}"]) from error
         except ValueError as error:
             raise SpecError([f"studio.cores: {error}"]) from error
 
@@ -307,10 +360,20 @@ class RunManager:
     # --- stopping ----------------------------------------------------------------------
     def stop(self, run_id: str, grace_s: float = 20) -> RunView:
         """Stop a run now: its backend asks its processes to end, waits, ends what is left, and
-        confirms none is."""
+        confirms none is. A queued run is cancelled (it ends as stopped, never started)."""
         view = self.view(run_id)
+        if view.live_state == "queued" and self._cancel(view):
+            return self.view(run_id)
         view.backend.stop(view.dir, grace_s)
         return self.view(run_id)
+
+    def _cancel(self, view: RunView) -> bool:
+        """Cancel a queued run; False when it started meanwhile (it is then stopped as a started one)."""
+        try:
+            queue.cancel(self.runs_dir, view.id)
+        except queue.QueueError:
+            return False
+        return True
 
     def stop_and_save(self, run_id: str) -> RunView:
         """Ask the run to save a checkpoint at its next step and stop; it ends as "stopped",
@@ -318,6 +381,8 @@ class RunManager:
         view = self.view(run_id)
         if not view.active:
             raise SpecError([f"run {view.id} is {view.live_state}: there is nothing to stop"])
+        if view.live_state == "queued" and self._cancel(view):  # nothing to save: it never started
+            return self.view(run_id)
         request_save_and_stop(view.dir)
         events.append(view.dir / folder.EVENTS, events.log("stop and save: asked for a checkpoint at the next "
                                                            "step, then a stop"))

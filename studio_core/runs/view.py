@@ -14,6 +14,7 @@ from pathlib import Path
 from studio_core import backends
 from studio_core.rundir.checkpoints import RESUME_ENV, list_checkpoints
 from studio_core.rundir import folder
+from studio_core.runs import queue
 from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES, STATES, EventReader, RunState
 from studio_core.training.memory import gib
 
@@ -61,7 +62,7 @@ class RunView(RunState):
     def launch(self) -> dict:
         """launch.json: argv, env, hardware, backend, cores, applied defaults, warnings. Read again
         only when a resume has rewritten it (it then adds a status event)."""
-        if self._launch is None or self.state == "starting":
+        if self._launch is None or self.state in ("queued", "starting"):  # re-planned when it starts
             self._launch = folder.read_launch(self.dir)
         return self._launch
 
@@ -74,12 +75,12 @@ class RunView(RunState):
         if reader is not None and reader.replaced:
             return True
         first = self.first_event
-        return first is None or first.get("type") != "status" or first.get("state") != "starting"
+        return first is None or first.get("type") != "status" or first.get("state") not in ("starting", "queued")
 
     @property
     def live_state(self) -> str:
         """The state, corrected for a run whose processes ended without saying so."""
-        if self.state in FINAL_STATES:
+        if self.state in FINAL_STATES or self.state == "queued":  # a queued run has no process yet
             return self.state
         if self.backend.alive(self.dir):
             # its events lost the `status running` it wrote: its processes live, so it runs
@@ -97,6 +98,8 @@ class RunView(RunState):
     def where(self) -> str | None:
         """Where the run executes, when not simply here: a Slurm job's id, and while it is
         active its state (PENDING and Slurm's reason, RUNNING on which nodes)."""
+        if self.live_state == "queued":
+            return queue.describe(self.dir)
         return self.backend.where(self.dir, live=self.active)
 
     @property

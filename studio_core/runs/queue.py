@@ -1,0 +1,168 @@
+"""The queue of local runs: a run whose cores are busy waits for them instead of being refused.
+
+Its state is on disk like everything else, so an app restart or a reboot finds it again. A
+queued run is a run folder whose events say `status queued` (its spec checked and planned, no
+cores yet) with a `queue.json` that holds its place: `order`, a number, smallest first (the time
+it was queued, until it is moved). When its turn comes and its cores are free, the run manager
+(RunManager.start_queued) plans it on them and starts it as Start does, under the machine-wide
+start lock (leases.choosing), re-reading its state there first: two apps on one runs folder never
+start it twice, and a cancel or a delete never races a start. Strict order: a run waits while one
+queued before it waits, so a big run is not starved by small ones that keep fitting.
+
+Who starts them: one queue runner per runs folder (`python -m studio_core.runs.queue_runner
+RUNS_DIR`, detached, its output in `.queue.log`), which looks every QUEUE_POLL_S and exits when no
+run is queued; it holds `.queue.lock` (flock) while it lives, so a second one exits at once. A
+run queued starts it, and so do the app's start, `launch.py runs` and `launch.py queue`
+(`ensure_runner`): after a reboot, the first of them to look.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from studio_core.machine import children, leases
+from studio_core.machine.hardware import Hardware
+from studio_core.rundir import events, folder
+
+QUEUE = "queue.json"  # in a queued run's folder: {"order": number}
+LOCK, LOG = ".queue.lock", ".queue.log"  # in the runs folder
+QUEUE_POLL_S = 1.0
+CANCELLED = "cancelled while queued: it never started"
+
+
+class QueueError(ValueError):
+    """A queue action that cannot be done (the run is not queued, a place out of range): says why."""
+
+
+def is_queued(run_dir: Path) -> bool:
+    """Whether the run waits in the queue now (its folder has a place and its events say queued)."""
+    return (run_dir / QUEUE).exists() and events.fold(events.read(run_dir / folder.EVENTS)).state == "queued"
+
+
+def queued(runs_dir: Path) -> list[Path]:
+    """The queued runs' folders, first to start first."""
+    found = []
+    for path in Path(runs_dir).iterdir():
+        if (path / QUEUE).exists() and folder.is_run(path) and is_queued(path):
+            found.append((float(folder.read_json(path / QUEUE).get("order", 0)), path.name, path))
+    return [path for *_, path in sorted(found)]
+
+
+def place(run_dir: Path) -> tuple[int, int]:
+    """(its place, 1 first; how many are queued)."""
+    order = [path.name for path in queued(run_dir.parent)]
+    return order.index(run_dir.name) + 1 if run_dir.name in order else 0, len(order)
+
+
+def describe(run_dir: Path) -> str:
+    """What a queued run waits for: "queued, 1st of 2: waits for 1 free cpu core (2 of 2 are held
+    (run ... (pid 12)))", or "queued, 2nd of 2: after run ..."."""
+    order = queued(run_dir.parent)
+    names = [path.name for path in order]
+    if run_dir.name not in names:
+        return "queued"
+    at = names.index(run_dir.name)
+    head = f"queued, {ordinal(at + 1)} of {len(names)}"
+    if at:
+        return f"{head}: after run {names[at - 1]}"
+    return f"{head}: {waits_for(run_dir)}"
+
+
+def waits_for(run_dir: Path) -> str:
+    """The cores the first queued run waits for and who holds them now."""
+    from studio_core.recipe.spec import load_spec
+
+    try:
+        spec, hardware = load_spec(run_dir), Hardware(**folder.read_launch(run_dir)["hardware"])
+        leases.choose(run_dir.parent, hardware, spec.layout.nproc, spec.layout.cores)
+    except leases.NoFreeCores as none:
+        return f"waits for {none.wanted} free {hardware.backend} core(s) ({none})"
+    except leases.NamedCoresHeld as busy:
+        return "waits for its cores: " + str(busy).split(": choose free cores")[0]
+    except (folder.DamagedRun, KeyError, TypeError, ValueError) as error:
+        return f"cannot be read ({error})"
+    return "its cores are free: it starts in a moment"
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def enter(run_dir: Path) -> None:
+    """Give a new run folder (not yet renamed to its id) its place: last."""
+    folder.write_json(run_dir / QUEUE, {"order": time.time()})
+
+
+def leave(run_dir: Path) -> None:
+    """The run leaves the queue (it starts, or is cancelled)."""
+    (run_dir / QUEUE).unlink(missing_ok=True)
+
+
+def cancel(runs_dir: Path, run_id: str) -> None:
+    """End a queued run before it starts: it ends as stopped, saying it never started."""
+    with leases.choosing(runs_dir):  # no queue runner starts it meanwhile
+        run_dir = Path(runs_dir) / run_id
+        if not is_queued(run_dir):
+            raise QueueError(f"run {run_id} is not queued (it has started or ended)")
+        events.append(run_dir / folder.EVENTS, events.status("stopped", reason=CANCELLED))
+        leave(run_dir)
+
+
+def move(runs_dir: Path, run_id: str, to: int) -> int:
+    """Move a queued run to place `to` (1: next to start); the place it has now."""
+    with leases.choosing(runs_dir):
+        order = queued(runs_dir)
+        names = [path.name for path in order]
+        if run_id not in names:
+            raise QueueError(f"run {run_id} is not queued (it has started or ended): `launch.py queue` lists the "
+                             "queued runs")
+        if not 1 <= to <= len(names):
+            raise QueueError(f"place {to} is out of the queue's 1 to {len(names)}")
+        rest = [path for path in order if path.name != run_id]
+        rest.insert(to - 1, order[names.index(run_id)])
+        base = min(float(folder.read_json(path / QUEUE).get("order", 0)) for path in order)
+        for n, path in enumerate(rest):  # renumbered in their new order
+            folder.write_json(path / QUEUE, {"order": base + n})
+    return to
+
+
+def lock_queue(runs_dir: Path) -> int | None:
+    """The runs folder's queue lock, taken: an open descriptor holding it, or None when a runner
+    holds it already."""
+    fd = os.open(Path(runs_dir) / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def ensure_runner(runs_dir: Path) -> bool:
+    """Start the queue runner when runs are queued and none runs; whether one was started. The lock
+    is taken here and handed to the runner (an inherited descriptor), so a second call in the same
+    moment sees it held, however long the runner takes to start."""
+    runs_dir = Path(runs_dir)
+    try:
+        if not queued(runs_dir):
+            return False
+        fd = lock_queue(runs_dir)
+        if fd is None:
+            return False
+        try:
+            with open(runs_dir / LOG, "ab") as log:
+                runner = children.start("studio_core.runs.queue_runner", runs_dir, fd, stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,))
+        finally:
+            os.close(fd)  # the runner's copy holds the lock now
+    except OSError:  # a runs folder this user cannot write to: its owner's runner starts its runs
+        return False
+    # it outlives this process on purpose (it starts the queued runs after the app or CLI has gone);
+    # reaped by a thread while we live, so that it leaves no zombie behind
+    threading.Thread(target=runner.wait, name="reap-queue-runner", daemon=True).start()
+    return True

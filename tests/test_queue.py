@@ -1,0 +1,143 @@
+"""The queue of local runs: a run whose cores are busy waits in order instead of being refused,
+can be moved or cancelled, starts when its cores free up (its queue runner a real detached
+process), survives its runner being killed (as by a reboot), and is never started twice by two
+starters at once. Real runs of the tiny model on this machine's CPU; the cores are held by a
+lease taken here, as a chat's process holds one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import launch_py
+from studio_core.machine import leases
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.rundir import events
+from studio_core.rundir.events import fold
+from studio_core.runs import queue
+from studio_core.runs.manager import RunManager
+from studio_core.recipe.spec import SpecError
+from test_runs import REPO, tiny
+
+HOLDER = "chat-holding-both"
+
+
+@pytest.fixture
+def held(manager):
+    """Both CPU cores of the runs folder held here, as a chat's process holds one; given back at
+    the end if the test did not. Queued runs left are cancelled, so their runner exits."""
+    lease = leases.acquire(manager.runs_dir, "cpu", [0, 1], holder=HOLDER, kind="chat")
+    yield lease
+    lease.release()
+    for path in queue.queued(manager.runs_dir):
+        queue.cancel(manager.runs_dir, path.name)
+    wait_for(lambda: not runners(manager.runs_dir), "the queue runner to exit")
+
+
+def runners(runs_dir) -> list[psutil.Process]:
+    """The live queue runners of this runs folder."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "studio_core.runs.queue_runner" in cmdline and str(runs_dir) in cmdline:
+            found.append(proc)
+    return [proc for proc in found if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_for(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.2)
+
+
+def started_at(view) -> float:
+    """When the run left the queue: the time of its `status starting` event."""
+    return next(e["time"] for e in events.read(view.dir / "events.jsonl")
+                if e["type"] == "status" and e.get("state") == "starting")
+
+
+def test_busy_cores_queue_runs_in_order_moved_and_cancelled_then_each_starts_when_its_cores_free(manager, held):
+    hardware = cpu_hardware()
+    two = ["studio.nproc=2", "max_steps=3"]  # each needs both cores: one runs at a time
+    first = manager.start(tiny(*two), hardware, queue_if_busy=True)
+    second = manager.start(tiny(*two), hardware, queue_if_busy=True)
+    third = manager.start(tiny(*two), hardware, queue_if_busy=True)
+    assert [v.live_state for v in (first, second, third)] == ["queued"] * 3
+    assert first.where().startswith("queued, 1st of 3: waits for 2 free cpu core(s)") and HOLDER in first.where()
+    assert second.where() == f"queued, 2nd of 3: after run {first.id}"
+    assert first.training_seconds() is None and len(runners(manager.runs_dir)) == 1  # no attempt yet; one runner
+
+    queue.move(manager.runs_dir, third.id, 1)
+    assert [p.name for p in queue.queued(manager.runs_dir)] == [third.id, first.id, second.id]
+    cancelled = manager.stop(second.id)
+    assert cancelled.live_state == "stopped" and cancelled.error_text == queue.CANCELLED
+    with pytest.raises(queue.QueueError, match="is not queued"):
+        queue.move(manager.runs_dir, second.id, 1)
+    refused = launch_py("train", "recipes/tiny-sft.yaml", "--no-queue", "--runs-dir", str(manager.runs_dir))
+    assert refused.returncode == 2 and f"held ({HOLDER}" in refused.stderr and "queue the run" in refused.stderr
+    listed = launch_py("queue", "--runs-dir", str(manager.runs_dir))
+    assert listed.stdout.splitlines()[0].startswith(f"{third.id} ") and "1st of 2" in listed.stdout
+
+    held.release()  # the runner starts them in their order, one at a time: each needs both cores
+    third, first = manager.wait(third.id), manager.wait(first.id)
+    assert (third.live_state, first.live_state) == ("finished", "finished"), (third.error_text, first.error_text)
+    assert started_at(third) < started_at(first)
+    assert started_at(first) >= third.spans[-1].end - 1  # it waited for the cores the one before it held
+    assert first.training_seconds() < time.time() - first.launch()["created"]  # its wait is no training time
+    wait_for(lambda: not runners(manager.runs_dir), "the runner to exit with the queue empty")
+
+
+def test_a_killed_runner_leaves_the_queue_on_disk_and_the_next_look_starts_it_again(manager, held):
+    run = manager.start(tiny("max_steps=3"), cpu_hardware(), queue_if_busy=True)
+    (runner,) = runners(manager.runs_dir)
+    runner.kill()  # as a reboot would: nothing is left to start the run
+    runner.wait(10)
+    held.release()
+    time.sleep(3 * queue.QUEUE_POLL_S)
+    assert manager.view(run.id).live_state == "queued"  # no runner: it waits
+    listed = launch_py("runs", "--runs-dir", str(manager.runs_dir))  # a look at the runs folder starts one
+    assert listed.returncode == 0 and run.id in listed.stdout
+    assert manager.wait(run.id).live_state == "finished"
+
+
+def test_starters_racing_for_one_queued_run_start_it_once(manager, held):
+    run = manager.start(tiny("max_steps=3"), cpu_hardware(), queue_if_busy=True)
+    starter = [sys.executable, "-c", "import sys; from studio_core.runs.manager import RunManager; "
+               "print(RunManager(sys.argv[1]).start_queued())", str(manager.runs_dir)]
+    extra_runner = [sys.executable, "-m", "studio_core.runs.queue_runner", str(manager.runs_dir)]
+    held.release()
+    racers = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for argv in (starter, starter, extra_runner)]
+    outputs = [racer.communicate(timeout=120) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0, 0], outputs
+    assert manager.wait(run.id).live_state == "finished"
+    statuses = [e["state"] for e in events.read(run.dir / "events.jsonl") if e["type"] == "status"]
+    assert statuses.count("starting") == 1 and statuses[0] == "queued", statuses
+
+
+@pytest.mark.fast
+def test_a_queued_run_has_begun_no_attempt_until_it_starts():
+    queued_at = events.status("queued")
+    state = fold([queued_at, {**events.log("warning: a plan warning"), "time": queued_at["time"] + 1}])
+    assert state.state == "queued" and state.spans == []
+    state.apply({**events.status("starting"), "time": queued_at["time"] + 60})
+    assert state.spans[0].begin == queued_at["time"] + 60
+    cancelled = fold([queued_at, {**events.status("stopped", reason=queue.CANCELLED), "time": queued_at["time"] + 5}])
+    assert cancelled.state == "stopped" and cancelled.spans[0].seconds() == 0
+
+
+@pytest.mark.fast
+def test_places_read_as_people_say_them():
+    assert [queue.ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th"]
+
+
+def test_the_manager_without_the_queue_still_refuses_busy_cores(manager, held):
+    with pytest.raises(SpecError, match=f"held \\({HOLDER}"):
+        manager.start(tiny("max_steps=3"), cpu_hardware())
+    assert queue.queued(manager.runs_dir) == [] and RunManager(manager.runs_dir).list() == []
