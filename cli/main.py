@@ -15,6 +15,7 @@ from cli.export import cmd_export
 from cli.fields import add_flags, add_layout_flags, flags, values_joined
 from cli.options import CommandLineError, picked_by_option, repeated_flags, whole_number
 from cli.serve import cmd_serve
+from cli.sweep import cmd_sweep
 from cli.train import cmd_plan, cmd_queue, cmd_runs, cmd_stop, cmd_train
 from studio_core.backends import EXPORT, StopError, with_options
 from studio_core.machine import compile_cache
@@ -22,6 +23,7 @@ from studio_core.serve.chat import MAX_CACHE_LEN
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
 from studio_core.runs.manager import DamagedRun, RunNotFound, default_runs_dir, run_id_given
 from studio_core.runs.queue import QueueError
+from studio_core.runs.sweep import MAX_RUNS
 from studio_core.recipe.spec import Layout, SpecError
 
 USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
@@ -31,6 +33,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
     python launch.py plan RECIPE.yaml         print the exact command, environment and shape forecast; runs nothing
     python launch.py runs                     list the runs in the runs folder
     python launch.py queue [RUN_ID --to N]    the queued runs (a run whose cores are busy waits); move one
+    python launch.py sweep RECIPE --grid K=A,B   a run per combination of values, through the queue [--wait]
     python launch.py stop RUN_ID [--save]     stop a run (--save: a checkpoint first, to resume from)
     python launch.py train --resume RUN_ID    go on from the run's last checkpoint [--from-checkpoint STEP]
     python launch.py train RECIPE --slurm     submit to a Slurm cluster [--nodes N --partition P --time T]
@@ -44,7 +47,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
 Every command takes --runs-dir (default $STUDIO_RUNS_DIR, else ~/trn-studio/runs).
 """
 
-COMMANDS = ("serve", "train", "plan", "runs", "queue", "stop", "cache", "chat", "eval", "export", "doctor")
+COMMANDS = ("serve", "train", "plan", "sweep", "runs", "queue", "stop", "cache", "chat", "eval", "export", "doctor")
 
 
 def main(argv: list[str]) -> int:
@@ -176,6 +179,18 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("--from-checkpoint", type=int, metavar="STEP", help="with --resume: this checkpoint")
             sub.add_argument("--no-queue", action="store_true", help="refuse the run when its cores are busy "
                              "(by default it waits in the queue and starts when they are free)")
+    sweep = command("sweep", cmd_sweep, "train a recipe over a grid of values, a run per combination, through "
+                    "the queue; --show SWEEP_ID: its runs, best first")
+    sweep.add_argument("recipe", nargs="?", help="a recipe YAML file (see recipes/)")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                       help="a key and its values, e.g. --grid learning_rate=1e-4,3e-4 (repeat for more keys: every "
+                            "combination is a run)")
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a recipe key for every run, e.g. --set max_steps=50")
+    sweep.add_argument("--yes", action="store_true", help=f"start a grid of more than {MAX_RUNS} runs")
+    sweep.add_argument("--wait", action="store_true", help="follow the runs to their end, then print the table")
+    sweep.add_argument("--show", metavar="SWEEP_ID", help="the sweep's runs, best first (eval_loss, else loss)")
+    sweep.add_argument("--backend", choices=("cpu",), help="run on the CPU even if a device is present")
     command("runs", cmd_runs, "list runs with their state")
     queue = command("queue", cmd_queue, "list the queued runs in order, with what each waits for; move one")
     queue.add_argument("run_id", nargs="?", help="with --to: the queued run to move")

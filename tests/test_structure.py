@@ -23,7 +23,7 @@ ENTRY_POINTS = {"studio_core.training.worker", "studio_core.training.supervisor"
 # The engine's modules the app and the command line may import: its front doors. Run folders'
 # files, leases, processes and a backend's own modules are the run manager's and the backends'.
 FRONT_DOORS = {f"studio_core.{name}" for name in (
-    "runs.manager", "runs.view", "runs.history", "runs.queue",  # runs: start, follow, stop, list, compare, queue
+    "runs.manager", "runs.view", "runs.history", "runs.queue", "runs.sweep",  # runs: start, follow, stop, list, compare, queue, sweep
     "recipe.spec", "recipe.validate", "recipe.trainers", "recipe.trl_schema",  # what a run is, and its checks
     "recipe.data_check", "recipe.data_scan", "recipe.dataset_check",  # a dataset against the trainer
     "data.sources", "data.builtin", "data.files",  # datasets and models
