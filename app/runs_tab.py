@@ -10,7 +10,7 @@ import time
 import gradio as gr
 import pandas as pd
 
-from app import compare, run_panel
+from app import compare, run_panel, sweep_panel
 from app.train_form import TrainForm, form_values
 from studio_core.evaluate import evaluation
 from studio_core.runs import history
@@ -112,6 +112,7 @@ def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainF
         delete = gr.Button("Delete run", variant="stop", scale=1, elem_id="delete-run")
         confirm = gr.Button("", variant="stop", scale=2, visible=False, elem_id="confirm-delete")
         cancel = gr.Button("Cancel", scale=0, visible=False, elem_id="cancel-delete")
+    sweep_panel.build(manager, picked, opened)
     controls = run_panel.RunControls(prefix="runs-")  # for the opened run
     message = gr.Markdown("", elem_id="runs-message")
     info = gr.Markdown("", elem_id="run-info")

@@ -14,7 +14,7 @@ import gradio as gr
 import pandas as pd
 import yaml
 
-from app import forecast_panel, run_panel
+from app import forecast_panel, run_panel, sweep_panel
 from app.core_map import core_map_html, memory_html
 from app.train_form import (TARGET_LABELS, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
                             learning_rate_start, run_backend, spec_from_form, target_hardware, trainer_info)
@@ -142,6 +142,11 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
             plan_box = gr.Code(label="Plan: command, environment, applied defaults", language="shell",
                                visible=False, lines=14, elem_id="plan")
             forecast_panel.build(form, manager, hardware)
+            with gr.Accordion("Sweep: a run for each combination of values", open=False, elem_id="sweep-box"):
+                sweep_grid = gr.Textbox(label="Grid: one KEY=V1,V2,... a line (recipe keys, as --set writes them)",
+                                        lines=3, placeholder="learning_rate=1e-3,3e-3\nmax_steps=20,40",
+                                        elem_id="sweep-grid")
+                sweep_btn = gr.Button("Start sweep", elem_id="sweep-start")
             panel = run_panel.RunPanel(controls, details=False)
     panel.build_details()  # plots, hardware, log and applied settings: under the form, the page's full width
     inputs = form.components()
@@ -290,6 +295,21 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         yield (f"Started run `{view.id}`" + (f" ({where})" if where else "") + ". It keeps going if you close "
                "this page.", gr.update(visible=False), view.id)
 
+    def on_sweep(values):
+        """Every run of the grid checked and planned, then started through the queue (a few seconds a run)."""
+        v = form.named(values)
+        try:
+            spec, target = spec_from_form(v), target_hardware(v, hardware)
+            if v["target"] != THIS_MACHINE and run_backend(v).local_cores:
+                raise SpecError([f"{TARGET_LABELS['instance']}: {v['target']} is not this machine: a sweep runs "
+                                 "here; plan for this machine"])
+        except SpecError as error:
+            yield problems_markdown(error)
+            return
+        yield "Sweep: checking and planning every run of the grid, then starting them ..."
+        yield sweep_panel.start_sweep(manager, spec, values[sweep_grid], target)
+
+    sweep_btn.click(on_sweep, inputs | {sweep_grid}, message)
     form.upload.upload(on_upload, form.upload, w["dataset"])
     # models downloaded since the page was built show up when the list is opened
     w["model"].focus(lambda: gr.update(choices=[BUILTIN_MODEL, *sources.cached_models()]), None, w["model"],

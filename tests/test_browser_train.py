@@ -2,7 +2,7 @@
 before anything starts, a failed run explained, a two-process layout with its core map and
 exported scripts, a Ray run planned and refused when its cluster does not answer, the memory bar
 and a run too big for it refused, cores others hold (a run queued for them, then cancelled), the
-learning rate's starting value, and the
+learning rate's starting value, a sweep started from the page and ranked in the Runs tab, and the
 shape forecast with a suggestion applied and a compiled run's compilations shown live.
 
 Chromium through Playwright, the app as its own process, one app for this file
@@ -248,6 +248,39 @@ def test_runs_whose_cores_are_busy_are_queued_from_the_page_moved_and_cancelled(
         RunManager(app.runs_dir).stop(first.id)
     assert [view.live_state for view in app.new_runs()] == ["stopped", "stopped"]
     assert queue.queued(app.runs_dir) == []
+
+
+def test_a_sweep_from_the_page_is_ranked_its_curves_overlaid_and_its_best_run_opened(page, app):
+    import re
+
+    from studio_core.runs import sweep
+    from studio_core.runs.manager import RunManager
+
+    set_number(page, "max_steps", 10)
+    page.get_by_text("Sweep: a run for each combination of values").click()
+    page.locator("#sweep-grid textarea").fill("learning_rate=1e-3,3e-3")
+    page.locator("#sweep-start").click()
+    message = page.locator("#train-message")
+    expect(message).to_contain_text("2 runs, through the queue", timeout=120_000)
+    sweep_id = re.search(r"Sweep (\S+): 2 runs", message.inner_text()).group(1)
+    manager = RunManager(app.runs_dir)
+    assert sorted(manager.wait(view.id).live_state for view in app.new_runs()) == ["finished", "finished"]
+    rows = sweep.table(manager, sweep_id)
+
+    page.get_by_role("tab", name="Runs").click()
+    page.locator("#sweeps-box").get_by_text("Sweeps").first.click()
+    page.locator("#sweep-pick input").first.click()
+    page.get_by_role("option", name=sweep_id, exact=True).click(timeout=30_000)
+    table = page.locator("#sweep-table")
+    expect(table.locator("tbody tr").first).to_contain_text(rows[0]["id"], timeout=30_000)
+    expect(table).to_contain_text("learning_rate=3e-3")
+    expect(page.locator("#sweep-ranked")).to_contain_text("curves are in Compare runs above")
+    page.locator("#compare-box").get_by_text("Compare runs").first.click()
+    expect(page.locator("#compare-plot")).to_be_visible(timeout=30_000)  # both runs' curves, overlaid
+    expect(page.locator("#compare-diff")).to_contain_text("learning_rate")  # the setting that differs
+    page.locator("#sweep-best").click()
+    expect(page.locator("#open-run input").first).to_have_value(rows[0]["id"], timeout=30_000)
+    expect(page.locator("#runs-tab-status, .run-status").last).to_contain_text(rows[0]["id"], timeout=30_000)
 
 
 def test_learning_rate_starts_at_trls_default_for_another_model_unless_typed(page):

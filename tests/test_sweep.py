@@ -5,6 +5,7 @@ which does not stop the others. `launch.py sweep` as a user runs it, real runs o
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -28,6 +29,13 @@ def test_a_grid_is_every_combination_of_its_values_each_run_named_after_them():
     params, spec = runs[-1]
     assert (spec.args["learning_rate"], spec.args["lora_r"]) == (3e-4, 16)
     assert spec.run_name == "tiny-sft-learning_rate3e-4-lora_r16-nproc1"
+    # a name made from a model id and long values keeps to run_name's characters and length, and differs
+    named = sweep.run_specs(RunSpec.load(TINY).with_overrides(["run_name=null"]),
+                            {"model_name_or_path": ["builtin:tiny-qwen3"], "learning_rate": ["0.000100000001", "2e-4"]})
+    names = [spec.run_name for _, spec in named]
+    assert names == ["sft-builtin-tiny-qwen3-model_name_or_pathbuiltintiny-qwen3-l-001",
+                     "sft-builtin-tiny-qwen3-model_name_or_pathbuiltintiny-qwen3-l-002"]
+    assert all(len(name) <= 64 and re.fullmatch(r"[A-Za-z0-9._-]+", name) for name in names) and len(set(names)) == 2
 
 
 @pytest.mark.fast

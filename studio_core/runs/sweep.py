@@ -31,6 +31,7 @@ from studio_core.runs.manager import RunManager, RunNotFound
 
 MAX_RUNS = 16  # more need `yes`: each run is a training (and on Neuron, maybe a compilation)
 SWEEPS = "sweeps"  # the sweeps' records, in the runs folder
+RUN_NAME_MAX = 64  # recipe/validate.py's longest run_name
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
@@ -61,12 +62,14 @@ def label(params: dict[str, str]) -> str:
 def run_specs(spec: RunSpec, grid: dict[str, list[str]]) -> list[tuple[dict[str, str], RunSpec]]:
     """Each combination and its run's spec: the recipe with the values set (as --set sets them),
     named after the recipe's run and the values."""
-    found = []
-    for params in combinations(grid):
-        # a value's last path part, in characters a run id keeps: model_name_or_path=/a/b/my-model -> my-model
-        suffix = "-".join(f"{key.rsplit('.', 1)[-1]}{re.sub(r'[^A-Za-z0-9.+-]+', '', Path(value).name)}"
+    found, base = [], re.sub(r"[^A-Za-z0-9._-]+", "-", spec.display_name).strip("-") or "sweep"
+    for n, params in enumerate(combinations(grid), 1):
+        # a value's last path part, in characters a run name keeps: model_name_or_path=/a/b/my-model -> my-model
+        suffix = "-".join(f"{key.rsplit('.', 1)[-1]}{re.sub(r'[^A-Za-z0-9._-]+', '', Path(value).name)}"
                           for key, value in params.items())
-        name = f"{spec.display_name}-{suffix}"
+        name = f"{base}-{suffix}"
+        if len(name) > RUN_NAME_MAX:  # cut, and numbered so that two cut names still differ
+            name = f"{name[:RUN_NAME_MAX - 4]}-{n:03d}"
         found.append((params, spec.with_overrides([*(f"{k}={v}" for k, v in params.items()), f"run_name={name}"])))
     return found
 
@@ -115,9 +118,14 @@ def read(runs_dir: Path, sweep_id: str) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        known = sorted(p.stem for p in (Path(runs_dir) / SWEEPS).glob("*.json"))
+        known = listed(runs_dir)
         raise RunNotFound(f"no sweep {sweep_id!r} in {runs_dir}" + (f"; there are {', '.join(known)}" if known
                                                                       else "")) from None
+
+
+def listed(runs_dir: Path) -> list[str]:
+    """The sweeps' ids, newest first."""
+    return sorted((path.stem for path in (Path(runs_dir) / SWEEPS).glob("*.json")), reverse=True)
 
 
 def table(manager: RunManager, sweep_id: str) -> list[dict]:

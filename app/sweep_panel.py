@@ -1,0 +1,75 @@
+"""Sweeps in the app: the Train tab's section that starts one (a grid of values over the form's
+settings), and the Runs tab's sweep view: its runs ranked in a table, their curves overlaid and
+their differing settings (the compare section, given the sweep's runs), the best run one click
+from being opened (and from there cloned, chatted with in the Chat tab, exported).
+
+The engine is studio_core.runs.sweep; this module only lays it out.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+import pandas as pd
+
+from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.runs import sweep
+from studio_core.runs.manager import RunManager, RunNotFound
+
+COLUMNS = ["#", "run", "state", "step", "loss", "eval_loss", "values", "why it did not finish"]
+
+
+def parse_lines(text: str) -> dict[str, list[str]]:
+    """The grid box's lines (`KEY=V1,V2`, one key a line) as sweep.parse_grid reads them."""
+    return sweep.parse_grid([line.strip() for line in (text or "").splitlines() if line.strip()])
+
+
+def start_sweep(manager: RunManager, spec: RunSpec, grid_text: str, hardware) -> str:
+    """Start the sweep; what happened, in words (a refusal lists every problem, nothing started)."""
+    try:
+        started = sweep.start(manager, spec, parse_lines(grid_text), hardware)
+    except SpecError as error:
+        return "**Sweep not started:**\n" + "\n".join(f"- {problem}" for problem in error.problems)
+    runs = started.record["runs"]
+    listed = "\n".join(f"- `{entry['id']}`: {sweep.label(entry['params'])}" for entry in runs)
+    return (f"Sweep `{started.id}`: {len(runs)} runs, through the queue (as many at once as there are free "
+            f"cores):\n{listed}\n\nThe Runs tab's Sweeps section ranks them and overlays their curves.")
+
+
+def sweep_frame(rows: list[dict]) -> pd.DataFrame:
+    def number(value):
+        return "-" if not isinstance(value, (int, float)) else f"{value:.4g}"
+
+    return pd.DataFrame([[n, row["id"], row["state"], row["step"], number(row["loss"]), number(row["eval_loss"]),
+                          sweep.label(row["params"]), row["why"] or ""] for n, row in enumerate(rows, 1)],
+                        columns=COLUMNS)
+
+
+def build(manager: RunManager, compared: gr.Dropdown, opened: gr.Dropdown) -> None:
+    """The Runs tab's Sweeps section, in the current Blocks context: picking a sweep fills the
+    compare section with its runs (`compared`); Open the best run sets `opened`."""
+    with gr.Accordion("Sweeps", open=False, elem_id="sweeps-box"):
+        with gr.Row():
+            picked = gr.Dropdown([], label="Sweep", elem_id="sweep-pick", scale=3)
+            best = gr.Button("Open the best run", interactive=False, elem_id="sweep-best", scale=1)
+        ranked = gr.Markdown("", elem_id="sweep-ranked")
+        table = gr.Dataframe(pd.DataFrame(columns=COLUMNS), interactive=False, wrap=True, elem_id="sweep-table")
+        best_id = gr.State(None)
+
+    def on_focus():
+        return gr.update(choices=sweep.listed(manager.runs_dir))
+
+    def on_pick(sweep_id):
+        if not sweep_id:
+            return pd.DataFrame(columns=COLUMNS), "", gr.update(), gr.update(interactive=False), None
+        try:
+            rows = sweep.table(manager, sweep_id)
+        except RunNotFound as error:
+            return pd.DataFrame(columns=COLUMNS), str(error), gr.update(), gr.update(interactive=False), None
+        top = next((row["id"] for row in rows if row["state"] == "finished"), None)
+        said = f"Best first by the last {sweep.ranked_by(rows)}; its runs' curves are in Compare runs above."
+        present = [row["id"] for row in rows if row["state"] != "deleted"]
+        return sweep_frame(rows), said, gr.update(value=present), gr.update(interactive=top is not None), top
+
+    picked.focus(on_focus, None, picked, show_progress="hidden")
+    picked.change(on_pick, picked, [table, ranked, compared, best, best_id])
+    best.click(lambda run_id: gr.update(value=run_id), best_id, opened)
