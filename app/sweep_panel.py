@@ -72,4 +72,7 @@ def build(manager: RunManager, compared: gr.Dropdown, opened: gr.Dropdown) -> No
 
     picked.focus(on_focus, None, picked, show_progress="hidden")
     picked.change(on_pick, picked, [table, ranked, compared, best, best_id])
-    best.click(lambda run_id: gr.update(value=run_id), best_id, opened)
+    # with the runs listed now: the Runs tab lists new runs every few seconds, and a value not among
+    # the choices would be dropped
+    best.click(lambda run_id: gr.update(choices=[view.id for view in manager.list()], value=run_id), best_id,
+               opened)
