@@ -14,6 +14,7 @@ import pandas as pd
 from studio_core.recipe.spec import RunSpec, SpecError
 from studio_core.runs import sweep
 from studio_core.runs.manager import RunManager, RunNotFound
+from studio_core.runs.view import format_loss
 
 COLUMNS = ["#", "run", "state", "step", "loss", "eval_loss", "values", "why it did not finish"]
 
@@ -36,10 +37,8 @@ def start_sweep(manager: RunManager, spec: RunSpec, grid_text: str, hardware) ->
 
 
 def sweep_frame(rows: list[dict]) -> pd.DataFrame:
-    def number(value):
-        return "-" if not isinstance(value, (int, float)) else f"{value:.4g}"
-
-    return pd.DataFrame([[n, row["id"], row["state"], row["step"], number(row["loss"]), number(row["eval_loss"]),
+    return pd.DataFrame([[n, row["id"], row["state"], row["step"], format_loss(row["loss"]) or "-",
+                          format_loss(row["eval_loss"]) or "-",
                           sweep.label(row["params"]), row["why"] or ""] for n, row in enumerate(rows, 1)],
                         columns=COLUMNS)
 

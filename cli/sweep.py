@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import time
+import math
+import sys
 
 from cli.options import CommandLineError, hardware_for, read_recipe, runs_folder, yaml_problem
 from studio_core.recipe.spec import SpecError
-from studio_core.runs.view import FINAL_STATES
+from studio_core.runs.view import format_loss
 from studio_core.runs import sweep
 from studio_core.runs.manager import RunManager
 
@@ -33,11 +34,14 @@ def cmd_sweep(args) -> int:
     print(f"Sweep {started.id}: `launch.py sweep --show {started.id}` shows its table")
     if not args.wait:
         return 0
-    ids = [entry["id"] for entry in started.record["runs"]]
-    while any(manager.view(run_id).live_state not in FINAL_STATES for run_id in ids):
-        time.sleep(1)
+    try:  # no time limit: a sweep of long runs takes what it takes
+        ended = [manager.wait(entry["id"], timeout=math.inf) for entry in started.record["runs"]]
+    except KeyboardInterrupt:
+        print(f"\nNo longer following the sweep; its runs go on (`launch.py stop RUN_ID` stops one, "
+              f"`launch.py sweep --show {started.id}` shows the table)", file=sys.stderr)
+        return 130
     print_table(manager, started.id)
-    return 0 if all(manager.view(run_id).live_state == "finished" for run_id in ids) else 1
+    return 0 if all(view.live_state == "finished" for view in ended) else 1
 
 
 def print_table(manager: RunManager, sweep_id: str) -> None:
@@ -46,7 +50,7 @@ def print_table(manager: RunManager, sweep_id: str) -> None:
     print(f"Sweep {sweep_id}, best first by {key}:")
     print(f"{'run':48} {'state':9} {'step':>5} {'loss':>9} {'eval_loss':>9}  values")
     for row in rows:
-        loss, eval_loss = (f"{row[k]:.4g}" if isinstance(row[k], (int, float)) else "-" for k in ("loss", "eval_loss"))
+        loss, eval_loss = (format_loss(row[key]) or "-" for key in ("loss", "eval_loss"))
         print(f"{row['id']:48} {row['state']:9} {row['step']:>5} {loss:>9} {eval_loss:>9}  "
               f"{sweep.label(row['params'])}")
         if row["why"]:

@@ -178,8 +178,8 @@ class RunManager:
         with leases.choosing(self.runs_dir):  # what it reads of a run's state holds until it is started
             for run_dir in queue.queued(self.runs_dir):
                 try:
-                    spec = load_spec(run_dir)
-                    hardware = Hardware(**folder.read_launch(run_dir)["hardware"])
+                    spec, queued_launch = load_spec(run_dir), folder.read_launch(run_dir)
+                    hardware = Hardware(**queued_launch["hardware"])
                     cores = self.choose_cores(spec, hardware, wait=True)
                     launch = None if cores is None else self._plan(spec, hardware, cores, run_dir.name)
                     if launch is not None and launch.errors:
@@ -192,8 +192,7 @@ class RunManager:
                     continue
                 if launch is None:
                     break  # its turn, but its cores are busy: the runs after it wait too
-                folder.write_launch(run_dir, folder.launch_record(launch),
-                                    created=folder.read_launch(run_dir).get("created"))
+                folder.write_launch(run_dir, folder.launch_record(launch), created=queued_launch.get("created"))
                 events.append(run_dir / folder.EVENTS, events.status("starting"))
                 queue.leave(run_dir)
                 backends.get(spec.layout.run_on).submit(run_dir, launch, device=hardware.backend)
