@@ -81,3 +81,6 @@ def test_a_sweep_runs_every_combination_and_ranks_them_a_failed_run_last(tmp_pat
     assert all(row["why"] for row in rows if row["state"] == "failed")  # the table says why
     shown = launch_py("sweep", "--show", record.stem, "--runs-dir", str(runs))
     assert shown.returncode == 0 and shown.stdout.splitlines()[2:] == table
+    record.write_text('{"runs": [')  # cut short: said, no traceback
+    damaged = launch_py("sweep", "--show", record.stem, "--runs-dir", str(runs))
+    assert damaged.returncode == 2 and "cannot be read" in damaged.stderr and "Traceback" not in damaged.stderr

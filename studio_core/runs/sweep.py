@@ -116,7 +116,13 @@ def write(runs_dir: Path, sweep_id: str, record: dict) -> None:
 def read(runs_dir: Path, sweep_id: str) -> dict:
     path = Path(runs_dir) / SWEEPS / f"{Path(sweep_id).name}.json"
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
+            raise ValueError("it holds no list of runs")
+        return record
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+        raise RunNotFound(f"sweep record {path} cannot be read ({error}): its runs are still listed one by one "
+                          "(`launch.py runs`); delete the file to drop the sweep") from None
     except FileNotFoundError:
         known = listed(runs_dir)
         raise RunNotFound(f"no sweep {sweep_id!r} in {runs_dir}" + (f"; there are {', '.join(known)}" if known
