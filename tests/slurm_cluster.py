@@ -16,6 +16,7 @@ Needs root (the daemons run as root here, as in CI), Debian's `slurm-wlm` and `m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -201,3 +202,23 @@ class SlurmCluster:
             except psutil.NoSuchProcess:
                 continue
         psutil.wait_procs(left, timeout=10)
+
+
+@contextlib.contextmanager
+def cluster_for_tests(folder: Path):
+    """A cluster for a test module: SLURM_CONF set in this process's environment while it lives
+    (Slurm's commands, here and in the runs, find it there); at the end its jobs are cancelled, it
+    is stopped and SLURM_CONF is as it was."""
+    started = SlurmCluster.start(folder)
+    before = os.environ.get("SLURM_CONF")
+    os.environ.update(started.env)
+    try:
+        yield started
+    finally:
+        for line in started.run("squeue", "-h", "-o", "%i").stdout.split():
+            started.run("scancel", line)
+        started.stop()
+        if before is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = before

@@ -1,7 +1,8 @@
 """Runs on a real Slurm cluster: two compute daemons on this machine (tests/slurm_cluster.py).
 
 Skipped where Slurm is not installed; .ci/run installs it, and fails when it is missing.
-Every Slurm test is in this file, so one pytest worker owns the cluster.
+This file's tests share one cluster, owned by the pytest worker that runs the file (tests run a
+file per worker); tests/test_slurm_array.py starts its own (its own ports and job ids).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import nothing_left
-from slurm_cluster import SlurmCluster, available
+from slurm_cluster import SlurmCluster, available, cluster_for_tests
 from studio_browser import browser  # noqa: F401 (a fixture)
 
 from studio_core.backends.slurm.options import SlurmOptions
@@ -39,17 +40,8 @@ ONE_CPU = {CPU_CORES_ENV: str(sorted(os.sched_getaffinity(0))[0])}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """The 2-node cluster for this file; Slurm's commands (here and in the runs) find it by SLURM_CONF."""
-    started = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
-    before = os.environ.get("SLURM_CONF")
-    os.environ.update(started.env)
-    yield started
-    for line in started.run("squeue", "-h", "-o", "%i").stdout.split():
-        started.run("scancel", line)
-    started.stop()
-    if before is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = before
+    with cluster_for_tests(tmp_path_factory.mktemp("slurm")) as started:
+        yield started
 
 
 def slurm_spec(*overrides: str, nodes: int = 2, **options) -> RunSpec:

@@ -18,6 +18,10 @@ status (cancelled outside the studio, its time limit, a node failure), Slurm's o
 how it ended (scontrol show job) becomes the run's final status (`ending`, which only reads),
 written once into its events by `record_ending`, so the reason stays after Slurm has forgotten
 the job. What a user chooses for the job (partition, time, ...) is options.SlurmOptions.
+
+A sweep's runs go as one job array instead (array.py): each run keeps its own slurm.sh, the
+array's task i runs run i's, and the run's job id is the task's, `<array id>_<i>`, which every
+Slurm command here takes as it takes a plain job's (tools.py says how Slurm shows them).
 """
 
 from __future__ import annotations
@@ -234,6 +238,10 @@ def _ending(run_dir: Path, created: float) -> tuple[Ending | None, list[dict]]:
         except slurm.SlurmError as error:
             return Ending("failed", f"Slurm job {job_id} is gone and Slurm does not answer ({error})"), []
         ending = slurm_ending(job_id, fields)
+        if fields is None and slurm.array_task(job_id) and not node_records(run_dir, job_id):
+            ending = Ending("stopped", f"Slurm job {job_id} is gone before it started, and Slurm keeps no record of "
+                            "it: a waiting task of a job array cancelled on its own (scancel, outside the studio) "
+                            "is dropped at once")
     run = events.fold(events.read(run_dir / EVENTS))
     if run.state in events.FINAL_STATES:
         return ending, []
@@ -289,6 +297,17 @@ def sbatch_argv(layout) -> list[str]:
     return ["sbatch", "--parsable", *slurm.sbatch_words(extra if isinstance(extra, list) else [])[0], SCRIPT]
 
 
+def job_options(layout) -> list[str]:
+    """The job's sbatch options but its name, as the batch script's #SBATCH lines give them (the
+    user's extra ones among them: plain sbatch gets them too). A job array (array.py) gives its
+    tasks one set of them: what its runs must share."""
+    options = options_of(layout).to_dict()
+    extra = options.get("sbatch_args", [])
+    return [f"--nodes={layout.nodes}", "--ntasks-per-node=1", "--exclusive", "--no-requeue",
+            *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
+            *slurm.sbatch_words(extra if isinstance(extra, list) else [])[0]]
+
+
 def _one_line(text: str) -> str:
     """Text for a comment line of the script: a control character (a line break) shown as '?'."""
     return "".join("?" if unicodedata.category(c).startswith("C") else c for c in str(text))
@@ -316,11 +335,7 @@ def batch_script(plan) -> str:
         raise ValueError(f"the run folder {str(run_dir)!r} holds a control character (a line break?): give the "
                          "runs folder a path without one")
     options = options_of(layout).to_dict()
-    extra = options.get("sbatch_args", [])
-    sbatch = [f"--job-name={job_name(plan.spec.display_name)}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
-              "--exclusive", "--no-requeue",
-              *[f"--{key}={options[key]}" for key in ("partition", "time", "account") if key in options],
-              *slurm.sbatch_words(extra if isinstance(extra, list) else [])[0]]  # plain sbatch gets them too
+    sbatch = [f"--job-name={job_name(plan.spec.display_name)}", *job_options(layout)]
     srun = ["srun", "--label", "--kill-on-bad-exit=1", *(["--auto-resume=1"] if options.get("auto_resume") else []),
             plan.argv[0], "-m", "studio_core.training.supervisor", run_dir]
     records = {"spec.yaml": plan.spec.to_yaml().splitlines(), "launch.json": launch_record(plan)}

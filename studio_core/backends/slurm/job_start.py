@@ -5,7 +5,7 @@
 On the run's first start by plain `sbatch` (an exported script) it makes the run folder from the
 records on stdin (spec.yaml, launch.json, carried in the script), so `launch.py runs`, the Runs
 tab and `launch.py stop` treat it as a run the studio submitted; every start records its job in
-slurm.json.
+slurm.json (as 123_4 in a task of a job array: records.job_in).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from studio_core.backends.slurm.records import JOB, SCRIPT, record_job
+from studio_core.backends.slurm.records import JOB, SCRIPT, job_in, record_job
 from studio_core.rundir import events, folder
 
 
@@ -29,7 +29,7 @@ def job_start(run_dir: str, script: str = "") -> int:
     and the exported one are the same text. Refused (exit 2, the reason in the job's Slurm
     output): a run that has ended, or one another job already started (the script submitted twice)."""
     run_dir = Path(run_dir)
-    job_id = os.environ.get("SLURM_JOB_ID")
+    job_id = job_in(os.environ)  # a task of a job array (a sweep's run) is its array's 123_4
     if not job_id:
         return _refuse("this is a Slurm batch script: submit it with `sbatch FILE` (run by bash alone, it has no "
                        "Slurm job and nodes to run on)")

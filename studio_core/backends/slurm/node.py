@@ -16,7 +16,7 @@ from pathlib import Path
 
 from studio_core.backends.base import Node
 from studio_core.backends.slurm import tools
-from studio_core.backends.slurm.records import JOB, record_node
+from studio_core.backends.slurm.records import JOB, job_in, record_node
 from studio_core.rundir.checkpoints import list_checkpoints
 from studio_core.rundir.folder import read_json
 
@@ -30,9 +30,10 @@ class SlurmNode(Node):
     run_dir: Path
     name: str  # this node's Slurm name
     names: str  # the job's nodes, as Slurm writes them (n[1-2])
-    job_id: str
+    job_id: str  # the run's record of its job (records.job_in): 123, or 123_4 in a task of a job array
     first: bool  # the first node: the rendezvous host, and the one that writes the final status
     task_marker: tuple[str, ...] = TASK
+    number: str = ""  # SLURM_JOB_ID: Slurm's own number for this job, an array task's its own (the port's)
 
     def prepare(self, argv: list[str]) -> list[str]:
         os.environ.update(rendezvous(self))
@@ -58,17 +59,20 @@ class SlurmNode(Node):
 
 
 def this_node(run_dir: Path) -> SlurmNode | None:
-    """This node, when the supervisor runs as a task of a Slurm job."""
+    """This node, when the supervisor runs as a task of a Slurm job. Its records are kept under
+    the id the run recorded (records.job_in: 123_4 in a task of a job array), as the backend reads them."""
     if "SLURM_JOB_ID" not in os.environ:
         return None
     return SlurmNode(Path(run_dir), os.environ.get("SLURMD_NODENAME", "?"), os.environ.get("SLURM_JOB_NODELIST", "?"),
-                     os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_NODEID", "0") == "0")
+                     job_in(os.environ), os.environ.get("SLURM_NODEID", "0") == "0", number=os.environ["SLURM_JOB_ID"])
 
 
 def rendezvous(node: SlurmNode) -> dict[str, str]:
-    """HEAD_ADDR (the first node's address, as Slurm knows it: NodeAddr) and RDZV_PORT for torchrun."""
+    """HEAD_ADDR (the first node's address, as Slurm knows it: NodeAddr) and RDZV_PORT for torchrun:
+    from Slurm's own job number, which differs between the tasks of a job array that may run side by
+    side (their recorded ids, 123_4 and 123_5, are no number)."""
     return {"HEAD_ADDR": tools.first_node_address(node.names),
-            "RDZV_PORT": str(RDZV_BASE_PORT + int(node.job_id) % 1000)}
+            "RDZV_PORT": str(RDZV_BASE_PORT + int(node.number or node.job_id) % 1000)}
 
 
 def auto_resumed(run_dir: Path, env: dict) -> dict | None:

@@ -1,6 +1,12 @@
 """What a Slurm run keeps in its folder about its jobs: slurm.json (the job of each attempt,
 written by the studio and by the job itself) and slurm-nodes/ (each node supervisor's start and
-end), read by the backend to say how a job ended and which node failed first."""
+end), read by the backend to say how a job ended and which node failed first.
+
+A run's job id is what Slurm's commands (squeue -j, scontrol show job, scancel) take for it: a
+plain job's number (`123`), or for a task of a job array (a sweep's runs, array.py) the array's
+id and the task's index (`123_4`). Inside such a task SLURM_JOB_ID is the task's own number,
+which no command of the studio's names it by: `job_in` gives the id the run records.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +31,16 @@ def record_job(run_dir: Path, job_id: str, when: float) -> bool:
     earlier = [str(i) for i in before.get("job_ids", []) if str(i) != job_id]
     write_json(run_dir / JOB, {"job_id": job_id, "job_ids": [*earlier, job_id], "submitted": when})
     return True
+
+
+def job_in(environ) -> str | None:
+    """The id a running job records itself by, from its environment: in a task of a job array
+    `<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>` (123_4), else SLURM_JOB_ID (None outside a Slurm
+    job). An array task's SLURM_JOB_ID is its own unique number, not the id the studio recorded."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
 
 
 def job_of(run_dir: Path) -> str | None:

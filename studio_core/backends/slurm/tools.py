@@ -5,6 +5,15 @@ Slurm backend all apply, so that no value can add a line to a batch script or a 
 
 Only Slurm's own command-line tools are used, found on PATH; they find the cluster the
 usual way (slurm.conf, or $SLURM_CONF). The parsing functions are pure.
+
+A job id is a plain job's number (123) or a task of a job array (123_4, a sweep's run), which
+every command here takes as it is. How Slurm 22.05 (Debian 12) shows an array's tasks, read on a
+real cluster: squeue lists the tasks still waiting as one line (123_[4-7%2]) unless asked for
+one line each (-r); `squeue -j 123_4` lists a waiting task as 123_4; `scancel 123_4` cancels that
+task alone, waiting or running; a task that ran is in `scontrol show job 123_4` as any job is (its
+own JobId, ArrayJobId=123 ArrayTaskId=4) for MinJobAge, but a waiting task cancelled alone is
+dropped at once ("Job 123_4 not found"), so only accounting (sacct), where there is any, still
+knows it.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ OWNED = {
     "--account": "set Account (--account) instead",
     "--parsable": "the studio reads the job id itself",
     "--wrap": "the studio submits its own batch script",
-    "--array": "one run is one job; start several runs for a sweep",
+    "--array": "a run is one job; a sweep submits its Slurm runs as one job array (launch.py sweep)",
     "--export": "every node's supervisor needs the environment the job was submitted with",
     "--requeue": "a requeued job starts over from step 0 in the same run folder; Resume goes on from a checkpoint",
     "--ntasks-per-core": "the studio starts one task per node, the node's supervisor",
@@ -279,13 +288,55 @@ class Job:
         return text + (f" ({self.reason})" if self.reason not in ("", "None") else "")
 
 
+def array_task(job_id: str) -> tuple[str, int] | None:
+    """A job array's task id (123_4) as (array id, task index); None for a plain job's id."""
+    match = re.fullmatch(r"(\d+)_(\d+)", str(job_id))
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def lists(listed: str, job_id: str) -> bool:
+    """Does squeue's job id `listed` stand for `job_id`: the same id, or, for a task of a job array,
+    the array's line of tasks that holds it (123_[4-7%2], 123_[1,3-5:2]: ranges, steps, a throttle)?"""
+    if listed == job_id:
+        return True
+    task, match = array_task(job_id), re.fullmatch(r"(\d+)_\[([0-9,:%-]+)\]", listed)
+    if task is None or match is None or match.group(1) != task[0]:
+        return False
+    for part in match.group(2).split("%")[0].split(","):
+        bounds, _, step = part.partition(":")
+        first, _, last = bounds.partition("-")
+        if not first.isdigit() or not (last or first).isdigit() or not (step or "1").isdigit():
+            continue
+        first_i, last_i, step_i = int(first), int(last or first), max(int(step or 1), 1)
+        if first_i <= task[1] <= last_i and (task[1] - first_i) % step_i == 0:
+            return True
+    return False
+
+
 def parse_squeue(job_id: str, text: str) -> Job | None:
-    """`squeue -h -j ID -o %T|%r|%N` -> the job, or None when Slurm no longer lists it."""
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    parts = line.split("|")
-    if len(parts) != 3:
+    """`squeue -h -r -j ID -o %i|%T|%r|%N` -> the job, or None when Slurm no longer lists it.
+    The line whose id stands for ID is read (`lists`: a task of a job array may be listed on its
+    array's line of waiting tasks); a line without an id (`-o %T|%r|%N`) is the job's."""
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 3:
+            return Job(job_id, *parts)
+        if len(parts) == 4 and lists(parts[0], job_id):
+            return Job(job_id, *parts[1:])
+    return None
+
+
+def parse_sacct(text: str) -> dict[str, str] | None:
+    """`sacct -n -P -X -j ID -o State,ExitCode,NodeList,Timelimit` -> the fields as scontrol names
+    them (JobState, ExitCode, NodeList, TimeLimit), from the last line (a requeued job's latest
+    start); None when it lists nothing. Its State may say who cancelled ("CANCELLED by 0"): the
+    first word is the state."""
+    lines = [line.strip().split("|") for line in text.splitlines() if line.strip()]
+    if not lines or len(lines[-1]) != 4:
         return None
-    return Job(job_id, parts[0], parts[1], parts[2])
+    state, exit_code, nodes, limit = lines[-1]
+    return {"JobState": (state.split() or [""])[0], "ExitCode": exit_code,
+            "NodeList": "" if nodes.startswith("None") else nodes, "TimeLimit": limit}
 
 
 # --- the commands ------------------------------------------------------------------------
@@ -316,7 +367,7 @@ def queued(job_id: str) -> Job | None:
     if known and time.monotonic() - known[0] < QUEUE_TTL_S:
         return known[1]
     try:
-        job = parse_squeue(job_id, _run("squeue", "-h", "-j", job_id, "-o", "%T|%r|%N"))
+        job = parse_squeue(job_id, _run("squeue", "-h", "-r", "-j", job_id, "-o", "%i|%T|%r|%N"))
     except SlurmError as error:
         if "Invalid job id" not in str(error):
             raise
@@ -326,14 +377,24 @@ def queued(job_id: str) -> Job | None:
 
 
 def record(job_id: str) -> dict[str, str] | None:
-    """`scontrol show job`'s fields (JobState, Reason, ExitCode, NodeList, TimeLimit, ...), or None
-    once Slurm has forgotten the job (MinJobAge after it ended; 300 s by default)."""
+    """`scontrol show job`'s fields (JobState, Reason, ExitCode, NodeList, TimeLimit, ...); once the
+    controller has forgotten the job (MinJobAge after it ended, 300 s by default; at once for a
+    waiting array task cancelled alone), accounting's (`accounted`), else None."""
     try:
         return parse_fields(_run("scontrol", "show", "job", "-o", job_id)) or None
     except SlurmError as error:
-        if "Invalid job id" in str(error):
-            return None
-        raise
+        if "Invalid job id" not in str(error) and f"Job {job_id} not found" not in str(error):
+            raise
+    return accounted(job_id)
+
+
+def accounted(job_id: str) -> dict[str, str] | None:
+    """How the job ended as Slurm's accounting (sacct) keeps it, or None where there is none (no
+    sacct, accounting off: "Slurm accounting storage is disabled") or it does not know the job."""
+    try:
+        return parse_sacct(_run("sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,NodeList,Timelimit"))
+    except SlurmError:
+        return None
 
 
 def parse_node_states(text: str) -> dict[str, tuple[str, str]]:
