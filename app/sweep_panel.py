@@ -16,7 +16,7 @@ from studio_core.runs import sweep
 from studio_core.runs.manager import RunManager, RunNotFound
 from studio_core.runs.view import format_loss
 
-COLUMNS = ["#", "run", "state", "step", "loss", "eval_loss", "values", "why it did not finish"]
+COLUMNS = ["#", "run", "state", "step", "loss", "eval_loss", "evaluation", "values", "why it did not finish"]
 
 
 def parse_lines(text: str) -> dict[str, list[str]]:
@@ -24,21 +24,31 @@ def parse_lines(text: str) -> dict[str, list[str]]:
     return sweep.parse_grid([line.strip() for line in (text or "").splitlines() if line.strip()])
 
 
-def start_sweep(manager: RunManager, spec: RunSpec, grid_text: str, hardware) -> str:
-    """Start the sweep; what happened, in words (a refusal lists every problem, nothing started)."""
+def start_sweep(manager: RunManager, spec: RunSpec, grid_text: str, hardware, parallel: float | None = None,
+                evaluate: bool = False) -> str:
+    """Start the sweep (`parallel`: at most this many runs at once, 0 or None: as the cores allow;
+    `evaluate`: each run when it ends); what happened, in words (a refusal lists every problem,
+    nothing started)."""
     try:
-        started = sweep.start(manager, spec, parse_lines(grid_text), hardware)
+        started = sweep.start(manager, spec, parse_lines(grid_text), hardware, parallel=int(parallel or 0) or None,
+                              evaluate={"limit": sweep.EVAL_LIMIT, "metrics": []} if evaluate else None)
     except SpecError as error:
         return "**Sweep not started:**\n" + "\n".join(f"- {problem}" for problem in error.problems)
     runs = started.record["runs"]
-    listed = "\n".join(f"- `{entry['id']}`: {sweep.label(entry['params'])}" for entry in runs)
-    return (f"Sweep `{started.id}`: {len(runs)} runs, through the queue (as many at once as there are free "
-            f"cores):\n{listed}\n\nThe Runs tab's Sweeps section ranks them and overlays their curves.")
+    listed = "\n".join(f"- `{entry['id']}`: {sweep.label(entry['params'])}" + (
+        f" (shares the precompile of `{entry['precompiled_by']}`)" if entry.get("precompiled_by") else "")
+        for entry in runs)
+    where = f"as Slurm job array {started.record['slurm_job']}" if started.record.get("slurm_job") else (
+        f"through the queue, at most {started.record['parallel']} at once" if started.record.get("parallel") else
+        "through the queue (as many at once as there are free cores)")
+    evaluated = " Each run is evaluated when it ends." if evaluate else ""
+    return (f"Sweep `{started.id}`: {len(runs)} runs, {where}:\n{listed}\n\nThe Runs tab's Sweeps section ranks "
+            f"them and overlays their curves.{evaluated}")
 
 
 def sweep_frame(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([[n, row["id"], row["state"], row["step"], format_loss(row["loss"]) or "-",
-                          format_loss(row["eval_loss"]) or "-",
+                          format_loss(row["eval_loss"]) or "-", sweep.scores_text(row["evaluation"]),
                           sweep.label(row["params"]), row["why"] or ""] for n, row in enumerate(rows, 1)],
                         columns=COLUMNS)
 
@@ -65,7 +75,7 @@ def build(manager: RunManager, compared: gr.Dropdown, opened: gr.Dropdown) -> No
         except RunNotFound as error:
             return pd.DataFrame(columns=COLUMNS), str(error), gr.update(), gr.update(interactive=False), None
         top = next((row["id"] for row in rows if row["state"] == "finished"), None)
-        said = f"Best first by the last {sweep.ranked_by(rows)}; its runs' curves are in Compare runs above."
+        said = f"Best first by {sweep.ranked_by(rows)}; its runs' curves are in Compare runs above."
         present = [row["id"] for row in rows if row["state"] != "deleted"]
         return sweep_frame(rows), said, gr.update(value=present), gr.update(interactive=top is not None), top
 

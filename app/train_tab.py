@@ -15,6 +15,7 @@ import pandas as pd
 import yaml
 
 from app import forecast_panel, run_panel, sweep_panel
+from studio_core.runs.sweep import EVAL_LIMIT as sweep_eval_limit
 from app.core_map import core_map_html, memory_html
 from app.train_form import (TARGET_LABELS, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
                             learning_rate_start, run_backend, spec_from_form, target_hardware, trainer_info)
@@ -146,6 +147,12 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
                 sweep_grid = gr.Textbox(label="Grid: one KEY=V1,V2,... a line (recipe keys, as --set writes them)",
                                         lines=3, placeholder="learning_rate=1e-3,3e-3\nmax_steps=20,40",
                                         elem_id="sweep-grid")
+                with gr.Row():
+                    sweep_parallel = gr.Number(0, label="At most this many runs at once (0: as many as the free "
+                                               "cores allow)", precision=0, minimum=0, elem_id="sweep-parallel")
+                    sweep_eval = gr.Checkbox(False, label=f"Evaluate each run when it ends (the tuned model against "
+                                             f"its base, {sweep_eval_limit} rows); the table ranks by it",
+                                             elem_id="sweep-eval")
                 sweep_btn = gr.Button("Start sweep", elem_id="sweep-start")
             panel = run_panel.RunPanel(controls, details=False)
     panel.build_details()  # plots, hardware, log and applied settings: under the form, the page's full width
@@ -307,9 +314,10 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
             yield problems_markdown(error)
             return
         yield "Sweep: checking and planning every run of the grid, then starting them ..."
-        yield sweep_panel.start_sweep(manager, spec, values[sweep_grid], target)
+        yield sweep_panel.start_sweep(manager, spec, values[sweep_grid], target, parallel=values[sweep_parallel],
+                                      evaluate=values[sweep_eval])
 
-    sweep_btn.click(on_sweep, inputs | {sweep_grid}, message)
+    sweep_btn.click(on_sweep, inputs | {sweep_grid, sweep_parallel, sweep_eval}, message)
     form.upload.upload(on_upload, form.upload, w["dataset"])
     # models downloaded since the page was built show up when the list is opened
     w["model"].focus(lambda: gr.update(choices=[BUILTIN_MODEL, *sources.cached_models()]), None, w["model"],

@@ -1,4 +1,5 @@
-"""A sweep sharing one compile cache against the same runs one after another, each with an empty one.
+"""A sweep with one shared precompile and compile cache against the same runs one after another,
+each with an empty cache of its own.
 
 Run from the repository root:
 
@@ -7,11 +8,14 @@ Run from the repository root:
 
 The runs: 4 tiny SFT runs (the built-in model, 20 steps, torch_compile on: Inductor on this
 machine's CPU), learning_rate 1e-3, 2e-3, 3e-3, 4e-3.
-- "sweep": `launch.py sweep`'s engine (studio_core/runs/sweep.py) over the four, one compile cache
-  for all of it, empty at the start; the queue runs as many at once as there are free cores.
+- "sweep": `launch.py sweep --precompile`'s engine (studio_core/runs/sweep.py) over the four, one
+  compile cache for all of it, empty at the start: the four differ only in the learning rate, so the
+  first run precompiles the shapes (in one job per free core) and the other three wait in the queue
+  until it has; then the queue runs as many at once as there are free cores.
 - "one by one": each run started after the one before it ended, each with an empty cache of its own.
-Each side's wall time runs from the first start to the last run's end; its compile share is the
-runs' compile seconds (their compile_end events) over the sum of their training times. The two
+Each side's wall time runs from the first start to the last run's end; its compile seconds are the
+runs' compile_end events plus the precompile's time, and its compile share is those over the sum of
+the runs' training times (the precompile's time is in its run's). The two
 sides alternate, first side swapped every round; a round waits for a quiet machine first (the
 others' CPU, in cores, is recorded). Printed: each side's median and spread over the rounds.
 """
@@ -43,9 +47,11 @@ def base_spec() -> RunSpec:
 
 
 def totals(views) -> dict:
-    compile_s = sum(view.compile_seconds() for view in views)
+    precompile_s = sum((view.precompile or {}).get("seconds") or 0 for view in views)
+    compile_s = sum(view.compile_seconds() for view in views) + precompile_s
     training_s = sum(view.training_seconds() or 0 for view in views)
-    return {"compile_s": compile_s, "training_s": training_s, "compile_share": compile_s / training_s,
+    return {"compile_s": compile_s, "precompile_s": precompile_s, "training_s": training_s,
+            "compile_share": compile_s / training_s,
             "compiles": sum(len(view.compiles) for view in views), "runs": [view.id for view in views]}
 
 
@@ -53,7 +59,8 @@ def sweep_side(work: Path, n: int) -> dict:
     os.environ["STUDIO_COMPILE_CACHE"] = str(work / f"cache-sweep-{n}")  # empty; the queue runner inherits it
     manager = RunManager(work / f"runs-sweep-{n}")
     start = time.time()
-    started = sweep.start(manager, base_spec(), {"learning_rate": RATES}, cpu_hardware())
+    started = sweep.start(manager, base_spec().with_overrides(["studio.precompile=true"]), {"learning_rate": RATES},
+                          cpu_hardware())
     ids = [entry["id"] for entry in started.record["runs"]]
     PROCS.runs += [(manager, run_id) for run_id in ids]
     views = [manager.wait(run_id, timeout=1800) for run_id in ids]
@@ -85,7 +92,8 @@ def measure(work: Path, args, report: dict) -> None:
         for side in order:
             found[side] = SIDES[side](work, n)
             print(f"round {n + 1} {side:10}: wall {found[side]['wall_s']:6.1f} s, compile "
-                  f"{found[side]['compile_s']:6.1f} s ({found[side]['compile_share']:.0%} of training time), "
+                  f"{found[side]['compile_s']:6.1f} s ({found[side]['compile_share']:.0%} of training time; "
+                  f"precompile {found[side]['precompile_s']:.1f} s), "
                   f"{found[side]['compiles']} compilations", flush=True)
         report["rounds"].append(found)
 

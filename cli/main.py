@@ -23,7 +23,7 @@ from studio_core.serve.chat import MAX_CACHE_LEN
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
 from studio_core.runs.manager import DamagedRun, RunNotFound, default_runs_dir, run_id_given
 from studio_core.runs.queue import QueueError
-from studio_core.runs.sweep import MAX_RUNS
+from studio_core.runs.sweep import EVAL_LIMIT as DEFAULT_EVAL_LIMIT, MAX_RUNS
 from studio_core.recipe.spec import Layout, SpecError
 
 USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
@@ -33,7 +33,7 @@ USAGE = """Trainium fine-tuning studio: the web app, and the same jobs headless.
     python launch.py plan RECIPE.yaml         print the exact command, environment and shape forecast; runs nothing
     python launch.py runs                     list the runs in the runs folder
     python launch.py queue [RUN_ID --to N]    the queued runs (a run whose cores are busy waits); move one
-    python launch.py sweep RECIPE --grid K=A,B   a run per combination of values, through the queue [--wait]
+    python launch.py sweep RECIPE --grid K=A,B   a run per combination of values, through the queue [--wait --eval]
     python launch.py stop RUN_ID [--save]     stop a run (--save: a checkpoint first, to resume from)
     python launch.py train --resume RUN_ID    go on from the run's last checkpoint [--from-checkpoint STEP]
     python launch.py train RECIPE --slurm     submit to a Slurm cluster [--nodes N --partition P --time T]
@@ -134,6 +134,29 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--cores", help="a model: the core to load it on (default: the first free one)")
     serve.add_argument("--backend", choices=("cpu",), help="a model: serve it on the CPU even if a device is present")
 
+    def run_flags(sub, name: str) -> None:
+        """The layout's flags, each backend's flag and options, and --precompile/--jobs."""
+        add_layout_flags(sub, Layout, whole_number, {"nodes": "a run on a cluster" + (
+            f"; with --{EXPORT.name}-script: 2" if name == "plan" else "")})
+        for backend in with_options():  # a place runs can go besides this machine: its flag and options
+            group = sub.add_argument_group(backend.label, f"run on {backend.description}; --nproc is per node")
+            if picked_by_option(backend):  # --ray ADDRESS: an option that picks the backend
+                add_flags(group, backend.options_type)
+                continue
+            group.add_argument(f"--{backend.name}", action="store_true", help=(
+                f"plan a run on {backend.label} (nothing is submitted)" if name == "plan" else
+                f"submit the sweep's runs to {backend.label} as one job array" if name == "sweep" else
+                f"submit the run to {backend.label} instead of running it here"))
+            add_flags(group, backend.options_type)
+        sub.add_argument("--precompile", action="store_true",
+                         help="compile the run's batch shapes before step 1, in parallel processes (needs "
+                              "torch_compile; same as --set studio.precompile=true)" + (
+                              "; a sweep's runs whose shapes are the same share one precompile" if name == "sweep"
+                              else ""))
+        sub.add_argument("--jobs", type=whole_number(1), metavar="N",
+                         help="with --precompile: this many parallel compile processes (default: one per core, "
+                              "at most 8, and on Neuron within the host's vCPUs and memory)")
+
     for name, func, help in (("train", cmd_train, "train a recipe, following it in the terminal"),
                              ("plan", cmd_plan, "print the launch a recipe would make; runs nothing")):
         sub = command(name, func, help)
@@ -147,22 +170,7 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--backend", choices=("cpu",), help="plan for the CPU even if a device is present")
         sub.add_argument(target["lnc"], dest="lnc", type=int, choices=LNC_VALUES, default=Target.lnc,
                          help=f"with {target['instance']}: the LNC setting")
-        add_layout_flags(sub, Layout, whole_number, {"nodes": f"a run on a cluster; with --{EXPORT.name}-script: 2"})
-        for backend in with_options():  # a place runs can go besides this machine: its flag and options
-            group = sub.add_argument_group(backend.label, f"run on {backend.description}; --nproc is per node")
-            if picked_by_option(backend):  # --ray ADDRESS: an option that picks the backend
-                add_flags(group, backend.options_type)
-                continue
-            group.add_argument(f"--{backend.name}", action="store_true", help=(
-                f"submit the run to {backend.label} instead of running it here" if name == "train" else
-                f"plan a run on {backend.label} (nothing is submitted)"))
-            add_flags(group, backend.options_type)
-        sub.add_argument("--precompile", action="store_true",
-                         help="compile the run's batch shapes before step 1, in parallel processes (needs "
-                              "torch_compile; same as --set studio.precompile=true)")
-        sub.add_argument("--jobs", type=whole_number(1), metavar="N",
-                         help="with --precompile: this many parallel compile processes (default: one per core, "
-                              "at most 8, and on Neuron within the host's vCPUs and memory)")
+        run_flags(sub, name)
         if name == "plan":
             sub.add_argument("--export-script", metavar="FILE", help="also write a runnable bash launch script")
             sub.add_argument(f"--{EXPORT.name}-script", dest="submit_script", metavar="FILE", help=f"also write the "
@@ -189,8 +197,20 @@ def parser() -> argparse.ArgumentParser:
                        help="override a recipe key for every run, e.g. --set max_steps=50")
     sweep.add_argument("--yes", action="store_true", help=f"start a grid of more than {MAX_RUNS} runs")
     sweep.add_argument("--wait", action="store_true", help="follow the runs to their end, then print the table")
-    sweep.add_argument("--show", metavar="SWEEP_ID", help="the sweep's runs, best first (eval_loss, else loss)")
+    sweep.add_argument("--show", metavar="SWEEP_ID", help="the sweep's runs, best first (their evaluations, else "
+                       "eval_loss, else loss)")
     sweep.add_argument("--backend", choices=("cpu",), help="run on the CPU even if a device is present")
+    sweep.add_argument("--parallel", type=whole_number(1), metavar="N",
+                       help="at most N of the sweep's runs at once (default: as many as the free cores allow; on "
+                            "Slurm: as the cluster allows)")
+    sweep.add_argument("--eval", action="store_true", help="evaluate each run when it has finished (the tuned model "
+                       "against its base, as `launch.py eval RUN_ID`); the table ranks by it")
+    sweep.add_argument("--eval-limit", type=whole_number(1), default=DEFAULT_EVAL_LIMIT, metavar="N",
+                       help=f"with --eval: the first N rows of each run's evaluation set (default "
+                            f"{DEFAULT_EVAL_LIMIT})")
+    sweep.add_argument("--eval-metrics", metavar="M1,M2",
+                       help="with --eval: these metrics (default: every one that applies)")
+    run_flags(sweep, "sweep")
     command("runs", cmd_runs, "list runs with their state")
     queue = command("queue", cmd_queue, "list the queued runs in order, with what each waits for; move one")
     queue.add_argument("run_id", nargs="?", help="with --to: the queued run to move")

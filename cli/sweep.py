@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import sys
 
-from cli.options import CommandLineError, hardware_for, read_recipe, runs_folder, yaml_problem
+from cli.options import CommandLineError, hardware_for, load_spec, runs_folder, yaml_problem
+from studio_core.evaluate.evaluation import check_metrics
 from studio_core.recipe.spec import SpecError
 from studio_core.runs.view import format_loss
 from studio_core.runs import sweep
@@ -22,13 +23,20 @@ def cmd_sweep(args) -> int:
     if not args.recipe:
         raise SpecError(["give a recipe and its --grid KEY=V1,V2 (or --show SWEEP_ID)"])
     grid = sweep.parse_grid(args.grid)
-    problems = [problem for item in [*args.set, *(f"{key}={value}" for key, values in grid.items()
-                                                  for value in values)] for problem in yaml_problem(item)]
+    problems = [problem for item in (f"{key}={value}" for key, values in grid.items() for value in values)
+                for problem in yaml_problem(item)]
     if problems:
         raise SpecError(problems)
-    spec = read_recipe(args.recipe).with_overrides(args.set)
+    if not args.eval and (args.eval_metrics or args.eval_limit != sweep.EVAL_LIMIT):
+        raise CommandLineError("--eval-limit and --eval-metrics go with --eval (evaluate each run when it ends)")
+    evaluate = {"limit": args.eval_limit, "metrics": [m.strip() for m in (args.eval_metrics or "").split(",")
+                                                      if m.strip()]} if args.eval else None
+    if evaluate and evaluate["metrics"] and check_metrics(evaluate["metrics"]):
+        raise SpecError([f"--eval-metrics: {problem}" for problem in check_metrics(evaluate["metrics"])])
+    spec = load_spec(args)  # the recipe, --set, the layout's flags, --slurm and its options, --precompile
     print(f"Checking and planning {len(sweep.combinations(grid))} run(s) ...", flush=True)
-    started = sweep.start(manager, spec, grid, hardware_for(args), recipe=args.recipe, yes=args.yes)
+    started = sweep.start(manager, spec, grid, hardware_for(args), recipe=args.recipe, yes=args.yes,
+                          parallel=args.parallel, evaluate=evaluate)
     for entry in started.record["runs"]:
         print(f"{entry['id']:48} {manager.view(entry['id']).live_state:8} {sweep.label(entry['params'])}")
     print(f"Sweep {started.id}: `launch.py sweep --show {started.id}` shows its table")
@@ -46,12 +54,15 @@ def cmd_sweep(args) -> int:
 
 def print_table(manager: RunManager, sweep_id: str) -> None:
     rows = sweep.table(manager, sweep_id)
-    key = sweep.ranked_by(rows)
-    print(f"Sweep {sweep_id}, best first by {key}:")
+    print(f"Sweep {sweep_id}, best first by {sweep.ranked_by(rows)}:")
     print(f"{'run':48} {'state':9} {'step':>5} {'loss':>9} {'eval_loss':>9}  values")
     for row in rows:
         loss, eval_loss = (format_loss(row[key]) or "-" for key in ("loss", "eval_loss"))
         print(f"{row['id']:48} {row['state']:9} {row['step']:>5} {loss:>9} {eval_loss:>9}  "
               f"{sweep.label(row['params'])}")
+        if row["evaluation"]:
+            print(f"    evaluation: {sweep.scores_text(row['evaluation'])}")
+        if row.get("precompiled_by") and row["state"] != "finished":
+            print(f"    shares the precompile of run {row['precompiled_by']}")
         if row["why"]:
             print(f"    {row['why']}")

@@ -240,11 +240,11 @@ def cmd_queue(args) -> int:
         queue.move(runs_dir, args.run_id, args.to)
         print(f"Run {args.run_id} is now {queue.ordinal(args.to)} in the queue")
     queue.ensure_runner(runs_dir)  # after a reboot: queued runs start again when their cores are free
-    order = queue.queued(runs_dir)
+    order, manager = queue.queued(runs_dir), RunManager(runs_dir)
     if not order:
         print("No run is queued.")
     for path in order:
-        print(f"{path.name:48} {queue.describe(path)}")
+        print(f"{path.name:48} {queue.describe(path, manager.view_or_none)}")
     return 0
 
 

@@ -12,6 +12,7 @@ Chromium through Playwright, the app as its own process, one app for this file
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -259,12 +260,19 @@ def test_a_sweep_from_the_page_is_ranked_its_curves_overlaid_and_its_best_run_op
     set_number(page, "max_steps", 10)
     page.get_by_text("Sweep: a run for each combination of values").click()
     page.locator("#sweep-grid textarea").fill("learning_rate=1e-3,3e-3")
+    page.locator("#sweep-parallel input").fill("1")
+    page.locator("#sweep-eval input").check()
     page.locator("#sweep-start").click()
     message = page.locator("#train-message")
-    expect(message).to_contain_text("2 runs, through the queue", timeout=120_000)
+    expect(message).to_contain_text("2 runs, through the queue, at most 1 at once", timeout=120_000)
+    expect(message).to_contain_text("Each run is evaluated when it ends")
     sweep_id = re.search(r"Sweep (\S+): 2 runs", message.inner_text()).group(1)
     manager = RunManager(app.runs_dir)
     assert sorted(manager.wait(view.id).live_state for view in app.new_runs()) == ["finished", "finished"]
+    deadline = time.monotonic() + 300  # the queue runner evaluates each run once it has finished
+    while not all(isinstance(row["evaluation"], dict) for row in sweep.table(manager, sweep_id)):
+        assert time.monotonic() < deadline, sweep.table(manager, sweep_id)
+        time.sleep(1)
     rows = sweep.table(manager, sweep_id)
 
     page.get_by_role("tab", name="Runs").click()
@@ -274,7 +282,8 @@ def test_a_sweep_from_the_page_is_ranked_its_curves_overlaid_and_its_best_run_op
     table = page.locator("#sweep-table")
     expect(table.locator("tbody tr").first).to_contain_text(rows[0]["id"], timeout=30_000)
     expect(table).to_contain_text("learning_rate=3e-3")
-    expect(page.locator("#sweep-ranked")).to_contain_text("curves are in Compare runs above")
+    expect(page.locator("#sweep-ranked")).to_contain_text("Best first by the evaluation's eval_loss")
+    expect(table).to_contain_text("rouge_l")  # each run's evaluation, in its row
     page.locator("#compare-box").get_by_text("Compare runs").first.click()
     expect(page.locator("#compare-plot")).to_be_visible(timeout=30_000)  # both runs' curves, overlaid
     expect(page.locator("#compare-diff")).to_contain_text("learning_rate")  # the setting that differs

@@ -92,6 +92,26 @@ def test_busy_cores_queue_runs_in_order_moved_and_cancelled_then_each_starts_whe
     wait_for(lambda: not runners(manager.runs_dir), "the runner to exit with the queue empty")
 
 
+def test_a_sweeps_hold_keeps_a_run_queued_on_free_cores_until_the_run_it_shares_a_precompile_with_allows(
+        manager, held):
+    hardware = cpu_hardware()
+    leader = manager.start(tiny("max_steps=3"), hardware, queue_if_busy=True)
+    follower = manager.start(tiny("max_steps=3"), hardware, queue_if_busy=True, hold={"after": leader.id})
+    assert queue.hold_of(follower.dir) == {"after": leader.id}
+    queue.move(manager.runs_dir, follower.id, 1)  # a move keeps the hold
+    queue.move(manager.runs_dir, leader.id, 1)
+    assert queue.hold_of(follower.dir) == {"after": leader.id}
+    held.release()  # two free cores, one run each: the follower still waits for its leader
+    wait_for(lambda: manager.view(leader.id).live_state == "running", "the leader to run")
+    assert manager.view(follower.id).live_state == "queued"
+    assert f"waits for run {leader.id} to precompile the shapes this run shares with it" in follower.where()
+    # the leader has no precompile: it ends before the follower goes (which then compiles what it must)
+    leader, follower = manager.wait(leader.id), manager.wait(follower.id)
+    assert (leader.live_state, follower.live_state) == ("finished", "finished"), follower.error_text
+    assert started_at(follower) >= leader.spans[-1].end - 1
+    wait_for(lambda: not runners(manager.runs_dir), "the runner to exit with the queue empty")
+
+
 def test_a_killed_runner_leaves_the_queue_on_disk_and_the_next_look_starts_it_again(manager, held):
     run = manager.start(tiny("max_steps=3"), cpu_hardware(), queue_if_busy=True)
     (runner,) = runners(manager.runs_dir)

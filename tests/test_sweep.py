@@ -5,13 +5,16 @@ which does not stop the others. `launch.py sweep` as a user runs it, real runs o
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 
 import pytest
 
 from conftest import launch_py, run_folders
 from studio_core.recipe.spec import RunSpec, SpecError
-from studio_core.runs import sweep
+from studio_core.rundir import events
+from studio_core.runs import queue, sweep, sweep_eval
 from studio_core.runs.manager import RunManager
 from test_runs import REPO, broken_model
 
@@ -60,6 +63,99 @@ def test_bad_values_refuse_the_whole_sweep_before_anything_starts(tmp_path):
     assert big.returncode == 2 and "the grid makes 17 runs, more than 16" in big.stderr and run_folders(runs) == []
 
 
+@pytest.mark.fast
+def test_runs_that_differ_only_in_optimizer_numbers_share_one_precompile():
+    grid = sweep.parse_grid(["learning_rate=1e-4,3e-4", "lora_r=8,16", "warmup_ratio=0,0.1"])
+    params = sweep.combinations(grid)
+    leaders = sweep.precompile_leaders(params)
+    # each lora_r's first run precompiles; its runs with other learning rates or warmups wait for it
+    assert leaders == [None, 0, None, 2, 0, 0, 2, 2]
+    assert all(params[leader]["lora_r"] == values["lora_r"] for values, leader in zip(params, leaders)
+               if leader is not None)
+    assert sweep.precompile_leaders(sweep.combinations({"max_length": ["64", "128"]})) == [None, None]
+
+
+@pytest.mark.fast
+def test_the_table_ranks_by_the_evaluations_when_every_finished_run_has_one():
+    def row(state, loss, evaluation=None):
+        return {"state": state, "loss": loss, "eval_loss": None, "evaluation": evaluation}
+
+    rows = [row("finished", 1.0, {"eval_loss": 2.5, "rouge_l": 0.1}), row("finished", 2.0, {"eval_loss": 2.0}),
+            row("failed", None)]
+    name, value = sweep.ranking(rows)
+    assert name == "the evaluation's eval_loss" and sorted(rows, key=value)[0]["loss"] == 2.0
+    rows[1]["evaluation"] = {"rouge_l": 0.3}  # no eval_loss in one of them: the next metric, higher is better
+    name, value = sweep.ranking(rows)
+    assert name == "the evaluation's rouge_l" and sorted(rows, key=value)[0]["loss"] == 2.0
+    rows[1]["evaluation"] = "waits to be evaluated"  # not all evaluated yet: the training loss
+    assert sweep.ranked_by(rows) == "the last loss"
+    assert sweep.scores_text({"eval_loss": 2.31234, "rouge_l": 0.2}) == "eval_loss 2.312 rouge_l 0.2"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("options, said", [
+    (["--eval-limit", "5"], "--eval-limit and --eval-metrics go with --eval"),
+    (["--eval", "--eval-metrics", "bleu"], "bleu"),
+    (["--parallel", "2", "--ray", "http://127.0.0.1:9"], "--parallel: for sweeps on this machine or on Slurm"),
+    (["--grid", "studio.run_on=local,slurm"], "sweep studio.run_on in separate sweeps"),
+])
+def test_sweep_options_that_cannot_be_used_are_refused_before_anything_starts(tmp_path, options, said):
+    runs = tmp_path / "runs"
+    done = launch_py("sweep", TINY, "--grid", "learning_rate=1e-3,3e-3", *options, "--runs-dir", str(runs))
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert run_folders(runs) == []
+
+
+def test_a_sweep_at_most_one_at_once_evaluates_each_run_when_it_ends_and_ranks_by_it(tmp_path):
+    runs = tmp_path / "runs"
+    done = launch_py("sweep", TINY, "--grid", "learning_rate=1e-3,3e-3", "--set", "max_steps=4", "--parallel", "1",
+                     "--eval", "--eval-limit", "3", "--runs-dir", str(runs), "--wait", timeout=600)
+    assert done.returncode == 0, done.stderr
+    (record,) = [path for path in (runs / "sweeps").glob("*.json") if not path.name.endswith(sweep_eval.EVALS)]
+    manager = RunManager(runs)
+    first, second = (manager.view(entry["id"]) for entry in json.loads(record.read_text())["runs"])
+    began = next(e["time"] for e in events.read(second.dir / "events.jsonl") if e.get("state") == "starting")
+    assert began >= first.spans[-1].end - 1  # one at a time: the second waited for the first to end
+    deadline = time.monotonic() + 300  # the queue runner evaluates each finished run, one at a time
+    while not all(isinstance(row["evaluation"], dict) for row in sweep.table(manager, record.stem)):
+        assert time.monotonic() < deadline, sweep.table(manager, record.stem)
+        time.sleep(1)
+    rows = sweep.table(manager, record.stem)
+    assert sweep.ranked_by(rows) == "the evaluation's eval_loss"
+    assert rows[0]["evaluation"]["eval_loss"] <= rows[1]["evaluation"]["eval_loss"]
+    assert all(list((manager.runs_dir / row["id"] / "eval").glob("*/summary.json")) for row in rows)
+    shown = launch_py("sweep", "--show", record.stem, "--runs-dir", str(runs))
+    assert "best first by the evaluation's eval_loss" in shown.stdout
+    assert re.search(r"\n    evaluation: .*eval_loss \d", shown.stdout), shown.stdout
+    deadline = time.monotonic() + 30  # nothing left to do: the runner lets go of the queue and exits
+    while (fd := queue.lock_queue(runs)) is None:
+        assert time.monotonic() < deadline, "the queue runner did not exit"
+        time.sleep(0.5)
+    os.close(fd)
+
+
+def test_runs_of_the_same_shapes_wait_for_the_one_precompile_of_the_first(tmp_path):
+    runs = tmp_path / "runs"
+    done = launch_py("sweep", TINY, "--grid", "learning_rate=1e-3,3e-3", "--set", "torch_compile=true",
+                     "--precompile", "--jobs", "1", "--runs-dir", str(runs))
+    assert done.returncode == 0, done.stderr
+    (record,) = (runs / "sweeps").glob("*.json")
+    first, second = json.loads(record.read_text())["runs"]
+    assert "precompiled_by" not in first and second["precompiled_by"] == first["id"]
+    manager = RunManager(runs)
+    try:
+        leader, follower = manager.view(first["id"]), manager.view(second["id"])
+        assert leader.spec["studio"]["precompile"] is True and "precompile" not in follower.spec.get("studio", {})
+        assert follower.live_state == "queued" and queue.hold_of(follower.dir) == {"after": leader.id}
+        assert f"waits for run {leader.id} to precompile" in follower.where()  # while the leader precompiles
+        shown = launch_py("sweep", "--show", record.stem, "--runs-dir", str(runs))
+        assert f"shares the precompile of run {leader.id}" in shown.stdout
+    finally:
+        for run in (second, first):
+            manager.stop(run["id"])
+    assert manager.view(second["id"]).error_text == queue.CANCELLED
+
+
 def test_a_sweep_runs_every_combination_and_ranks_them_a_failed_run_last(tmp_path):
     runs = tmp_path / "runs"
     broken = broken_model(tmp_path)
@@ -67,7 +163,7 @@ def test_a_sweep_runs_every_combination_and_ranks_them_a_failed_run_last(tmp_pat
                      f"model_name_or_path=builtin:tiny-qwen3,{broken}", "--set", "max_steps=10", "--set",
                      "studio.eval_fraction=0.25", "--runs-dir", str(runs), "--wait", timeout=600)
     assert done.returncode == 1, done.stderr  # one of them failed: the sweep went on with the others
-    table = done.stdout[done.stdout.index("best first by eval_loss"):].splitlines()[2:]
+    table = done.stdout[done.stdout.index("best first by the last eval_loss"):].splitlines()[2:]
     states = [line.split()[1] for line in table if not line.startswith("    ")]
     assert states == ["finished", "finished", "failed", "failed"], done.stdout
     (record,) = (runs / "sweeps").glob("*.json")

@@ -52,6 +52,7 @@ from studio_core.machine.hardware import Hardware
 from studio_core.recipe.rewards import HUB_TOKENS
 from studio_core.recipe.spec import load_spec
 from studio_core.rundir import folder
+from studio_core.rundir.folder import EVAL_DIR, SUMMARY, evaluations  # where a run keeps its evaluations
 
 # metric -> (what it says, what it needs: a reference answer, the run's rewards, or preference pairs)
 REFERENCE, REWARDS, PAIRS = "reference", "rewards", "pairs"
@@ -66,9 +67,8 @@ METRICS = {
 }
 MAX_NEW_TOKENS = 64
 LONGEST_CACHE = 16384  # the static cache's largest length asked for (tokens)
-EVAL_DIR = "eval"  # in a run folder
 MODEL_EVALS = "evals"  # in the runs folder, for a model that is not a run
-ROWS, SUMMARY = "rows.jsonl", "summary.json"
+ROWS = "rows.jsonl"
 NORMALISE = "lower case, runs of spaces as one, punctuation and spaces at either end dropped"
 
 
@@ -241,18 +241,6 @@ def results_dir(target: str, runs_dir: Path) -> Path:
         n += 1
         out = base / f"{stamp}-{n}"
     return out
-
-
-def evaluations(run_dir: Path, under: str = EVAL_DIR) -> list[dict]:
-    """The run's finished evaluations' summaries (or those of a folder's `under`), newest first (one
-    that cannot be read is left out)."""
-    found = []
-    for path in sorted((run_dir / under).glob(f"*/{SUMMARY}"), reverse=True):
-        try:
-            found.append({**json.loads(path.read_text()), "dir": str(path.parent)})
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 def evaluations_of(target: str, runs_dir: Path) -> list[dict]:

@@ -232,3 +232,19 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return stat.st_mtime_ns, stat.st_size
+
+
+EVAL_DIR = "eval"  # in a run folder: an evaluation's rows and summary per folder (evaluate/evaluation.py)
+SUMMARY = "summary.json"
+
+
+def evaluations(run_dir: Path, under: str = EVAL_DIR) -> list[dict]:
+    """The run's finished evaluations' summaries (or those of a folder's `under`), newest first (one
+    that cannot be read is left out)."""
+    found = []
+    for path in sorted((run_dir / under).glob(f"*/{SUMMARY}"), reverse=True):
+        try:
+            found.append({**json.loads(path.read_text()), "dir": str(path.parent)})
+        except (OSError, ValueError):
+            continue
+    return found

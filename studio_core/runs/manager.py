@@ -132,12 +132,15 @@ class RunManager:
 
     # --- starting ----------------------------------------------------------------------
     def start(self, spec: RunSpec, hardware: Hardware, planned: Callable[[Plan], None] | None = None,
-              queue_if_busy: bool = False) -> RunView:
+              queue_if_busy: bool = False, hold: dict | None = None, submit: bool = True) -> RunView:
         """Check, pick cores, plan, write the run folder, hand it to the spec's backend.
         Raises SpecError (naming the holder when a core is taken, or what the cluster refused);
         nothing is left behind then. With `queue_if_busy`, a run whose cores are busy is queued
-        instead (runs/queue.py: it starts when they are free, its turn come). `planned` is shown the
-        plan (its warnings: the data check's among them) once it is made, before anything runs."""
+        instead (runs/queue.py: it starts when they are free, its turn come); a `hold` (a sweep's:
+        queue.held_back) queues it also while the hold says wait. `planned` is shown the plan (its
+        warnings: the data check's among them) once it is made, before anything runs. A run on a
+        cluster with `submit` False gets its folder, not its job: the caller submits it (a sweep's
+        Slurm job array)."""
         data_warnings: list[str] = []
         # before the lock: the slow part
         spec = self.check(spec, run_user_code=True, warnings=data_warnings, hardware=hardware)
@@ -150,6 +153,8 @@ class RunManager:
             if planned is not None:
                 planned(launch)
             run_dir = self._create(run_id, launch)
+            if not submit:
+                return self.view(run_id)
             try:
                 backend.submit(run_dir, launch, device=hardware.backend)
             except backends.SubmitError as error:
@@ -158,12 +163,14 @@ class RunManager:
             return self.view(run_id)
         with leases.choosing(self.runs_dir):  # until the run's process holds the cores chosen here
             cores = self.choose_cores(spec, hardware, wait=queue_if_busy)  # None: busy, it waits
+            if hold and queue.held_back(hold, self.view_or_none):
+                cores = None  # free or not, it waits for what its sweep holds it to
             launch = self._plan(spec, hardware, cores, run_id, data_warnings)
             if launch.errors:
                 raise SpecError(launch.errors)
             if planned is not None:
                 planned(launch)
-            run_dir = self._create(run_id, launch, queued=cores is None)
+            run_dir = self._create(run_id, launch, queued=cores is None, hold=hold)
             if cores is not None:
                 backend.submit(run_dir, launch, device=hardware.backend)
         if cores is None:
@@ -180,6 +187,8 @@ class RunManager:
                 try:
                     spec, queued_launch = load_spec(run_dir), folder.read_launch(run_dir)
                     hardware = Hardware(**queued_launch["hardware"])
+                    if queue.held_back(queue.hold_of(run_dir), self.view_or_none):
+                        break  # its sweep holds it (its precompile, --parallel): the runs after it wait too
                     cores = self.choose_cores(spec, hardware, wait=True)
                     launch = None if cores is None else self._plan(spec, hardware, cores, run_dir.name)
                     if launch is not None and launch.errors:
@@ -209,15 +218,15 @@ class RunManager:
             raise SpecError(problems)
         return backend
 
-    def _create(self, run_id: str, launch: Plan, queued: bool = False) -> Path:
+    def _create(self, run_id: str, launch: Plan, queued: bool = False, hold: dict | None = None) -> Path:
         """The run folder, made under a temporary name and renamed when whole: a listing never
-        sees half a run. A `queued` one gets its place in the queue, last."""
+        sees half a run. A `queued` one gets its place in the queue, last (with its `hold`)."""
         tmp = self.runs_dir / f"{folder.CREATING}{run_id}"
         tmp.mkdir()
         folder.write_new_run(tmp, launch.spec.to_yaml(), folder.launch_record(launch), created=time.time(),
                              state="queued" if queued else "starting")
         if queued:
-            queue.enter(tmp)
+            queue.enter(tmp, hold)
         run_dir = self.runs_dir / run_id
         tmp.rename(run_dir)
         return run_dir
@@ -309,6 +318,13 @@ class RunManager:
         """The cores of this machine held now, each with who holds it ("run <id> (pid 123)")."""
         return {core: leases.describe(info)
                 for core, info in leases.holders(self.runs_dir, hardware.backend, hardware.cores).items()}
+
+    def view_or_none(self, run_id: str) -> RunView | None:
+        """The run, or None when it is not there (deleted, damaged)."""
+        try:
+            return self.view(run_id)
+        except (RunNotFound, folder.DamagedRun):
+            return None
 
     # --- reading -----------------------------------------------------------------------
     def view(self, run_id: str) -> RunView:

@@ -9,6 +9,11 @@ start lock (leases.choosing), re-reading its state there first: two apps on one 
 start it twice, and a cancel or a delete never races a start. Strict order: a run waits while one
 queued before it waits, so a big run is not starved by small ones that keep fitting.
 
+A sweep's runs (runs/sweep.py) may carry a `hold` in their place, which keeps a run waiting even
+when its cores are free: `after`, a run whose precompile it shares (it waits until that run's
+precompile has ended, or that run is no longer active), and `parallel` with `siblings`, the runs
+of its sweep queued before it (it waits while `parallel` of them run). Strict order holds here too.
+
 Who starts them: one queue runner per runs folder (`python -m studio_core.runs.queue_runner
 RUNS_DIR`, detached, its output in `.queue.log`), which looks every QUEUE_POLL_S and exits when no
 run is queued; it holds `.queue.lock` (flock) while it lives, so a second one exits at once. A
@@ -24,12 +29,14 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from studio_core.machine import children, leases
 from studio_core.machine.hardware import Hardware
 from studio_core.rundir import events, folder
+from studio_core.runs import sweep_eval
 
-QUEUE = "queue.json"  # in a queued run's folder: {"order": number}
+QUEUE = "queue.json"  # in a queued run's folder: {"order": number, "hold": {...} (a sweep's run, see held_back)}
 LOCK, LOG = ".queue.lock", ".queue.log"  # in the runs folder
 QUEUE_POLL_S = 1.0
 CANCELLED = "cancelled while queued: it never started"
@@ -59,7 +66,7 @@ def place(run_dir: Path) -> tuple[int, int]:
     return order.index(run_dir.name) + 1 if run_dir.name in order else 0, len(order)
 
 
-def describe(run_dir: Path) -> str:
+def describe(run_dir: Path, view_of: Callable) -> str:
     """What a queued run waits for: "queued, 1st of 2: waits for 1 free cpu core (2 of 2 are held
     (run ... (pid 12)))", or "queued, 2nd of 2: after run ..."."""
     order = queued(run_dir.parent)
@@ -70,7 +77,31 @@ def describe(run_dir: Path) -> str:
     head = f"queued, {ordinal(at + 1)} of {len(names)}"
     if at:
         return f"{head}: after run {names[at - 1]}"
-    return f"{head}: {waits_for(run_dir)}"
+    return f"{head}: {held_back(hold_of(run_dir), view_of) or waits_for(run_dir)}"
+
+
+def hold_of(run_dir: Path) -> dict:
+    """The run's hold in the queue ({} when none, or its place cannot be read)."""
+    hold = folder.read_json(run_dir / QUEUE).get("hold")
+    return hold if isinstance(hold, dict) else {}
+
+
+def held_back(hold: dict, view_of: Callable) -> str | None:
+    """Why a sweep's run waits although its cores may be free, in words; None when its hold lets
+    it go. `after`: the run that precompiles the shapes this one shares (it waits until that run's
+    precompile has ended, or that run is no longer active: then it compiles what it must itself).
+    `parallel`: at most this many of `siblings` (its sweep's runs queued before it) at once.
+    `view_of` gives a run's state by id (a RunView: live states; None when the run is gone)."""
+    after = view_of(hold["after"]) if hold.get("after") else None
+    if after and after.active and not (after.precompile and after.precompile.get("seconds") is not None):
+        return f"waits for run {hold['after']} to precompile the shapes this run shares with it"
+    parallel = hold.get("parallel")
+    if parallel:
+        running = [v for v in map(view_of, hold.get("siblings", [])) if v and v.active and v.live_state != "queued"]
+        if len(running) >= parallel:
+            return (f"waits for one of its sweep's {len(running)} running runs to end (at most {parallel} at once: "
+                    "--parallel)")
+    return None
 
 
 def waits_for(run_dir: Path) -> str:
@@ -93,9 +124,9 @@ def ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def enter(run_dir: Path) -> None:
-    """Give a new run folder (not yet renamed to its id) its place: last."""
-    folder.write_json(run_dir / QUEUE, {"order": time.time()})
+def enter(run_dir: Path, hold: dict | None = None) -> None:
+    """Give a new run folder (not yet renamed to its id) its place: last, with its `hold` if any."""
+    folder.write_json(run_dir / QUEUE, {"order": time.time(), **({"hold": hold} if hold else {})})
 
 
 def leave(run_dir: Path) -> None:
@@ -126,8 +157,8 @@ def move(runs_dir: Path, run_id: str, to: int) -> int:
         rest = [path for path in order if path.name != run_id]
         rest.insert(to - 1, order[names.index(run_id)])
         base = min(float(folder.read_json(path / QUEUE).get("order", 0)) for path in order)
-        for n, path in enumerate(rest):  # renumbered in their new order
-            folder.write_json(path / QUEUE, {"order": base + n})
+        for n, path in enumerate(rest):  # renumbered in their new order, each keeping its hold
+            folder.write_json(path / QUEUE, {**folder.read_json(path / QUEUE), "order": base + n})
     return to
 
 
@@ -144,12 +175,13 @@ def lock_queue(runs_dir: Path) -> int | None:
 
 
 def ensure_runner(runs_dir: Path) -> bool:
-    """Start the queue runner when runs are queued and none runs; whether one was started. The lock
+    """Start the queue runner when runs are queued or a sweep's run waits to be evaluated, and none
+    runs; whether one was started. The lock
     is taken here and handed to the runner (an inherited descriptor), so a second call in the same
     moment sees it held, however long the runner takes to start."""
     runs_dir = Path(runs_dir)
     try:
-        if not queued(runs_dir):
+        if not queued(runs_dir) and not sweep_eval.waiting(runs_dir):
             return False
         fd = lock_queue(runs_dir)
         if fd is None:

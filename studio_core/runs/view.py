@@ -91,6 +91,11 @@ class RunView(RunState):
         ending = self.backend.record_ending(self.dir, self.created)  # kept: the place may forget it
         return "starting" if ending is None else ending.state
 
+    def other(self, run_id: str) -> RunView | None:
+        """Another run of this runs folder, read now (None when it is not there)."""
+        run_dir = self.dir.parent / run_id
+        return RunView(dir=run_dir).refresh() if folder.is_run(run_dir) else None
+
     @property
     def active(self) -> bool:
         return self.live_state in ACTIVE_STATES
@@ -99,7 +104,7 @@ class RunView(RunState):
         """Where the run executes, when not simply here: a Slurm job's id, and while it is
         active its state (PENDING and Slurm's reason, RUNNING on which nodes)."""
         if self.live_state == "queued":
-            return queue.describe(self.dir)
+            return queue.describe(self.dir, self.other)
         return self.backend.where(self.dir, live=self.active)
 
     @property
