@@ -13,6 +13,7 @@ the light of the first) and offers Single-turn, where each message is asked alon
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import gradio as gr
 
@@ -138,7 +139,9 @@ def shapes_text(done: dict) -> str:
             "compilation): " + ", ".join("x".join(map(str, s)) for s in done["shapes"]))
 
 
-def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
+def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.Dropdown, Callable]:
+    """The Chat tab, in the current Blocks context; its run-or-model pick and that pick's choices
+    now, for another tab to hand it a run (the Sweeps section's "Chat with it")."""
     holder = ChatHolder()
     with gr.Row():
         target = gr.Dropdown([], value=None, allow_custom_value=True, scale=4,
@@ -232,3 +235,4 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> gr.Tab:
     single_turn.change(lambda on: SINGLE_TURN_NOTE if on else HISTORY_NOTE, single_turn, history_note)
     target.focus(lambda: gr.update(choices=chat_targets(manager)), None, target)
     page.load(lambda: gr.update(choices=chat_targets(manager)), None, target)  # after a login, not before
+    return target, lambda: chat_targets(manager)

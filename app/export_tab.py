@@ -9,6 +9,7 @@ and never stored; empty, the push uses HF_TOKEN or the saved Hugging Face login.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import gradio as gr
 
@@ -19,7 +20,9 @@ from studio_core.runs.history import runs_with_a_model
 from studio_core.runs.manager import RunManager, RunNotFound
 
 
-def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
+def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.Dropdown, Callable]:
+    """The Export tab, in the current Blocks context; its run pick and that pick's choices now, for
+    another tab to hand it a run (the Sweeps section's "Export it")."""
     with gr.Row():
         run = gr.Dropdown([], value=None, label="Finished run", scale=3, elem_id="export-run")
         folder = gr.Textbox(label="Export folder", scale=3, elem_id="export-folder",
@@ -78,5 +81,6 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
     run.change(on_run, run, [merge, folder])
     run.focus(lambda: gr.update(choices=runs_with_a_model(manager)), None, run)
     page.load(lambda: gr.update(choices=runs_with_a_model(manager)), None, run)  # after a login, not before
+    return run, lambda: runs_with_a_model(manager)
     export.click(on_export, [run, folder, merge], [status, files, exported])
     push.click(on_push, [exported, repo, private, update, token], pushed)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app import cache_panel, chat_tab, doctor_tab, eval_tab, export_tab, runs_tab, train_tab
+from app import cache_panel, chat_tab, doctor_tab, eval_tab, export_tab, runs_tab, sweep_panel, train_tab
 from studio_core.machine.hardware import Hardware, detect_hardware
 from studio_core.runs import queue
 from studio_core.runs.manager import RunManager
@@ -98,17 +98,18 @@ def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
             with gr.Tab("Train", id="train", elem_id="tab-train"):
                 form, follow = train_tab.build(manager, hardware, selected)
             with gr.Tab("Runs", id="runs", elem_id="tab-runs"):
-                runs_tab.build(manager, demo, hardware, form, tabs, train_tab_id="train",
-                               train_follow=(selected, follow))
+                *_, best = runs_tab.build(manager, demo, hardware, form, tabs, train_tab_id="train",
+                                          train_follow=(selected, follow))
                 cache_panel.build(manager, hardware.backend, demo)
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
-                chat_tab.build(manager, hardware, demo)
+                to_chat = chat_tab.build(manager, hardware, demo)
             with gr.Tab("Evaluate", id="eval", elem_id="tab-eval"):
                 eval_tab.build(manager, hardware, demo)
             with gr.Tab("Export", id="export", elem_id="tab-export"):
-                export_tab.build(manager, hardware, demo)
+                to_export = export_tab.build(manager, hardware, demo)
             with gr.Tab("Doctor", id="doctor", elem_id="tab-doctor"):
                 doctor_tab.build(manager, hardware)
+        sweep_panel.link(best, tabs, to_chat, to_export)  # a sweep's best run, one click from chat and export
         demo.load(lambda: run_to_follow(manager), None, selected).then(
             lambda: gr.Timer(active=True), None, follow)  # the run found, if any, is followed
     return demo

@@ -92,7 +92,8 @@ def evaluations_text(manager: RunManager, run_id: str | None) -> str:
 
 def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainForm | None = None,
           tabs: gr.Tabs | None = None, train_tab_id: str = "train",
-          train_follow: tuple[gr.State, gr.Timer] | None = None) -> tuple[gr.Dataframe, gr.Dropdown, gr.Timer]:
+          train_follow: tuple[gr.State, gr.Timer] | None = None) -> tuple[gr.Dataframe, gr.Dropdown, gr.Timer,
+                                                                          sweep_panel.BestRun]:
     """`form` and `tabs`: the Train tab's form and the app's tabs, for "Clone into Train tab";
     `train_follow`: the run the Train tab follows and its timer, which a run resumed here joins.
     The runs are sent when `page` loads, never as the widgets' first values: those are in the
@@ -112,7 +113,7 @@ def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainF
         delete = gr.Button("Delete run", variant="stop", scale=1, elem_id="delete-run")
         confirm = gr.Button("", variant="stop", scale=2, visible=False, elem_id="confirm-delete")
         cancel = gr.Button("Cancel", scale=0, visible=False, elem_id="cancel-delete")
-    sweep_panel.build(manager, picked, opened)
+    best = sweep_panel.build(manager, picked, opened)
     controls = run_panel.RunControls(prefix="runs-")  # for the opened run
     message = gr.Markdown("", elem_id="runs-message")
     info = gr.Markdown("", elem_id="run-info")
@@ -226,7 +227,7 @@ def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainF
     timer.tick(on_tick, [*refresh_io[0], listed, shown, pace, evals_sent],
                [*refresh_io[1], listed, *panel.components, shown, timer, pace, evals, evals_sent],
                show_progress="hidden", queue=False)  # see run_panel.LOOK_EVERY_S
-    return table, opened, timer
+    return table, opened, timer, best
 
 
 def _wire_clone(manager: RunManager, form: TrainForm, tabs: gr.Tabs | None, train_tab_id: str,

@@ -1,12 +1,15 @@
 """Sweeps in the app: the Train tab's section that starts one (a grid of values over the form's
 settings), and the Runs tab's sweep view: its runs ranked in a table, their curves overlaid and
 their differing settings (the compare section, given the sweep's runs), the best run one click
-from being opened (and from there cloned, chatted with in the Chat tab, exported).
+from being opened here, chatted with in the Chat tab or exported in the Export tab.
 
 The engine is studio_core.runs.sweep; this module only lays it out.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import gradio as gr
 import pandas as pd
@@ -53,13 +56,24 @@ def sweep_frame(rows: list[dict]) -> pd.DataFrame:
                         columns=COLUMNS)
 
 
-def build(manager: RunManager, compared: gr.Dropdown, opened: gr.Dropdown) -> None:
+@dataclass
+class BestRun:
+    """The Sweeps section's buttons that hand its best run to the Chat and Export tabs (`link`)."""
+    run_id: gr.State
+    chat: gr.Button
+    export: gr.Button
+
+
+def build(manager: RunManager, compared: gr.Dropdown, opened: gr.Dropdown) -> BestRun:
     """The Runs tab's Sweeps section, in the current Blocks context: picking a sweep fills the
-    compare section with its runs (`compared`); Open the best run sets `opened`."""
+    compare section with its runs (`compared`); Open the best run sets `opened`; the buttons that
+    take it to the Chat and Export tabs are returned, for `link` once those tabs are built."""
     with gr.Accordion("Sweeps", open=False, elem_id="sweeps-box"):
         with gr.Row():
             picked = gr.Dropdown([], label="Sweep", elem_id="sweep-pick", scale=3)
             best = gr.Button("Open the best run", interactive=False, elem_id="sweep-best", scale=1)
+            chat = gr.Button("Chat with it", interactive=False, elem_id="sweep-chat", scale=1)
+            export = gr.Button("Export it", interactive=False, elem_id="sweep-export", scale=1)
         ranked = gr.Markdown("", elem_id="sweep-ranked")
         table = gr.Dataframe(pd.DataFrame(columns=COLUMNS), interactive=False, wrap=True, elem_id="sweep-table")
         best_id = gr.State(None)
@@ -68,20 +82,31 @@ def build(manager: RunManager, compared: gr.Dropdown, opened: gr.Dropdown) -> No
         return gr.update(choices=sweep.listed(manager.runs_dir))
 
     def on_pick(sweep_id):
+        off = [gr.update(interactive=False)] * 3
         if not sweep_id:
-            return pd.DataFrame(columns=COLUMNS), "", gr.update(), gr.update(interactive=False), None
+            return pd.DataFrame(columns=COLUMNS), "", gr.update(), *off, None
         try:
             rows = sweep.table(manager, sweep_id)
         except RunNotFound as error:
-            return pd.DataFrame(columns=COLUMNS), str(error), gr.update(), gr.update(interactive=False), None
+            return pd.DataFrame(columns=COLUMNS), str(error), gr.update(), *off, None
         top = next((row["id"] for row in rows if row["state"] == "finished"), None)
         said = f"Best first by {sweep.ranked_by(rows)}; its runs' curves are in Compare runs above."
         present = [row["id"] for row in rows if row["state"] != "deleted"]
-        return sweep_frame(rows), said, gr.update(value=present), gr.update(interactive=top is not None), top
+        return sweep_frame(rows), said, gr.update(value=present), *[gr.update(interactive=top is not None)] * 3, top
 
     picked.focus(on_focus, None, picked, show_progress="hidden")
-    picked.change(on_pick, picked, [table, ranked, compared, best, best_id])
+    picked.change(on_pick, picked, [table, ranked, compared, best, chat, export, best_id])
     # with the runs listed now: the Runs tab lists new runs every few seconds, and a value not among
     # the choices would be dropped
     best.click(lambda run_id: gr.update(choices=[view.id for view in manager.list()], value=run_id), best_id,
                opened)
+    return BestRun(best_id, chat, export)
+
+
+def link(best: BestRun, tabs: gr.Tabs, to_chat: tuple[gr.Dropdown, Callable], to_export: tuple[gr.Dropdown, Callable],
+         chat_tab: str = "chat", export_tab: str = "export") -> None:
+    """The best run, one click from the Chat tab's and the Export tab's pick: each (dropdown, its
+    choices now), the tab switched to."""
+    for button, (pick, choices), tab in ((best.chat, to_chat, chat_tab), (best.export, to_export, export_tab)):
+        button.click(lambda run_id, choices=choices, tab=tab: (gr.update(choices=choices(), value=run_id),
+                                                                gr.Tabs(selected=tab)), best.run_id, [pick, tabs])

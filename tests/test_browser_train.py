@@ -290,6 +290,11 @@ def test_a_sweep_from_the_page_is_ranked_its_curves_overlaid_and_its_best_run_op
     page.locator("#sweep-best").click()
     expect(page.locator("#open-run input").first).to_have_value(rows[0]["id"], timeout=30_000)
     expect(page.locator("#runs-tab-status, .run-status").last).to_contain_text(rows[0]["id"], timeout=30_000)
+    page.locator("#sweep-chat").click()  # one click: the Chat tab, the best run picked
+    expect(page.locator("#chat-target input").first).to_have_value(rows[0]["id"], timeout=30_000)
+    page.get_by_role("tab", name="Runs").click()
+    page.locator("#sweep-export").click()  # and the Export tab
+    expect(page.locator("#export-run input").first).to_have_value(rows[0]["id"], timeout=30_000)
 
 
 def test_learning_rate_starts_at_trls_default_for_another_model_unless_typed(page):
