@@ -19,7 +19,7 @@ from cli.sweep import cmd_sweep
 from cli.train import cmd_plan, cmd_queue, cmd_runs, cmd_stop, cmd_train
 from studio_core.backends import EXPORT, StopError, with_options
 from studio_core.machine import compile_cache
-from studio_core.serve.chat import MAX_CACHE_LEN
+from studio_core.serve.chat import BATCH_BUCKETS, MAX_CACHE_LEN
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
 from studio_core.runs.manager import DamagedRun, RunNotFound, default_runs_dir, run_id_given
 from studio_core.runs.queue import QueueError
@@ -126,6 +126,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-file", help="the web app: file with one user:password per line")
     serve.add_argument("--api-key-file", help="a model: file holding the API key clients must send (needed for a "
                        "non-loopback --host)")
+    serve.add_argument("--max-batch", type=int, choices=BATCH_BUCKETS, default=BATCH_BUCKETS[-1],
+                       help="a model: at most this many requests decoded together, in batches of 1, 2, 4 or 8 at "
+                            f"fixed shapes (default {BATCH_BUCKETS[-1]}; 1: one request at a time, as the Chat tab)")
     serve.add_argument("--max-queue", type=whole_number(1, 1024), default=32,
                        help="a model: requests that may wait for it (default 32); more get 503")
     serve.add_argument("--max-cache-len", type=whole_number(128, 16384), help="a model: its static cache's length "

@@ -89,7 +89,7 @@ def serve_model(args) -> int:
     check_one_core(args.cores, hardware)
     try:
         chat = ChatProcess.start(args.target, runs_dir, hardware, cores=args.cores,
-                                 max_cache_len=args.max_cache_len or MAX_CACHE_LEN)
+                                 max_cache_len=args.max_cache_len or MAX_CACHE_LEN, max_batch=args.max_batch)
     except ChatError as error:
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
@@ -100,8 +100,9 @@ def serve_model(args) -> int:
         chat.unload()
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
-    print(f"Serving {args.target} at {server.url} (OpenAI's API; key {'required' if key else 'not required'}); "
-          "Ctrl-C ends it", flush=True)
+    batching = f"up to {args.max_batch} requests decoded together" if args.max_batch > 1 else "one request at a time"
+    print(f"Serving {args.target} at {server.url} (OpenAI's API; key {'required' if key else 'not required'}; "
+          f"{batching}); Ctrl-C ends it", flush=True)
     # SIGTERM only sets a flag: the ending below (requests cut, server, chat process) runs once, whole
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())

@@ -1,6 +1,7 @@
 """`launch.py serve RUN`: the tuned model behind an OpenAI-compatible endpoint, tried with the real
 `openai` client: answers streamed and not, plain completions, a load of concurrent clients
-answered in turn within bounded shapes, a client that leaves mid-stream, and each bad request
+decoded together within bounded shapes (an answer the same alone or among others), a client that
+leaves mid-stream (its row free at once), a burst of 200, and each bad request
 with OpenAI's status and a message saying what to change. The tests marked fast check the
 request rules and the queue in this process and start no model."""
 
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from studio_core.data.builtin import BUILTIN_DATASETS
@@ -184,7 +186,10 @@ def test_twenty_clients_at_once_are_all_answered_within_bounded_shapes(server):
     assert all(text == QA[i][1]["content"] and finish == "stop" for i, text, finish in replies)  # each whole
     after = stats(server)
     assert after["completed"] - before["completed"] == 100 and after["queued"] == 0
-    assert len(after["shapes"]) <= len(after["buckets"]) + 1, after["shapes"]  # prefill buckets + decode
+    # a prefill shape per length bucket, a decode shape per batch bucket: however many clients come
+    assert {tuple(shape) for shape in after["shapes"]} <= {(1, b) for b in after["buckets"]} | {
+        (b, 1) for b in after["batch_buckets"]}, after["shapes"]
+    assert (8, 1) in {tuple(shape) for shape in after["shapes"]}  # twenty at once: decoded eight together
 
 
 def test_a_client_that_leaves_mid_stream_stops_its_generation_and_frees_its_turn(server):
@@ -199,6 +204,58 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation_and_frees_its_turn
     after = stats(server)
     assert after["stopped"] == before["stopped"] + 1
     assert after["stopped_after_tokens"] < 900  # the abandoned answer was cut short, not written out
+
+
+def test_an_answer_is_the_same_alone_and_among_others_decoded_together(server):
+    """At temperature 0 a request's answer does not depend on what else is decoded beside it."""
+    api = client(server, timeout=300)
+    prompts = ["Zorbia", "The studio", "Pixel the cat", "Once upon a time"]
+
+    def complete(prompt: str) -> str:
+        return api.completions.create(model=server["model"], prompt=prompt, max_tokens=40,
+                                      temperature=0).choices[0].text
+
+    alone = [complete(prompt) for prompt in prompts]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(complete, prompts * 2))
+    assert together == alone * 2
+    assert len(set(alone)) > 1
+
+
+def test_a_client_that_leaves_frees_its_row_at_once(server):
+    api = client(server)
+    stream = api.completions.create(model=server["model"], prompt="Zorbia", max_tokens=900, temperature=1.5,
+                                    seed=3, stream=True)
+    next(iter(stream))
+    assert stats(server)["answering"] == 1
+    stream.close()
+    deadline = time.monotonic() + 10  # the next token boundary, not the answer's 900 tokens
+    while stats(server)["answering"]:
+        assert time.monotonic() < deadline, stats(server)
+        time.sleep(0.1)
+
+
+def test_a_burst_of_two_hundred_requests_is_answered_or_refused_and_memory_comes_back(server):
+    worker = next(child for child in psutil.Process(server["proc"].pid).children(recursive=True)
+                  if "studio_core.serve.chat_worker" in child.cmdline())
+    api = client(server, timeout=300)
+    api.chat.completions.create(model=server["model"], messages=question(0), max_tokens=8, temperature=0)
+    before = worker.memory_info().rss
+
+    def one(i: int) -> str:
+        try:
+            api.chat.completions.create(model=server["model"], messages=question(i % len(QA)), max_tokens=24,
+                                        temperature=0)
+            return "answered"
+        except openai.APIStatusError as error:
+            assert error.status_code == 503 and error.body["code"] == "queue_full", error.body
+            return "busy"
+
+    with ThreadPoolExecutor(max_workers=200) as pool:
+        outcomes = list(pool.map(one, range(200), timeout=600))
+    assert outcomes.count("answered") >= 8 + 24 and outcomes.count("answered") + outcomes.count("busy") == 200
+    assert one(0) == "answered"  # still answering
+    assert worker.memory_info().rss <= before * 1.10, (before, worker.memory_info().rss)
 
 
 @pytest.mark.parametrize("call, status, code, says", [

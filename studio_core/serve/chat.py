@@ -20,6 +20,8 @@ No torch import here: this module runs in the web app's process.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import queue
@@ -32,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from studio_core.machine import children, leases
+from studio_core.serve.batching import BATCH_BUCKETS  # the batch sizes a server decodes at (--max-batch)
 from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.device_env import device_env, flags_problem
@@ -41,6 +44,7 @@ from studio_core.rundir import folder
 MAX_CACHE_LEN = 1024  # the static cache's fixed length: prompt bucket + answer must fit
 LOAD_TIMEOUT_S = 600
 REPLY_TIMEOUT_S = 600
+HALT_POLL_S = 0.1  # how often a generation waiting for its next event looks whether it was halted
 THINK, END_THINK = "<think>", "</think>"
 EMPTY_ANSWER = "(empty answer: the model produced only special tokens or whitespace)"
 UNTRAINED = f"untrained: {BUILTIN_MODEL} is randomly initialised, so its answers are noise or empty"
@@ -158,19 +162,28 @@ def shown(text: str) -> str:
 
 
 class ChatProcess:
-    """A running chat process and the pipe to it. One generation at a time."""
+    """A running chat process and the pipe to it. One generation at a time, or with `max_batch`
+    above 1 (a server's) several at once, answered together in batches (serve/batching.py)."""
 
-    def __init__(self, proc: subprocess.Popen, target: ChatTarget, ready: dict, events: queue.Queue):
+    def __init__(self, proc: subprocess.Popen, target: ChatTarget, ready: dict, events: queue.Queue,
+                 max_batch: int = 1):
         self.proc, self.target, self.info, self._events = proc, target, ready, events
-        self._lock = threading.Lock()
-        self._next_id = 0
+        self.max_batch = max_batch
+        self._lock = threading.Lock() if max_batch == 1 else contextlib.nullcontext()
+        self._ids = itertools.count(1)
+        self._answers: dict[int, queue.Queue] = {}  # each generation's events, by its id
+        self._answers_lock = threading.Lock()
+        self._ended = False  # the process's output has ended
+        threading.Thread(target=self._route, name="chat-events", daemon=True).start()
 
     @classmethod
     def start(cls, name: str, runs_dir: str | Path, hardware: Hardware, cores: str | None = None,
-              max_cache_len: int = MAX_CACHE_LEN) -> ChatProcess:
-        """Resolve the target, take a free core (or the ones asked for), load the model."""
+              max_cache_len: int = MAX_CACHE_LEN, max_batch: int = 1) -> ChatProcess:
+        """Resolve the target, take a free core (or the ones asked for), load the model. With
+        `max_batch` above 1 the process answers up to that many requests together (the tuned
+        model only: a server's)."""
         target = resolve(name, runs_dir)
-        setup = {"target": asdict(target), "max_cache_len": max_cache_len, "kind": "chat"}
+        setup = {"target": asdict(target), "max_cache_len": max_cache_len, "kind": "chat", "max_batch": max_batch}
         proc, events, stderr_tail, _ = cls.spawn("studio_core.serve.chat_worker", setup, runs_dir, hardware, cores)
         try:
             first = events.get(timeout=LOAD_TIMEOUT_S)
@@ -182,7 +195,7 @@ class ChatProcess:
             proc.wait()
             message = first.get("message") or "\n".join(stderr_tail[-8:]) or "it exited"
             raise ChatError(f"chat on {target.label}: {message}")
-        return cls(proc, target, first, events)
+        return cls(proc, target, first, events, max_batch)
 
     @staticmethod
     def spawn(module: str, setup: dict, runs_dir, hardware: Hardware, cores: str | None, without: tuple = ()):
@@ -223,34 +236,66 @@ class ChatProcess:
         return self.info["thinking"]
 
     def generate(self, messages: list[dict] | None, which: str = "tuned", temperature: float = 0.0,
-                 top_p: float = 1.0, max_new_tokens: int = 128, **more):
+                 top_p: float = 1.0, max_new_tokens: int = 128, halt: threading.Event | None = None, **more):
         """Yield token events as the model writes, then the done event (raises ChatError on failure,
-        with `code` "context_length_exceeded" for a prompt too long). `more`: the chat process's other
+        with `code` "context_length_exceeded" for a prompt too long). `halt`, once set, ends this
+        generation after its current token (or before it starts). `more`: the chat process's other
         request fields (text, seed, whole: see chat_worker)."""
         with self._lock:
             if not self.alive:
                 raise ChatError("the chat process has ended; load the model again")
-            self._next_id += 1
-            rid = self._next_id
-            self._send({"op": "generate", "id": rid, "which": which, "messages": messages,
-                        "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, **more})
-            while True:
-                try:
-                    event = self._events.get(timeout=REPLY_TIMEOUT_S)
-                except queue.Empty:
+            rid, answers = next(self._ids), queue.Queue()
+            with self._answers_lock:
+                self._answers[rid] = answers
+            try:
+                self._send({"op": "generate", "id": rid, "which": which, "messages": messages,
+                            "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, **more})
+                yield from self._answer(rid, answers, halt)
+            finally:
+                with self._answers_lock:
+                    self._answers.pop(rid, None)
+
+    def _answer(self, rid: int, answers: queue.Queue, halt: threading.Event | None):
+        waited, halted = 0.0, False
+        while True:
+            if halt is not None and halt.is_set() and not halted:
+                halted = True
+                self._send({"op": "cancel", "id": rid} if self.max_batch > 1 else {"op": "stop"})
+            try:
+                event = answers.get(timeout=HALT_POLL_S)
+            except queue.Empty:
+                waited += HALT_POLL_S
+                if self._ended:
+                    raise ChatError("the chat process ended while answering (out of memory?)") from None
+                if waited >= REPLY_TIMEOUT_S:
                     raise ChatError(f"no answer within {REPLY_TIMEOUT_S} s") from None
+                continue
+            waited = 0.0
+            if event.get("type") == "eof":
+                raise ChatError("the chat process ended while answering (out of memory?)")
+            if event["type"] == "error":
+                raise ChatError(event["message"], event.get("code"))
+            yield event
+            if event["type"] == "done":
+                return
+
+    def _route(self) -> None:
+        """Each event to its generation's queue (an event of a generation no longer followed is
+        dropped); the process's end to every one."""
+        while True:
+            event = self._events.get()
+            with self._answers_lock:
                 if event.get("type") == "eof":
-                    raise ChatError("the chat process ended while answering (out of memory?)")
-                if event.get("id") != rid:
-                    continue  # what is left of an earlier, abandoned generation
-                if event["type"] == "error":
-                    raise ChatError(event["message"], event.get("code"))
-                yield event
-                if event["type"] == "done":
+                    for answers in self._answers.values():
+                        answers.put(event)
+                    self._ended = True
                     return
+                answers = self._answers.get(event.get("id"))
+            if answers is not None:
+                answers.put(event)
 
     def stop_generation(self) -> None:
-        """End the running generation after its current token."""
+        """End every running generation after its current token."""
         if self.alive:
             self._send({"op": "stop"})
 

@@ -13,6 +13,10 @@ block). Then each stdin line is a request: {"op": "generate", "id", "which": "tu
 cut)}, {"op": "stop"} (ends the running generation) or {"op": "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
 {id, stopped, prompt_tokens, bucket, new_tokens, dropped_turns, ttft_s, seconds, text, shapes},
 error.
+
+With `max_batch` above 1 in its setup (`launch.py serve`), requests are answered together in
+batches (serve/batching.py: continuous batching at fixed shapes), by the tuned model only, and
+{"op": "cancel", "id"} ends one request; the events are the same, several requests' interleaved.
 """
 
 from __future__ import annotations
@@ -20,14 +24,21 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import traceback
 
 from studio_core.machine import leases
+from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, Request
 from studio_core.serve.generation import Generator, TooLong, on_leased_cores
 
 
+EMITTING = threading.Lock()  # a batched server's events come from two threads: a line each, whole
+
+
 def emit(kind: str, **fields) -> None:
-    print(json.dumps({"type": kind, **fields}), flush=True)
+    with EMITTING:
+        sys.stdout.write(json.dumps({"type": kind, **fields}) + "\n")
+        sys.stdout.flush()
 
 
 def serve(chat: Generator) -> None:
@@ -78,6 +89,82 @@ def serve(chat: Generator) -> None:
     server.join(timeout=30)
 
 
+def serve_batched(chat: Generator, max_batch: int) -> None:
+    """Answer the requests on stdin together, in batches of up to `max_batch` (serve/batching.py),
+    until quit or EOF; {"op": "cancel", "id"} ends one (its row is free at the next step), a
+    {"op": "stop"} every one. The tuned model only (no side-by-side base here)."""
+    engine = BatchEngine(chat.model, chat.pad, eos_ids(chat), chat.max_cache_len,
+                         batch_buckets=tuple(b for b in BATCH_BUCKETS if b <= max_batch))
+    requests: dict[int, Request] = {}
+    stepping = threading.Thread(target=engine.run, name="batch", daemon=True)
+    stepping.start()
+    for line in sys.stdin:
+        order = json.loads(line)
+        if order["op"] == "quit":
+            break
+        if order["op"] == "stop":
+            for request in list(requests.values()):
+                engine.cancel(request)
+        elif order["op"] == "cancel" and order.get("id") in requests:
+            engine.cancel(requests[order["id"]])
+        elif order["op"] == "generate":
+            request = batched_request(chat, order, requests)
+            if request is not None:
+                engine.submit(request)
+    engine.close()
+    stepping.join(timeout=30)
+
+
+def batched_request(chat: Generator, order: dict, requests: dict) -> Request | None:
+    """The engine's request for a generate order, its tokens streamed as text (token events) and
+    its end said (done); None, with an error event, when it cannot be answered."""
+    rid = order.get("id")
+    try:
+        if order.get("which", "tuned") != "tuned":
+            raise ValueError("a batched server answers with the tuned model only")
+        max_new = int(order.get("max_new_tokens") or 128)
+        ids, bucket, dropped = chat.fitted(order.get("messages"), order.get("text"), max_new, bool(order.get("whole")))
+    except TooLong as error:
+        emit("error", id=rid, message=str(error), code="context_length_exceeded")
+        return None
+    except (ValueError, TypeError) as error:
+        emit("error", id=rid, message=str(error))
+        return None
+    began, said = time.time(), {"text": "", "first": None}
+
+    def on_token(token: int) -> None:
+        text = chat.tokenizer.decode(request.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a character cut between tokens: said with the next one
+            return
+        said["first"] = said["first"] or time.time()
+        if len(text) > len(said["text"]):
+            emit("token", id=rid, text=text[len(said["text"]):])
+        said["text"] = text
+
+    def on_done(reason: str) -> None:
+        requests.pop(rid, None)
+        text = chat.tokenizer.decode(request.tokens, skip_special_tokens=True)
+        if len(text) > len(said["text"]):
+            emit("token", id=rid, text=text[len(said["text"]):])
+        emit("done", id=rid, text=text, prompt_tokens=len(ids), bucket=bucket, dropped_turns=dropped,
+             new_tokens=len(request.tokens), finish=reason, stopped=reason == "cancelled",
+             ttft_s=round((said["first"] or time.time()) - began, 4), seconds=round(time.time() - began, 4),
+             shapes=sorted(list(s) for s in chat.shapes))
+
+    request = Request(ids, bucket, max_new, temperature=float(order.get("temperature") or 0),
+                      top_p=float(order.get("top_p") or 1.0), seed=order.get("seed"), on_token=on_token,
+                      on_done=on_done)
+    requests[rid] = request
+    return request
+
+
+def eos_ids(chat: Generator) -> set[int]:
+    """The tokens that end an answer: the generation config's, and the tokenizer's."""
+    eos = chat.model.generation_config.eos_token_id
+    found = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return found | ({chat.tokenizer.eos_token_id} if chat.tokenizer.eos_token_id is not None else set())
+
+
 def main() -> int:
     setup = json.loads(sys.stdin.readline())
     target = setup["target"]
@@ -91,7 +178,10 @@ def main() -> int:
             emit("ready", label=target["label"], cores=setup["cores"], backend=setup["backend"],
                  max_cache_len=chat.max_cache_len, has_base=chat.has_base, template_kwargs=chat.template_kwargs,
                  thinking=chat.thinking)
-            serve(chat)
+            if setup.get("max_batch", 1) > 1:
+                serve_batched(chat, setup["max_batch"])
+            else:
+                serve(chat)
     except leases.CoresBusy as error:
         emit("error", message=str(error))
         return 2

@@ -4,14 +4,17 @@
     POST /v1/chat/completions   a conversation, rendered by the model's chat template as the chat
                                 renders it; streamed as server-sent events with "stream": true
     POST /v1/completions        a plain prompt, no template
-    GET  /v1/studio/stats       the studio's own figures: requests, queue, the input shapes so far
+    GET  /v1/studio/stats       the studio's own figures: requests, answering, queue, the input shapes so far
 
 It answers through a ChatProcess (studio_core/serve/chat.py): the same loading, static KV cache, prompt
 buckets and core lease as the Chat tab, so however many requests come, the model sees at most a
 prefill shape per bucket plus the one-token decode shape (on Neuron each is a compilation).
-Requests are answered one at a time, in arrival order: batching them would add a shape per batch
-size and bucket. At most `max_queue` wait; one more gets 503 at once. A client that disconnects
-from a stream ends its generation after the current token and gives up its place.
+Requests are answered in arrival order: with a batched chat process (`launch.py serve`, max_batch
+above 1) up to max_batch at once, decoded together at fixed shapes (serve/batching.py: at most a
+decode shape per batch bucket and a prefill shape per length bucket); else one at a time. At most
+`max_queue` wait beyond those; one more gets 503 at once. A client that disconnects from a stream
+ends its generation after the current token (a batched one frees its row at the next step) and
+gives up its place.
 
 A request is checked whole before it takes its place (`parse`, in studio_core/serve/openai_request.py:
 a strict pydantic model of OpenAI's fields, then their ranges), so no bad field fails once it holds
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import threading
 import time
@@ -42,7 +46,7 @@ from collections import deque
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from studio_core.serve.chat import ChatError
+from studio_core.serve.chat import BATCH_BUCKETS, ChatError
 from studio_core.serve.generation import buckets_for
 from studio_core.serve.openai_request import CACHE_SETTING, ApiError, parse, too_long
 
@@ -55,8 +59,9 @@ def shutting_down() -> ApiError:
 
 
 class Turns:
-    """Requests take turns at the model in arrival order; at most `limit` wait (Full beyond).
-    Once closed, no one enters and every waiter gets Closed."""
+    """Requests take turns at the model in arrival order, `width` at a time (a batched chat
+    process answers that many together); at most `limit` wait (Full beyond). Once closed, no one
+    enters and every waiter gets Closed."""
 
     class Full(Exception):
         pass
@@ -64,14 +69,14 @@ class Turns:
     class Closed(Exception):
         pass
 
-    def __init__(self, limit: int):
-        self.limit, self.waiting, self.cond, self.closed = limit, deque(), threading.Condition(), False
+    def __init__(self, limit: int, width: int = 1):
+        self.limit, self.width, self.waiting, self.cond, self.closed = limit, width, deque(), threading.Condition(), False
 
     def enter(self) -> object:
         with self.cond:
             if self.closed:
                 raise Turns.Closed()
-            if len(self.waiting) > self.limit:  # the one answering now is not waiting
+            if len(self.waiting) >= self.limit + self.width:  # the ones answered now are not waiting
                 raise Turns.Full()
             ticket = object()
             self.waiting.append(ticket)
@@ -79,7 +84,7 @@ class Turns:
 
     def wait(self, ticket: object) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: self.closed or self.waiting[0] is ticket)
+            self.cond.wait_for(lambda: self.closed or ticket in itertools.islice(self.waiting, self.width))
             if self.closed:
                 raise Turns.Closed()
 
@@ -95,7 +100,7 @@ class Turns:
 
     @property
     def queued(self) -> int:
-        return max(0, len(self.waiting) - 1)
+        return max(0, len(self.waiting) - self.width)
 
 
 # --- answering ----------------------------------------------------------------------------
@@ -104,7 +109,7 @@ class Answering:
     `setting`: what the user changes to serve a longer cache (for the too-long message)."""
 
     def __init__(self, chat, model: str, max_queue: int = MAX_QUEUE, setting: str = CACHE_SETTING):
-        self.chat, self.model, self.turns, self.setting = chat, model, Turns(max_queue), setting
+        self.chat, self.model, self.turns, self.setting = chat, model, Turns(max_queue, chat.max_batch), setting
         self.max_cache_len = chat.info["max_cache_len"]
         self.shapes: list = []
         self.counts = {"requests": 0, "completed": 0, "stopped": 0, "failed": 0}
@@ -139,6 +144,7 @@ class Answering:
         or never started."""
         cancel = cancel or threading.Event()
         cut, text, sent, done = None, "", 0, {}
+        halt = Either(cancel, threading.Event())  # set: the chat process ends this answer
         try:
             stop_strings = request.pop("stop")
             hold = max((len(s) for s in stop_strings), default=1) - 1
@@ -149,20 +155,19 @@ class Answering:
             if cancel.is_set():
                 self.counts["stopped"] += 1
                 raise shutting_down() if self.turns.closed else ApiError(499, "the client left", kind="server_error")
-            for event in self.chat.generate(**request, whole=True):
+            for event in self.chat.generate(**request, whole=True, halt=halt):
                 if event["type"] != "token":
                     done = event
                     continue
                 if cancel.is_set() and cut is None:
                     cut = len(text)
-                    self.chat.stop_generation()
                 if cut is not None:
                     continue  # after a stop string or the client's leaving: what is still coming is dropped
                 text += event["text"]
                 hit = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=None)
                 if hit is not None:
                     cut, text = hit, text[:hit]
-                    self.chat.stop_generation()
+                    halt.events[1].set()
                 ready = len(text) if cut is not None else max(sent, len(text) - hold)
                 if pieces is not None and ready > sent:
                     pieces(text[sent:ready])
@@ -193,6 +198,16 @@ class Answering:
         return {"text": text, "finish_reason": finish,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new_tokens,
                           "total_tokens": prompt_tokens + new_tokens}}
+
+
+class Either:
+    """Set when any of its events is set (what the chat process's generate() looks at)."""
+
+    def __init__(self, *events: threading.Event):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self.events)
 
 
 def _answer_in_thread(answering: Answering, ticket, fields: dict, cancel: threading.Event, streamed: bool,
@@ -266,8 +281,11 @@ def build_api(answering: Answering, api_key: str | None = None):
 
     @api.get("/v1/studio/stats")
     async def stats():
-        return {**answering.counts, "queued": answering.turns.queued, "shapes": answering.shapes,
-                "buckets": buckets_for(answering.max_cache_len, 1), "max_cache_len": answering.max_cache_len}
+        turns = answering.turns
+        return {**answering.counts, "queued": turns.queued, "answering": len(turns.waiting) - turns.queued,
+                "shapes": answering.shapes, "buckets": buckets_for(answering.max_cache_len, 1),
+                "batch_buckets": [b for b in BATCH_BUCKETS if b <= answering.chat.max_batch],
+                "max_cache_len": answering.max_cache_len}
 
     async def answer(request: Request, kind: str):
         try:

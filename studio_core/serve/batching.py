@@ -1,0 +1,289 @@
+"""Batched decoding at fixed shapes: requests answered together, joining and leaving a running
+batch at step boundaries (continuous batching), while the model sees only a few input shapes (on
+Neuron each new shape is a compilation). Imports torch: child processes only.
+
+The cache: one static KV cache of `rows` rows (the largest batch bucket) by `max_cache_len` cells
+(SlotCache), every row written at one shared position P per step. A request joins when a row is
+free and its prompt fits left of P: its prompt, left-padded to its length bucket Lb, is
+prefilled alone (a (1, Lb) input) into its row's cells [P-Lb, P), and its first token is
+sampled from that pass. Each step then decodes the active rows together: a (b, 1) input, b the
+smallest batch bucket that holds them, each row with its own position and a mask of its own
+cells (a 4D mask: the model attends to nothing else). Active rows are kept in rows 0..n-1 (a
+finished row's place is taken by the last one, its cells copied), so rows n..b-1 only pad the
+batch. When no row is active P starts again. So the model sees at most one prefill shape per
+length bucket and one decode shape per batch bucket, however many requests come.
+
+Who joins when: waiting requests join in arrival order (a later one never passes an earlier
+one, so a long prompt is not starved). A request needs Lb <= P (room on the left: P grows one
+cell a step, and when the batch is empty P is set to the longest bucket of those joining) and
+P + max_new_tokens <= max_cache_len (room on the right); one that does not fit waits for the
+batch to drain.
+
+Each request keeps its own sampling (temperature, top_p, a seeded generator), max_new_tokens and
+end-of-sequence; `cancel` ends one at the next step boundary and frees its row. Greedy decoding
+gives a request the same tokens alone or in a batch: its row sees its own cells only (the tests
+compare them token for token; a float sum over a longer batch could in principle order its terms
+otherwise, which they would catch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+BATCH_BUCKETS = (1, 2, 4, 8)
+
+
+def batch_bucket(active: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
+    """The smallest batch bucket that holds `active` rows."""
+    return next(b for b in buckets if b >= active)
+
+
+@dataclass
+class Request:
+    """One request: its prompt's token ids, bucket and settings; `on_token(id)` gets each new
+    token as it comes, `on_done(reason)` once at its end ("stop": end of sequence, "length":
+    max_new_tokens, "cancelled")."""
+    ids: list[int]
+    bucket: int
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    on_token: Callable[[int], None] = lambda token: None
+    on_done: Callable[[str], None] = lambda reason: None
+    id: int = 0
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    start: int = 0  # the cell of its first real token
+    length: int = 0  # its tokens in the cache (prompt and generated)
+    generator: object = None  # its torch.Generator when it samples
+    cancelled: bool = False
+
+
+def slot_cache(model, rows: int, max_cache_len: int):
+    """A static cache of `rows` rows for `model`, written at one shared position (see the module's
+    doc); `at(position, row)` sets where the next forward writes."""
+    import torch
+    from transformers.cache_utils import Cache, StaticLayer
+
+    class SlotLayer(StaticLayer):
+        """Transformers' static layer with a fixed number of rows: a forward of b rows writes rows
+        [row, row + b) at the shared position."""
+
+        row = 0
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            shape = key_states.shape
+            super().lazy_initialization(key_states.new_zeros((rows, *shape[1:])),
+                                        value_states.new_zeros((rows, *value_states.shape[1:])))
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            b, length = key_states.shape[0], key_states.shape[-2]
+            cells = torch.arange(length, device=self.device) + self.cumulative_length
+            self.keys[self.row:self.row + b].index_copy_(2, cells, key_states)
+            self.values[self.row:self.row + b].index_copy_(2, cells, value_states)
+            return self.keys[self.row:self.row + b], self.values[self.row:self.row + b]
+
+    class SlotCache(Cache):
+        def __init__(self):
+            layers = model.config.get_text_config().num_hidden_layers
+            super().__init__(layers=[SlotLayer(max_cache_len=max_cache_len) for _ in range(layers)])
+
+        def at(self, position: int, row: int = 0) -> None:
+            for layer in self.layers:
+                layer.cumulative_length.fill_(position)
+                layer.row = row
+
+        def move(self, source: int, target: int) -> None:
+            """Row `source`'s cells copied into row `target`."""
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keys[target].copy_(layer.keys[source])
+                    layer.values[target].copy_(layer.values[source])
+
+    return SlotCache()
+
+
+class BatchEngine:
+    """Answers requests in batches (see the module's doc). `submit` from any thread; one thread
+    runs `run()` (or the caller steps it with `step()`)."""
+
+    def __init__(self, model, pad: int, eos: set[int], max_cache_len: int,
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, forward_kwargs: Callable[[list], dict] | None = None):
+        self.model, self.pad, self.eos, self.max_cache_len = model, pad, set(eos), max_cache_len
+        self.buckets = tuple(sorted(batch_buckets))
+        self.rows = self.buckets[-1]
+        self.cache = slot_cache(model, self.rows, max_cache_len)
+        self.active: list[Request] = []  # row i holds active[i]
+        self.waiting: deque[Request] = deque()
+        self.position = 0  # P: the cell every row writes next
+        self.lock = threading.Condition()
+        self.closed = False
+        self.ids = itertools.count(1)
+        # extra forward arguments for the rows in order (e.g. PEFT's adapter_names); None: none
+        self.forward_kwargs = forward_kwargs or (lambda requests: {})
+
+    # --- from any thread ------------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        if request.bucket + request.max_new_tokens > self.max_cache_len:
+            raise ValueError(f"a prompt bucket of {request.bucket} tokens and {request.max_new_tokens} new tokens do "
+                             f"not fit a cache of {self.max_cache_len}")
+        with self.lock:
+            request.id = next(self.ids)
+            self.waiting.append(request)
+            self.lock.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End the request at the next step boundary (at once if it waits), freeing its row."""
+        with self.lock:
+            request.cancelled = True
+            self.lock.notify_all()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
+
+    def run(self) -> None:
+        """Step until closed, sleeping while nothing is asked."""
+        while True:
+            with self.lock:
+                self.lock.wait_for(lambda: self.closed or self.active or self.waiting)
+                if self.closed:
+                    break
+            self.step()
+        for request in [*self.active, *self.waiting]:
+            request.on_done("cancelled")
+        self.active, self.waiting = [], deque()
+
+    # --- the engine's thread --------------------------------------------------------------
+    def step(self) -> None:
+        """One step boundary: the cancelled leave, the waiting that fit join (each prefilled,
+        its first token out), then one decode step of every active row."""
+        import torch
+
+        with torch.inference_mode():  # the cache's tensors are made and changed in it
+            self._leave([r for r in self.active if r.cancelled], "cancelled")
+            for request in self._joining():
+                self._prefill(request)
+            if self.active:
+                self._decode()
+
+    def _joining(self) -> list[Request]:
+        """The waiting requests that join now, in arrival order, each given its row."""
+        joined = []
+        with self.lock:
+            while self.waiting and self.waiting[0].cancelled:
+                self.waiting.popleft().on_done("cancelled")
+            if not self.active and self.waiting:  # an empty batch: P set for the first ones to join together
+                self.position, longest = 0, 0
+                for request in itertools.islice(self.waiting, self.rows):
+                    position, most = max(self.position, request.bucket), max(longest, request.max_new_tokens)
+                    if position + most > self.max_cache_len:
+                        break
+                    self.position, longest = position, most
+            while self.waiting and len(self.active) < self.rows:
+                request = self.waiting[0]
+                if request.cancelled:
+                    self.waiting.popleft().on_done("cancelled")
+                    continue
+                if request.bucket > self.position or self.position + request.max_new_tokens > self.max_cache_len:
+                    break  # it waits (and the ones after it: arrival order)
+                self.waiting.popleft()
+                self.active.append(request)
+                joined.append(request)
+        return joined
+
+    def _prefill(self, request: Request) -> None:
+        import torch
+
+        row, bucket, count = self.active.index(request), request.bucket, len(request.ids)
+        first = self.position - bucket
+        request.start, request.length = self.position - count, count
+        ids = torch.tensor([[self.pad] * (bucket - count) + request.ids])
+        positions = torch.tensor([[0] * (bucket - count) + list(range(count))])
+        # query j (cell first + j) sees the real cells up to its own; a pad sees only itself
+        cells = torch.arange(self.max_cache_len)
+        query_cells = torch.arange(first, self.position)
+        seen = (cells[None, :] >= request.start) & (cells[None, :] <= query_cells[:, None])
+        seen |= cells[None, :] == query_cells[:, None]
+        self.cache.at(first, row)
+        logits = self._forward(ids, positions, seen[None], [request])[0, -1]  # the last real token's
+        self._emit(request, logits)
+
+    def _decode(self) -> None:
+        import torch
+
+        n = len(self.active)
+        b = batch_bucket(n, self.buckets)
+        last = [r.tokens[-1] for r in self.active] + [self.pad] * (b - n)
+        positions = [r.length for r in self.active] + [0] * (b - n)
+        cells = torch.arange(self.max_cache_len)
+        starts = torch.tensor([r.start for r in self.active] + [self.position] * (b - n))
+        seen = (cells[None, :] >= starts[:, None]) & (cells[None, :] <= self.position)  # each row its own cells
+        self.cache.at(self.position, 0)
+        logits = self._forward(torch.tensor(last)[:, None], torch.tensor(positions)[:, None], seen[:, None],
+                               self.active + [None] * (b - n))[:, -1]
+        self.position += 1
+        for request, row_logits in zip(list(self.active), logits):
+            request.length += 1
+            self._emit(request, row_logits)
+
+    def _forward(self, ids, positions, seen, requests: list):
+        """The model on (b, q) ids; `seen` (b, q, cells): which cells each query attends to."""
+        import torch
+
+        mask = seen[:, None]  # (b, 1, q, cells), as Transformers' attention takes a prepared mask
+        if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype).masked_fill(~mask, torch.finfo(self.model.dtype).min)
+        device = self.model.device
+        out = self.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
+                         cache=self.cache, use_cache=True, logits_to_keep=1, **self.forward_kwargs(requests))
+        return out.logits.float().cpu()
+
+    def _emit(self, request: Request, logits) -> None:
+        """The request's next token from its logits, out; it leaves when it ends."""
+        token = self._sample(request, logits)
+        request.tokens.append(token)
+        request.on_token(token)
+        if token in self.eos:
+            self._leave([request], "stop")
+        elif len(request.tokens) >= request.max_new_tokens:
+            self._leave([request], "length")
+
+    @staticmethod
+    def _sample(request: Request, logits) -> int:
+        import torch
+
+        if request.temperature <= 0:
+            return int(torch.argmax(logits))
+        if request.generator is None:
+            request.generator = torch.Generator()
+            if request.seed is not None:
+                request.generator.manual_seed(request.seed)
+            else:
+                request.generator.seed()
+        probs = torch.softmax(logits / request.temperature, dim=-1)
+        if request.top_p < 1.0:
+            ordered, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(ordered, dim=-1) - ordered < request.top_p  # the smallest set reaching top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
+        return int(torch.multinomial(probs, 1, generator=request.generator))
+
+    def _leave(self, requests: list[Request], reason: str) -> None:
+        """The requests leave their rows; the last active row moves into each freed one."""
+        for request in requests:
+            if request not in self.active:
+                continue
+            row, last = self.active.index(request), len(self.active) - 1
+            if row != last:
+                self.cache.move(last, row)
+                self.active[row] = self.active[last]
+            self.active.pop()
+            request.on_done(reason)
