@@ -115,9 +115,9 @@ def parser() -> argparse.ArgumentParser:
 
     serve = command("serve", cmd_serve, "start the web app (the default command), or with a run id or model, an "
                     "OpenAI-compatible endpoint for it")
-    serve.add_argument("target", nargs="?", metavar="RUN_OR_MODEL",
+    serve.add_argument("target", nargs="*", metavar="RUN_OR_MODEL",
                        help="serve this run's model (or a model: a Hub id or folder) at /v1, OpenAI's API, instead "
-                            "of the web app")
+                            "of the web app; several LoRA runs on one base: each its own model name, one base loaded")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=whole_number(1, 65535), help="port (default 7860 for the web app, 8000 for a "
                        "model)")

@@ -14,7 +14,7 @@ from cli.options import CommandLineError, runs_folder
 
 
 def cmd_serve(args) -> int:
-    if args.target is not None:
+    if args.target:
         return serve_model(args)
     given = [flag for flag, value in (("--api-key-file", args.api_key_file), ("--cores", args.cores),
                                       ("--backend", args.backend), ("--max-cache-len", args.max_cache_len)) if value]
@@ -88,20 +88,21 @@ def serve_model(args) -> int:
     hardware = hardware_for(args)
     check_one_core(args.cores, hardware)
     try:
-        chat = ChatProcess.start(args.target, runs_dir, hardware, cores=args.cores,
-                                 max_cache_len=args.max_cache_len or MAX_CACHE_LEN, max_batch=args.max_batch)
+        chat = ChatProcess.start(args.target[0], runs_dir, hardware, cores=args.cores,
+                                 max_cache_len=args.max_cache_len or MAX_CACHE_LEN, max_batch=args.max_batch,
+                                 also=tuple(args.target[1:]))
     except ChatError as error:
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
     try:
-        server = ApiServer(chat, args.target, args.host, args.port or 8000, key, args.max_queue,
+        server = ApiServer(chat, args.target[0], args.host, args.port or 8000, key, args.max_queue,
                            setting="launch.py serve --max-cache-len").start()
     except OSError as error:
         chat.unload()
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
     batching = f"up to {args.max_batch} requests decoded together" if args.max_batch > 1 else "one request at a time"
-    print(f"Serving {args.target} at {server.url} (OpenAI's API; key {'required' if key else 'not required'}; "
+    print(f"Serving {', '.join(args.target)} at {server.url} (OpenAI's API; key {'required' if key else 'not required'}; "
           f"{batching}); Ctrl-C ends it", flush=True)
     # SIGTERM only sets a flag: the ending below (requests cut, server, chat process) runs once, whole
     terminated = threading.Event()

@@ -139,10 +139,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(runs_dir: Path, max_queue: int) -> tuple[subprocess.Popen, str]:
+def start_server(runs_dir: Path, max_queue: int, max_batch: int = 8) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "launch.py", "serve", BUILTIN_MODEL, "--port", str(port), "--runs-dir",
-                             str(runs_dir), "--max-queue", str(max_queue)], cwd=ROOT, stdout=subprocess.PIPE,
+                             str(runs_dir), "--max-queue", str(max_queue), "--max-batch", str(max_batch)], cwd=ROOT,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line.startswith(f"Serving {BUILTIN_MODEL} at http://127.0.0.1:{port}/v1"), line + proc.stderr.read()
@@ -176,9 +177,11 @@ def test_a_malformed_request_leaves_the_server_answering_the_next(one_place_serv
     assert status == 200 and body["usage"]["completion_tokens"] > 0, body
 
 
-def test_sigterm_ends_the_requests_in_flight_and_queued_the_chat_process_and_the_core(tmp_path):
+@pytest.mark.parametrize("max_batch, where", [(1, "queued"), (8, "answering")])
+def test_sigterm_ends_the_requests_in_flight_and_queued_the_chat_process_and_the_core(tmp_path, max_batch, where):
+    """One at a time, three requests wait in the queue; batched, all four are decoded together."""
     runs_dir = tmp_path / "runs"
-    proc, url = start_server(runs_dir, max_queue=8)
+    proc, url = start_server(runs_dir, max_queue=8, max_batch=max_batch)
     count = os.cpu_count() or 1
     chat_pids = [info["pid"] for info in leases.holders(runs_dir, "cpu", count).values() if info.get("kind") == "chat"]
     assert len(chat_pids) == 1
@@ -200,8 +203,8 @@ def test_sigterm_ends_the_requests_in_flight_and_queued_the_chat_process_and_the
     for thread in waiting:
         thread.start()
     deadline = time.monotonic() + 120
-    while json.load(urllib.request.urlopen(url + "/studio/stats", timeout=30))["queued"] < 3:
-        assert time.monotonic() < deadline, "the three requests did not queue"
+    while json.load(urllib.request.urlopen(url + "/studio/stats", timeout=30))[where] < (3 if max_batch == 1 else 4):
+        assert time.monotonic() < deadline, f"the three requests are not {where}"
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     rest = stream.read().decode()  # until the server closes the stream

@@ -55,6 +55,7 @@ class Request:
     seed: int | None = None
     on_token: Callable[[int], None] = lambda token: None
     on_done: Callable[[str], None] = lambda reason: None
+    adapter: str | None = None  # the LoRA adapter its row is decoded with (several runs on one base)
     id: int = 0
     tokens: list[int] = field(default_factory=list)  # generated so far
     start: int = 0  # the cell of its first real token

@@ -107,6 +107,26 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
     return ChatTarget(name, model=path, tokenizer=path, untrained=("tuned",) if name == BUILTIN_MODEL else ())
 
 
+def adapters_of(first: ChatTarget, others: list[ChatTarget], max_batch: int) -> dict[str, str]:
+    """{model name: adapter folder} of runs served together: LoRA runs on one base, batched;
+    ChatError saying what to do otherwise (a full or merged run is served on its own)."""
+    targets = [first, *others]
+    names = [target.label for target in targets]
+    if len(set(names)) < len(names):
+        raise ChatError(f"{', '.join(names)}: a run is named twice; name each run once")
+    whole = [target.label for target in targets if not target.adapter]
+    if whole:
+        raise ChatError(f"{', '.join(whole)}: several runs are served together only as LoRA adapters on one base; "
+                        "a full run (or a model) is served by a `launch.py serve` of its own")
+    bases = {target.model for target in targets}
+    if len(bases) > 1:
+        raise ChatError(f"{', '.join(names)}: these adapters were trained on different base models ({', '.join(sorted(bases))}); "
+                        "serve the runs of each base together, each base by a `launch.py serve` of its own")
+    if max_batch == 1:
+        raise ChatError("several runs are served with batching on: leave out --max-batch 1")
+    return {target.label: target.adapter for target in targets}
+
+
 def _model_path(name: str) -> str:
     if name == BUILTIN_MODEL:
         from studio_core.data.builtin import ensure_tiny_model
@@ -178,12 +198,15 @@ class ChatProcess:
 
     @classmethod
     def start(cls, name: str, runs_dir: str | Path, hardware: Hardware, cores: str | None = None,
-              max_cache_len: int = MAX_CACHE_LEN, max_batch: int = 1) -> ChatProcess:
+              max_cache_len: int = MAX_CACHE_LEN, max_batch: int = 1, also: tuple[str, ...] = ()) -> ChatProcess:
         """Resolve the target, take a free core (or the ones asked for), load the model. With
         `max_batch` above 1 the process answers up to that many requests together (the tuned
-        model only: a server's)."""
+        model only: a server's); `also`: more LoRA runs on the same base, each its own model
+        name, their requests decoded in the same batches (PEFT's mixed-adapter batches)."""
         target = resolve(name, runs_dir)
         setup = {"target": asdict(target), "max_cache_len": max_cache_len, "kind": "chat", "max_batch": max_batch}
+        if also:
+            setup["adapters"] = adapters_of(target, [resolve(other, runs_dir) for other in also], max_batch)
         proc, events, stderr_tail, _ = cls.spawn("studio_core.serve.chat_worker", setup, runs_dir, hardware, cores)
         try:
             first = events.get(timeout=LOAD_TIMEOUT_S)

@@ -93,8 +93,12 @@ def serve_batched(chat: Generator, max_batch: int) -> None:
     """Answer the requests on stdin together, in batches of up to `max_batch` (serve/batching.py),
     until quit or EOF; {"op": "cancel", "id"} ends one (its row is free at the next step), a
     {"op": "stop"} every one. The tuned model only (no side-by-side base here)."""
+    names = chat.adapter_names  # several runs' adapters: each row decoded with its request's
+    first = next(iter(names.values()), None)
     engine = BatchEngine(chat.model, chat.pad, eos_ids(chat), chat.max_cache_len,
-                         batch_buckets=tuple(b for b in BATCH_BUCKETS if b <= max_batch))
+                         batch_buckets=tuple(b for b in BATCH_BUCKETS if b <= max_batch),
+                         forward_kwargs=(lambda rows: {"adapter_names": [r.adapter if r else first for r in rows]})
+                         if names else None)
     requests: dict[int, Request] = {}
     stepping = threading.Thread(target=engine.run, name="batch", daemon=True)
     stepping.start()
@@ -122,6 +126,7 @@ def batched_request(chat: Generator, order: dict, requests: dict) -> Request | N
     try:
         if order.get("which", "tuned") != "tuned":
             raise ValueError("a batched server answers with the tuned model only")
+        adapter = chat.adapter_names.get(order.get("model"), next(iter(chat.adapter_names.values()), None))
         max_new = int(order.get("max_new_tokens") or 128)
         ids, bucket, dropped = chat.fitted(order.get("messages"), order.get("text"), max_new, bool(order.get("whole")))
     except TooLong as error:
@@ -153,7 +158,7 @@ def batched_request(chat: Generator, order: dict, requests: dict) -> Request | N
 
     request = Request(ids, bucket, max_new, temperature=float(order.get("temperature") or 0),
                       top_p=float(order.get("top_p") or 1.0), seed=order.get("seed"), on_token=on_token,
-                      on_done=on_done)
+                      on_done=on_done, adapter=adapter)
     requests[rid] = request
     return request
 
@@ -171,13 +176,13 @@ def main() -> int:
     try:
         with on_leased_cores(setup):
             try:
-                chat = Generator(target, setup["backend"], setup["max_cache_len"])
+                chat = Generator(target, setup["backend"], setup["max_cache_len"], adapters=setup.get("adapters"))
             except Exception as error:
                 emit("error", message=f"cannot load {target['label']}: {type(error).__name__}: {error}")
                 return 1
             emit("ready", label=target["label"], cores=setup["cores"], backend=setup["backend"],
                  max_cache_len=chat.max_cache_len, has_base=chat.has_base, template_kwargs=chat.template_kwargs,
-                 thinking=chat.thinking)
+                 thinking=chat.thinking, models=list(chat.adapter_names) or [target["label"]])
             if setup.get("max_batch", 1) > 1:
                 serve_batched(chat, setup["max_batch"])
             else:

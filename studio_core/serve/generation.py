@@ -86,9 +86,12 @@ class TooLong(ValueError):
 class Generator:
     """`target`: a ChatTarget's fields (model, tokenizer, adapter: a LoRA run's, base: a full
     run's base model, trust_remote_code); `backend`; `max_cache_len`: the static cache's length;
-    `tokenizer`: the target's, when the caller has it loaded already."""
+    `tokenizer`: the target's, when the caller has it loaded already; `adapters`: {model name: LoRA
+    folder} of several runs on the target's base, served together (the target's own adapter among
+    them)."""
 
-    def __init__(self, target: dict, backend: str, max_cache_len: int, tokenizer=None):
+    def __init__(self, target: dict, backend: str, max_cache_len: int, tokenizer=None,
+                 adapters: dict[str, str] | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -98,7 +101,16 @@ class Generator:
         self.load_kwargs = {**load, "trust_remote_code": bool(target.get("trust_remote_code"))}
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
         self.model = AutoModelForCausalLM.from_pretrained(target["model"], **self.load_kwargs)
-        if target.get("adapter"):
+        # several LoRA runs on this base (a server's): each loaded under a name of its own, adapter0, ...
+        self.adapter_names = {label: f"adapter{n}" for n, label in enumerate(adapters or {})}
+        if adapters:
+            from peft import PeftModel
+
+            (first, path), *rest = adapters.items()
+            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=self.adapter_names[first])
+            for label, path in rest:
+                self.model.load_adapter(path, adapter_name=self.adapter_names[label])
+        elif target.get("adapter"):
             from peft import PeftModel
 
             self.model = PeftModel.from_pretrained(self.model, target["adapter"])

@@ -110,6 +110,7 @@ class Answering:
 
     def __init__(self, chat, model: str, max_queue: int = MAX_QUEUE, setting: str = CACHE_SETTING):
         self.chat, self.model, self.turns, self.setting = chat, model, Turns(max_queue, chat.max_batch), setting
+        self.models = chat.info.get("models") or [model]  # several runs' adapters on one base: each a name
         self.max_cache_len = chat.info["max_cache_len"]
         self.shapes: list = []
         self.counts = {"requests": 0, "completed": 0, "stopped": 0, "failed": 0}
@@ -276,8 +277,8 @@ def build_api(answering: Answering, api_key: str | None = None):
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": answering.model, "object": "model", "created": int(time.time()),
-                                            "owned_by": "trn-studio"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "trn-studio"} for name in answering.models]}
 
     @api.get("/v1/studio/stats")
     async def stats():
@@ -294,16 +295,16 @@ def build_api(answering: Answering, api_key: str | None = None):
             raise ApiError(400, "the request body must be JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        fields, stream, usage_wanted = parse(body, kind, answering.model, answering.max_cache_len)
+        fields, stream, usage_wanted = parse(body, kind, answering.models, answering.max_cache_len)
         ticket, cancel = answering.enter()
         made, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         items = _answer_in_thread(answering, ticket, fields, cancel, stream, rid)
         if stream:
-            return _Stream(_stream(items, kind, rid, made, answering.model, usage_wanted), cancel)
+            return _Stream(_stream(items, kind, rid, made, fields["model"], usage_wanted), cancel)
         result = await items.get()
         if isinstance(result, ApiError):
             raise result
-        return _whole_response(kind, rid, made, answering.model, result)
+        return _whole_response(kind, rid, made, fields["model"], result)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):

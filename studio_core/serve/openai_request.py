@@ -116,15 +116,17 @@ _EXPECTED = {"bool_type": "true or false", "int_type": "a whole number", "float_
              "finite_number": "a finite number"}
 
 
-def parse(body: dict, kind: str, model: str, max_cache_len: int) -> tuple[dict, bool, bool]:
-    """The whole request checked, before it takes a turn: (the chat process's fields, stream,
-    usage wanted at a stream's end). Raises ApiError saying what to change."""
+def parse(body: dict, kind: str, model: str | list[str], max_cache_len: int) -> tuple[dict, bool, bool]:
+    """The whole request checked, before it takes a turn: (the chat process's fields, the model's
+    name among them, stream, usage wanted at a stream's end). `model`: the name served, or the
+    names (several runs' adapters on one base). Raises ApiError saying what to change."""
+    served = [model] if isinstance(model, str) else list(model)
     try:
         request = (_ChatRequest if kind == "chat" else _TextRequest).model_validate(body)
     except ValidationError as invalid:
-        raise _refusal(invalid.errors()[0], model) from None
-    if request.model != model:
-        raise ApiError(404, f"model {request.model!r} is not served here; this server serves {model!r} "
+        raise _refusal(invalid.errors()[0], served) from None
+    if request.model not in served:
+        raise ApiError(404, f"model {request.model!r} is not served here; this server serves {_names(served)} "
                        "(GET /v1/models)", "model", "model_not_found")
     for name, (defaults, what) in UNSUPPORTED.items():
         value = getattr(request, name, None)
@@ -134,7 +136,7 @@ def parse(body: dict, kind: str, model: str, max_cache_len: int) -> tuple[dict, 
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "stream_options goes with \"stream\": true; leave it out of a request that is not "
                        "streamed", "stream_options")
-    fields = sampling(body, max_cache_len)
+    fields = sampling(body, max_cache_len) | {"model": request.model}
     if kind == "chat":
         fields |= {"messages": chat_messages(body)}
     else:
@@ -143,10 +145,14 @@ def parse(body: dict, kind: str, model: str, max_cache_len: int) -> tuple[dict, 
     return fields, bool(request.stream), usage
 
 
-def _refusal(error: dict, model: str) -> ApiError:
+def _names(served: list[str]) -> str:
+    return ", ".join(repr(name) for name in served)
+
+
+def _refusal(error: dict, served: list[str]) -> ApiError:
     param = ".".join(str(part) for part in error["loc"])
     if error["type"] == "missing":
-        return ApiError(400, f"{param} is required" + (f": this server serves {model!r} (GET /v1/models)"
+        return ApiError(400, f"{param} is required" + (f": this server serves {_names(served)} (GET /v1/models)"
                                                        if param == "model" else ""), param)
     if error["type"] == "extra_forbidden":
         return ApiError(400, f"unknown field {param!r}: OpenAI's API has no such field here; leave it out", param,

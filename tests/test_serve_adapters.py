@@ -1,0 +1,77 @@
+"""`launch.py serve RUN1 RUN2`: several LoRA runs on one base served by one process, the base
+loaded once, each run its own model name; requests for different runs decoded in the same
+batches (PEFT's mixed-adapter batches) answer as each run does alone. The second run here is a
+copy of the tiny LoRA SFT run with its adapter's B matrices zeroed: it answers as the base model
+does, so the two runs' answers differ and a mix-up would show."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from safetensors.torch import load_file, save_file
+
+from test_openai_api import KEY, QA, ROOT, client, free_port, question
+
+
+@pytest.fixture(scope="module")
+def two_adapters(trained_runs):
+    manager, ids = trained_runs
+    lora = ids["lora"]
+    blank = f"{lora}-blank"
+    shutil.copytree(manager.runs_dir / lora, manager.runs_dir / blank)
+    weights = manager.runs_dir / blank / "output" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    assert any("lora_B" in name for name in tensors)
+    save_file({name: t.zero_() if "lora_B" in name else t for name, t in tensors.items()}, weights)
+    return manager, lora, blank, ids["full"]
+
+
+def serve(manager, *names: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "launch.py", "serve", *names, "--port", str(free_port()), "--runs-dir",
+                             str(manager.runs_dir), *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_two_lora_runs_on_one_base_are_two_models_decoded_together(two_adapters, tmp_path):
+    manager, lora, blank, _ = two_adapters
+    key = tmp_path / "key"
+    key.write_text(KEY)
+    proc = serve(manager, lora, blank, extra=("--api-key-file", str(key)))
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"Serving {lora}, {blank} at "), line + proc.stderr.read()
+        server = {"url": line.split(" at ")[1].split(" ")[0]}
+        api = client(server, timeout=300)
+        assert [m.id for m in api.models.list().data] == [lora, blank]
+
+        def ask(model: str, i: int) -> str:
+            return api.chat.completions.create(model=model, messages=question(i), max_tokens=32,
+                                               temperature=0).choices[0].message.content
+
+        alone = {(model, i): ask(model, i) for model in (lora, blank) for i in range(3)}
+        assert all(alone[(lora, i)] == QA[i][1]["content"] for i in range(3))  # the tuned adapter's answers
+        assert all(alone[(blank, i)] != alone[(lora, i)] for i in range(3))  # the blank one answers as the base
+        with ThreadPoolExecutor(max_workers=6) as pool:  # both runs' requests at once: decoded in shared batches
+            together = dict(zip(alone, pool.map(lambda key: ask(*key), alone)))
+        assert together == alone
+        with pytest.raises(openai.NotFoundError, match="this server serves"):
+            api.chat.completions.create(model="gpt-4o", messages=question(0), max_tokens=4)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("which, extra, says", [
+    ("full", (), "served together only as LoRA adapters on one base"),
+    ("blank", ("--max-batch", "1"), "leave out --max-batch 1"),
+])
+def test_runs_that_cannot_share_a_base_are_refused_before_loading(two_adapters, which, extra, says):
+    manager, lora, blank, full = two_adapters
+    proc = serve(manager, lora, {"full": full, "blank": blank}[which], extra=extra)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and says in err and "Traceback" not in err, err
