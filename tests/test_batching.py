@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 
 import json
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -127,3 +129,36 @@ def test_sampling_keeps_each_requests_own_seed_in_a_batch(chat):
     other = request(chat, conversations[0], **{**settings, "seed": 8})
     answer_all(engine(chat), [other])
     assert other.tokens != alone.tokens
+
+
+def test_a_step_that_fails_ends_its_batch_with_the_error_and_the_engine_goes_on(chat):
+    def extra(rows):  # input_ids twice: the forward call fails, for the broken request's batch only
+        return {"input_ids": None} if any(r is not None and r.adapter == "broken" for r in rows) else {}
+
+    eos = chat.model.generation_config.eos_token_id
+    batcher = BatchEngine(chat.model, chat.pad, {eos} if isinstance(eos, int) else set(eos), MAX_CACHE_LEN,
+                          forward_kwargs=extra)
+    ended, done = {}, threading.Event()
+
+    def finish(name):
+        def on_done(reason):
+            ended[name] = reason
+            if len(ended) == 2:
+                done.set()
+        return on_done
+
+    stepping = threading.Thread(target=batcher.run)
+    stepping.start()
+    try:
+        broken = request(chat, questions(1)[0], adapter="broken", on_done=finish("broken"))
+        batcher.submit(broken)
+        deadline = time.monotonic() + 60
+        while "broken" not in ended:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        batcher.submit(request(chat, questions(1)[0], on_done=finish("next")))
+        assert done.wait(60)
+    finally:
+        batcher.close()
+        stepping.join(timeout=30)
+    assert ended["broken"].startswith("error: TypeError") and ended["next"] in ("stop", "length")

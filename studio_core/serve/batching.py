@@ -46,7 +46,7 @@ def batch_bucket(active: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
 class Request:
     """One request: its prompt's token ids, bucket and settings; `on_token(id)` gets each new
     token as it comes, `on_done(reason)` once at its end ("stop": end of sequence, "length":
-    max_new_tokens, "cancelled")."""
+    max_new_tokens, "cancelled", or "error: ..." when the model failed)."""
     ids: list[int]
     bucket: int
     max_new_tokens: int
@@ -152,13 +152,19 @@ class BatchEngine:
             self.lock.notify_all()
 
     def run(self) -> None:
-        """Step until closed, sleeping while nothing is asked."""
+        """Step until closed, sleeping while nothing is asked. A step that fails (the device out of
+        memory, say) ends the requests in the batch with the error, and the engine goes on."""
         while True:
             with self.lock:
                 self.lock.wait_for(lambda: self.closed or self.active or self.waiting)
                 if self.closed:
                     break
-            self.step()
+            try:
+                self.step()
+            except Exception as error:  # every request of the batch is told; the next ones start afresh
+                failed, self.active = self.active, []
+                for request in failed:
+                    request.on_done(f"error: {type(error).__name__}: {error}")
         for request in [*self.active, *self.waiting]:
             request.on_done("cancelled")
         self.active, self.waiting = [], deque()

@@ -148,6 +148,9 @@ def batched_request(chat: Generator, order: dict, requests: dict) -> Request | N
 
     def on_done(reason: str) -> None:
         requests.pop(rid, None)
+        if reason.startswith("error"):
+            emit("error", id=rid, message=f"the model failed: {reason.removeprefix('error: ')}")
+            return
         text = chat.tokenizer.decode(request.tokens, skip_special_tokens=True)
         if len(text) > len(said["text"]):
             emit("token", id=rid, text=text[len(said["text"]):])
