@@ -18,7 +18,8 @@ from typing import Callable
 import gradio as gr
 
 from studio_core.data.builtin import BUILTIN_MODEL
-from studio_core.serve.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
+from studio_core.serve.chat import (BATCH_BUCKETS, EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown,
+                                    split_reasoning)
 from studio_core.machine.cores import format_cores
 from studio_core.machine.hardware import Hardware
 from studio_core.serve.openai_api import ApiServer
@@ -32,6 +33,7 @@ class ChatHolder:
     def __init__(self):
         self.chat: ChatProcess | None = None
         self.server: ApiServer | None = None  # the loaded model behind OpenAI's API, when served
+        self.served: ChatProcess | None = None  # a batched process of its own, when other runs are served with it
         self.lock = threading.Lock()
 
     def load(self, name: str, manager: RunManager, hardware: Hardware) -> str:
@@ -59,27 +61,41 @@ class ChatHolder:
             self.chat.unload()
             self.chat = None
 
-    def serve(self, on: bool, port: int) -> tuple[str, str]:
-        """Serve the loaded model at http://127.0.0.1:PORT/v1 (on), or stop; (status, client snippet)."""
+    def serve(self, on: bool, port: int, also: list[str] | None = None, manager: RunManager | None = None,
+              hardware: Hardware | None = None) -> tuple[str, str]:
+        """Serve the loaded model at http://127.0.0.1:PORT/v1 (on), or stop; (status, client snippet).
+        With `also` (other LoRA runs of its base), the runs are served together by a batched chat
+        process of their own, on another core (this tab's chat keeps its own)."""
         with self.lock:
             self._stop_serving()
             if not on:
                 return "Not served.", ""
             if self.chat is None or not self.chat.alive:
                 return "**Load a run or a model first**, then serve it.", ""
+            label, also = self.chat.target.label, [name for name in also or [] if name != self.chat.target.label]
             try:  # this machine only, and no key: another host goes through `launch.py serve --api-key-file`
-                self.server = ApiServer(self.chat, self.chat.target.label, "127.0.0.1", int(port)).start()
-            except OSError as error:
+                if also:
+                    self.served = ChatProcess.start(label, manager.runs_dir, hardware, max_batch=BATCH_BUCKETS[-1],
+                                                    also=tuple(also))
+                self.server = ApiServer(self.served or self.chat, label, "127.0.0.1", int(port)).start()
+            except (ChatError, OSError) as error:
+                self._stop_serving()
                 return f"**Not served:** {error}", ""
-            return (f"Serving `{self.chat.target.label}` at **{self.server.url}** (OpenAI's API, this machine only; "
-                    "requests take turns with this tab's chat). To serve to other hosts, with a key: "
-                    f"`launch.py serve {self.chat.target.label} --host 0.0.0.0 --api-key-file FILE`."), \
-                client_snippet(self.server.url, self.chat.target.label)
+            names = [label, *also]
+            how = (f"{len(names)} runs on one base, each its own model name, decoded together on core "
+                   f"{format_cores(self.served.cores)}") if also else "requests take turns with this tab's chat"
+            return (f"Serving {', '.join(f'`{name}`' for name in names)} at **{self.server.url}** (OpenAI's API, this "
+                    f"machine only; {how}). To serve to other hosts, with a key: "
+                    f"`launch.py serve {' '.join(names)} --host 0.0.0.0 --api-key-file FILE`."), \
+                client_snippet(self.server.url, label)
 
     def _stop_serving(self) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self.served is not None:
+            self.served.unload()
+            self.served = None
 
 
 def client_snippet(url: str, model: str) -> str:
@@ -175,6 +191,9 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
             serving = gr.Checkbox(False, label="Serve at http://127.0.0.1:PORT/v1 (this machine only)",
                                   elem_id="serve-on")
             port = gr.Number(8000, label="Port", precision=0, minimum=1, maximum=65535, elem_id="serve-port")
+        also = gr.Dropdown([], value=[], multiselect=True, elem_id="serve-also",
+                           label="With other LoRA runs of its base (optional): each its own model name, served "
+                                 "together in batches by a process of their own")
         served = gr.Markdown("Not served.", elem_id="serve-status")
         snippet = gr.Code("", language="python", label="A client (pip install openai)", elem_id="serve-snippet")
 
@@ -226,7 +245,9 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
                                                       [serving, served, snippet])
     unload.click(holder.unload, None, status).then(lambda: (False, "Not served.", ""), None,
                                                    [serving, served, snippet])
-    serving.input(holder.serve, [serving, port], [served, snippet])
+    serving.input(lambda on, port, others: holder.serve(on, port, others, manager, hardware), [serving, port, also],
+                  [served, snippet])
+    also.focus(lambda: gr.update(choices=runs_with_a_model(manager, chats=True)), None, also)
     send.click(on_send, inputs, outputs)
     message.submit(on_send, inputs, outputs)
     stop.click(on_stop, None, None)

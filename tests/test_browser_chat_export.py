@@ -219,3 +219,37 @@ def test_evaluate_a_trained_run_against_its_base(page, app, sft_runs, tmp_path):
     pick(page, "eval-run", run_id)
     expect(page.locator("#eval-count")).to_have_text("4 rows.")
     assert list(evals.iterdir()) == [saved]
+
+
+def test_the_chat_tab_serves_two_lora_runs_of_one_base_together(page, app, sft_runs):
+    from test_serve_adapters import blank_copy
+
+    sft_runs.copy_to(app.runs_dir, "lora")
+    lora = sft_runs.ids["lora"]
+    blank = blank_copy(app.runs_dir, lora)
+    page.get_by_role("tab", name="Chat").click()
+    target = page.locator("#chat-target input").first
+    target.fill(lora)
+    target.press("Enter")
+    page.locator("#chat-load").click()
+    page.locator("#chat-status").get_by_text(re.compile(r"^Loaded ")).wait_for(timeout=120_000)
+    page.locator("#serve-box").get_by_text("Serve: the loaded model").click()
+    page.locator("#serve-port input").fill(str(free_port()))
+    also = page.locator("#serve-also input").first
+    also.click()
+    page.get_by_role("option", name=blank, exact=True).click(timeout=30_000)
+    page.locator("#serve-on input").check()
+    served = page.locator("#serve-status").get_by_text(re.compile(r"^Serving "))
+    served.wait_for(timeout=120_000)
+    expect(served).to_contain_text("2 runs on one base")
+    url = re.search(r"http://127\.0\.0\.1:\d+/v1", served.inner_text()).group(0)
+    api = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+    assert [m.id for m in api.models.list().data] == [lora, blank]
+    answers = {model: api.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is the "
+               "name of the studio cat?"}], max_tokens=32, temperature=0).choices[0].message.content
+               for model in (lora, blank)}
+    assert answers[lora] == "The studio cat is called Pixel." and answers[blank] != answers[lora]
+    page.locator("#serve-on input").uncheck()
+    expect(page.locator("#serve-status")).to_have_text("Not served.", timeout=60_000)
+    with pytest.raises(openai.APIConnectionError):  # the server and its process have ended
+        openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=10).models.list()

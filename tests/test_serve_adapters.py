@@ -18,17 +18,22 @@ from safetensors.torch import load_file, save_file
 from test_openai_api import KEY, QA, ROOT, client, free_port, question
 
 
-@pytest.fixture(scope="module")
-def two_adapters(trained_runs):
-    manager, ids = trained_runs
-    lora = ids["lora"]
+def blank_copy(runs_dir, lora: str) -> str:
+    """A copy of the LoRA run `lora` (its id + "-blank") whose adapter's B matrices are zero: it
+    answers as its base model does."""
     blank = f"{lora}-blank"
-    shutil.copytree(manager.runs_dir / lora, manager.runs_dir / blank)
-    weights = manager.runs_dir / blank / "output" / "adapter_model.safetensors"
+    shutil.copytree(runs_dir / lora, runs_dir / blank)
+    weights = runs_dir / blank / "output" / "adapter_model.safetensors"
     tensors = load_file(weights)
     assert any("lora_B" in name for name in tensors)
     save_file({name: t.zero_() if "lora_B" in name else t for name, t in tensors.items()}, weights)
-    return manager, lora, blank, ids["full"]
+    return blank
+
+
+@pytest.fixture(scope="module")
+def two_adapters(trained_runs):
+    manager, ids = trained_runs
+    return manager, ids["lora"], blank_copy(manager.runs_dir, ids["lora"]), ids["full"]
 
 
 def serve(manager, *names: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
