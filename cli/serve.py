@@ -102,8 +102,9 @@ def serve_model(args) -> int:
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
     batching = f"up to {args.max_batch} requests decoded together" if args.max_batch > 1 else "one request at a time"
-    print(f"Serving {', '.join(args.target)} at {server.url} (OpenAI's API; key {'required' if key else 'not required'}; "
-          f"{batching}); Ctrl-C ends it", flush=True)
+    needs_key = "required" if key else "not required"
+    print(f"Serving {', '.join(args.target)} at {server.url} (OpenAI's API; key {needs_key}; {batching}); Ctrl-C "
+          "ends it", flush=True)
     # SIGTERM only sets a flag: the ending below (requests cut, server, chat process) runs once, whole
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())

@@ -35,6 +35,16 @@ def full_run(app, sft_runs) -> str:
     return run_id
 
 
+def load_in_chat(page, run_id: str) -> None:
+    """The Chat tab opened and `run_id` loaded in it."""
+    page.get_by_role("tab", name="Chat").click()
+    target = page.locator("#chat-target input").first
+    target.fill(run_id)
+    target.press("Enter")
+    page.locator("#chat-load").click()
+    page.locator("#chat-status").get_by_text(re.compile(r"^Loaded ")).wait_for(timeout=120_000)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -59,12 +69,7 @@ def frame_cells(table) -> list[dict]:
 
 def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
     run_id = full_run(app, sft_runs)
-    page.get_by_role("tab", name="Chat").click()
-    target = page.locator("#chat-target input").first
-    target.fill(run_id)
-    target.press("Enter")
-    page.locator("#chat-load").click()
-    page.locator("#chat-status").get_by_text(re.compile(r"^Loaded ")).wait_for(timeout=120_000)
+    load_in_chat(page, run_id)
     expect(page.locator("#chat-status")).to_contain_text("The base model is untrained")  # the random built-in
     expect(page.locator("#chat-history-note")).to_contain_text("The model sees the whole conversation; Clear to")
     page.locator("#chat-compare input").check()
@@ -227,12 +232,7 @@ def test_the_chat_tab_serves_two_lora_runs_of_one_base_together(page, app, sft_r
     sft_runs.copy_to(app.runs_dir, "lora")
     lora = sft_runs.ids["lora"]
     blank = blank_copy(app.runs_dir, lora)
-    page.get_by_role("tab", name="Chat").click()
-    target = page.locator("#chat-target input").first
-    target.fill(lora)
-    target.press("Enter")
-    page.locator("#chat-load").click()
-    page.locator("#chat-status").get_by_text(re.compile(r"^Loaded ")).wait_for(timeout=120_000)
+    load_in_chat(page, lora)
     page.locator("#serve-box").get_by_text("Serve: the loaded model").click()
     page.locator("#serve-port input").fill(str(free_port()))
     also = page.locator("#serve-also input").first

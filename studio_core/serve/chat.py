@@ -120,8 +120,9 @@ def adapters_of(first: ChatTarget, others: list[ChatTarget], max_batch: int) -> 
                         "a full run (or a model) is served by a `launch.py serve` of its own")
     bases = {target.model for target in targets}
     if len(bases) > 1:
-        raise ChatError(f"{', '.join(names)}: these adapters were trained on different base models ({', '.join(sorted(bases))}); "
-                        "serve the runs of each base together, each base by a `launch.py serve` of its own")
+        raise ChatError(f"{', '.join(names)}: these adapters were trained on different base models "
+                        f"({', '.join(sorted(bases))}); serve the runs of each base together, each base by a "
+                        "`launch.py serve` of its own")
     if max_batch == 1:
         raise ChatError("several runs are served with batching on: leave out --max-batch 1")
     return {target.label: target.adapter for target in targets}

@@ -70,7 +70,8 @@ class Turns:
         pass
 
     def __init__(self, limit: int, width: int = 1):
-        self.limit, self.width, self.waiting, self.cond, self.closed = limit, width, deque(), threading.Condition(), False
+        self.limit, self.width, self.waiting, self.closed = limit, width, deque(), False
+        self.cond = threading.Condition()
 
     def enter(self) -> object:
         with self.cond:
