@@ -81,6 +81,6 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
     run.change(on_run, run, [merge, folder])
     run.focus(lambda: gr.update(choices=runs_with_a_model(manager)), None, run)
     page.load(lambda: gr.update(choices=runs_with_a_model(manager)), None, run)  # after a login, not before
-    return run, lambda: runs_with_a_model(manager)
     export.click(on_export, [run, folder, merge], [status, files, exported])
     push.click(on_push, [exported, repo, private, update, token], pushed)
+    return run, lambda: runs_with_a_model(manager)
