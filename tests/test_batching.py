@@ -1,7 +1,7 @@
 """Batched decoding at fixed shapes (studio_core/serve/batching.py), on the tiny full SFT run's
 model: an answer is the same token for token alone, in a batch, or joining a batch already going,
-and the same as the chat's own generate(); the model sees one decode shape per batch bucket and
-one prefill shape per length bucket; a cancelled request frees its row for the next at once;
+and the same as the chat's own generate(); the model sees a decode shape per batch bucket and a
+prefill shape per batch and length bucket; a cancelled request frees its row for the next at once;
 sampling keeps each request's own seed."""
 
 from __future__ import annotations
@@ -82,14 +82,15 @@ def test_an_answer_is_the_same_alone_in_a_batch_or_joining_one_and_as_the_chat_w
         assert chat.tokenizer.decode(tokens, skip_special_tokens=True) == written
 
 
-def test_the_model_sees_one_decode_shape_per_batch_bucket_and_one_prefill_shape_per_length_bucket(chat):
+def test_the_model_sees_a_decode_shape_per_batch_bucket_and_a_prefill_shape_per_batch_and_length_bucket(chat):
     chat.shapes.clear()
     batcher = engine(chat)
     conversations = questions(12)
     answer_all(batcher, [request(chat, m, max_new_tokens=4 + k) for k, m in enumerate(conversations)])
     decode = {shape for shape in chat.shapes if shape[1] == 1}
     prefill = {shape for shape in chat.shapes if shape[1] > 1}
-    assert decode <= {(b, 1) for b in BATCH_BUCKETS} and prefill <= {(1, b) for b in BUCKETS}
+    assert decode <= {(b, 1) for b in BATCH_BUCKETS}
+    assert prefill <= {(w, b) for w in BATCH_BUCKETS[:-1] for b in BUCKETS}  # joiners prefilled together
     assert len(chat.shapes) <= len(BATCH_BUCKETS) * len(BUCKETS) + 2
     assert (8, 1) in decode and len(decode) > 1  # 12 requests: a full batch, then fewer as they end
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]

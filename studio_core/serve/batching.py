@@ -5,13 +5,15 @@ Neuron each new shape is a compilation). Imports torch: child processes only.
 The cache: one static KV cache of `rows` rows (the largest batch bucket) by `max_cache_len` cells
 (SlotCache), every row written at one shared position P per step. A request joins when a row is
 free and its prompt fits left of P: its prompt, left-padded to its length bucket Lb, is
-prefilled alone (a (1, Lb) input) into its row's cells [P-Lb, P), and its first token is
-sampled from that pass. Each step then decodes the active rows together: a (b, 1) input, b the
+prefilled into its row's cells [P-Lb, P), together with the others joining in the same bucket (a
+(b, Lb) input, b a batch bucket but the widest, so 8 joining at once take two prefills of 4), and
+its first token is sampled from that pass. Each step then decodes the active rows together: a (b, 1) input, b the
 smallest batch bucket that holds them, each row with its own position and a mask of its own
 cells (a 4D mask: the model attends to nothing else). Active rows are kept in rows 0..n-1 (a
 finished row's place is taken by the last one, its cells copied), so rows n..b-1 only pad the
-batch. When no row is active P starts again. So the model sees at most one prefill shape per
-length bucket and one decode shape per batch bucket, however many requests come.
+batch. When no row is active P starts again. So the model sees at most a prefill shape per batch
+bucket (but the widest) and length bucket, and a decode shape per batch bucket, however many
+requests come: 3 x 4 + 4 = 16 with the defaults, within batch buckets x length buckets + 2.
 
 Who joins when: waiting requests join in arrival order (a later one never passes an earlier
 one, so a long prompt is not starved). A request needs Lb <= P (room on the left: P grows one
@@ -115,7 +117,8 @@ class BatchEngine:
     runs `run()` (or the caller steps it with `step()`)."""
 
     def __init__(self, model, pad: int, eos: set[int], max_cache_len: int,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, forward_kwargs: Callable[[list], dict] | None = None):
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, forward_kwargs: Callable[[list], dict] | None = None,
+                 after_step: Callable[[], None] = lambda: None):
         self.model, self.pad, self.eos, self.max_cache_len = model, pad, set(eos), max_cache_len
         self.buckets = tuple(sorted(batch_buckets))
         self.rows = self.buckets[-1]
@@ -128,6 +131,7 @@ class BatchEngine:
         self.ids = itertools.count(1)
         # extra forward arguments for the rows in order (e.g. PEFT's adapter_names); None: none
         self.forward_kwargs = forward_kwargs or (lambda requests: {})
+        self.after_step = after_step  # called by run() after each step (a caller's batched output goes out)
 
     # --- from any thread ------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
@@ -165,9 +169,11 @@ class BatchEngine:
                 failed, self.active = self.active, []
                 for request in failed:
                     request.on_done(f"error: {type(error).__name__}: {error}")
+            self.after_step()
         for request in [*self.active, *self.waiting]:
             request.on_done("cancelled")
         self.active, self.waiting = [], deque()
+        self.after_step()
 
     # --- the engine's thread --------------------------------------------------------------
     def step(self) -> None:
@@ -177,8 +183,10 @@ class BatchEngine:
 
         with torch.inference_mode():  # the cache's tensors are made and changed in it
             self._leave([r for r in self.active if r.cancelled], "cancelled")
-            for request in self._joining():
-                self._prefill(request)
+            joined = self._joining()
+            firsts = [pair for group in self._prefill_groups(joined) for pair in self._prefill(group)]
+            for request, logits in firsts:  # after every prefill: a first token may end a request and move rows
+                self._emit(request, logits)
             if self.active:
                 self._decode()
 
@@ -207,22 +215,54 @@ class BatchEngine:
                 joined.append(request)
         return joined
 
-    def _prefill(self, request: Request) -> None:
+    def _prefill_groups(self, joined: list[Request]) -> list[tuple[int, int, list[Request]]]:
+        """The joined requests (the last rows), put in order of their buckets and cut into
+        prefills: (first row, batch bucket, requests) of one bucket each, a batch bucket wide
+        (the rows past the requests pad it: free rows, or rows of later prefills, written again
+        by them)."""
+        if not joined:
+            return []
+        first = len(self.active) - len(joined)
+        self.active[first:] = sorted(joined, key=lambda r: r.bucket)  # stable: arrival order within a bucket
+        groups, row = [], first
+        widths = self.buckets[:-1] or self.buckets  # not the widest: a bound on the shapes (the module's doc)
+        for _, same in itertools.groupby(self.active[first:], key=lambda r: r.bucket):
+            same = list(same)
+            while same:
+                width = batch_bucket(min(len(same), widths[-1]), widths)
+                if row + width > self.rows:  # no rows left to pad with: the widest bucket the requests fill
+                    width = max(b for b in widths if b <= len(same))
+                groups.append((row, width, same[:width]))
+                row, same = row + min(width, len(same)), same[width:]
+        return groups
+
+    def _prefill(self, group: tuple[int, int, list[Request]]) -> list[tuple[Request, object]]:
+        """One prefill of a bucket's requests into rows [row, row + width): each prompt left-padded
+        to the bucket, written at cells [P - bucket, P). -> each request with its last token's logits."""
         import torch
 
-        row, bucket, count = self.active.index(request), request.bucket, len(request.ids)
+        row, width, requests = group
+        bucket = requests[0].bucket
         first = self.position - bucket
-        request.start, request.length = self.position - count, count
-        ids = torch.tensor([[self.pad] * (bucket - count) + request.ids])
-        positions = torch.tensor([[0] * (bucket - count) + list(range(count))])
-        # query j (cell first + j) sees the real cells up to its own; a pad sees only itself
         cells = torch.arange(self.max_cache_len)
         query_cells = torch.arange(first, self.position)
-        seen = (cells[None, :] >= request.start) & (cells[None, :] <= query_cells[:, None])
-        seen |= cells[None, :] == query_cells[:, None]
+        ids, positions, seen = [], [], []
+        for request in requests:
+            count = len(request.ids)
+            request.start, request.length = self.position - count, count
+            ids.append([self.pad] * (bucket - count) + request.ids)
+            positions.append([0] * (bucket - count) + list(range(count)))
+            # query j (cell first + j) sees the real cells up to its own; a pad sees only itself
+            seen.append((cells[None, :] >= request.start) & (cells[None, :] <= query_cells[:, None]))
+        for _ in range(width - len(requests)):  # rows that only pad the batch: each query sees itself
+            ids.append([self.pad] * bucket)
+            positions.append([0] * bucket)
+            seen.append(torch.zeros(bucket, self.max_cache_len, dtype=torch.bool))
+        seen = torch.stack(seen) | (cells[None, None, :] == query_cells[None, :, None])
         self.cache.at(first, row)
-        logits = self._forward(ids, positions, seen[None], [request])[0, -1]  # the last real token's
-        self._emit(request, logits)
+        logits = self._forward(torch.tensor(ids), torch.tensor(positions), seen,
+                               requests + [None] * (width - len(requests)))[:, -1]  # the last (real) token's
+        return list(zip(requests, logits))
 
     def _decode(self) -> None:
         import torch

@@ -314,6 +314,12 @@ class ChatProcess:
                         answers.put(event)
                     self._ended = True
                     return
+                if event.get("type") == "tokens":  # a batched step's new text, every request's at once
+                    for rid, text in event["pieces"].items():
+                        answers = self._answers.get(int(rid))
+                        if answers is not None:
+                            answers.put({"type": "token", "id": int(rid), "text": text})
+                    continue
                 answers = self._answers.get(event.get("id"))
             if answers is not None:
                 answers.put(event)

@@ -16,7 +16,8 @@ error.
 
 With `max_batch` above 1 in its setup (`launch.py serve`), requests are answered together in
 batches (serve/batching.py: continuous batching at fixed shapes), by the tuned model only, and
-{"op": "cancel", "id"} ends one request; the events are the same, several requests' interleaved.
+{"op": "cancel", "id"} ends one request. Each step's new text comes as one event, tokens
+{pieces: {id: text}}, then the done events of the requests that ended in it.
 """
 
 from __future__ import annotations
@@ -95,10 +96,11 @@ def serve_batched(chat: Generator, max_batch: int) -> None:
     {"op": "stop"} every one. The tuned model only (no side-by-side base here)."""
     names = chat.adapter_names  # several runs' adapters: each row decoded with its request's
     first = next(iter(names.values()), None)
+    out = StepOutput()
     engine = BatchEngine(chat.model, chat.pad, eos_ids(chat), chat.max_cache_len,
                          batch_buckets=tuple(b for b in BATCH_BUCKETS if b <= max_batch),
                          forward_kwargs=(lambda rows: {"adapter_names": [r.adapter if r else first for r in rows]})
-                         if names else None)
+                         if names else None, after_step=out.flush)
     requests: dict[int, Request] = {}
     stepping = threading.Thread(target=engine.run, name="batch", daemon=True)
     stepping.start()
@@ -112,16 +114,33 @@ def serve_batched(chat: Generator, max_batch: int) -> None:
         elif order["op"] == "cancel" and order.get("id") in requests:
             engine.cancel(requests[order["id"]])
         elif order["op"] == "generate":
-            request = batched_request(chat, order, requests)
+            request = batched_request(chat, order, requests, out)
             if request is not None:
                 engine.submit(request)
     engine.close()
     stepping.join(timeout=30)
 
 
-def batched_request(chat: Generator, order: dict, requests: dict) -> Request | None:
-    """The engine's request for a generate order, its tokens streamed as text (token events) and
-    its end said (done); None, with an error event, when it cannot be answered."""
+class StepOutput:
+    """A step's output, said at its end in one `tokens` event ({"pieces": {id: text}}: each
+    request's new text) and then its requests' ends: one write a step, not one a token."""
+
+    def __init__(self):
+        self.pieces: dict[int, str] = {}
+        self.ends: list[tuple[str, dict]] = []
+
+    def flush(self) -> None:
+        if self.pieces:
+            emit("tokens", pieces=self.pieces)
+        for kind, fields in self.ends:
+            emit(kind, **fields)
+        self.pieces, self.ends = {}, []
+
+
+def batched_request(chat: Generator, order: dict, requests: dict, out: StepOutput) -> Request | None:
+    """The engine's request for a generate order, its tokens streamed as text (a step's `tokens`
+    event) and its end said (done) after them; None, with an error event, when it cannot be
+    answered."""
     rid = order.get("id")
     try:
         if order.get("which", "tuned") != "tuned":
@@ -143,21 +162,22 @@ def batched_request(chat: Generator, order: dict, requests: dict) -> Request | N
             return
         said["first"] = said["first"] or time.time()
         if len(text) > len(said["text"]):
-            emit("token", id=rid, text=text[len(said["text"]):])
+            out.pieces[rid] = out.pieces.get(rid, "") + text[len(said["text"]):]
         said["text"] = text
 
     def on_done(reason: str) -> None:
         requests.pop(rid, None)
         if reason.startswith("error"):
-            emit("error", id=rid, message=f"the model failed: {reason.removeprefix('error: ')}")
+            out.ends.append(("error", {"id": rid, "message": f"the model failed: {reason.removeprefix('error: ')}"}))
             return
         text = chat.tokenizer.decode(request.tokens, skip_special_tokens=True)
         if len(text) > len(said["text"]):
-            emit("token", id=rid, text=text[len(said["text"]):])
-        emit("done", id=rid, text=text, prompt_tokens=len(ids), bucket=bucket, dropped_turns=dropped,
-             new_tokens=len(request.tokens), finish=reason, stopped=reason == "cancelled",
-             ttft_s=round((said["first"] or time.time()) - began, 4), seconds=round(time.time() - began, 4),
-             shapes=sorted(list(s) for s in chat.shapes))
+            out.pieces[rid] = out.pieces.get(rid, "") + text[len(said["text"]):]
+        out.ends.append(("done", {
+            "id": rid, "text": text, "prompt_tokens": len(ids), "bucket": bucket, "dropped_turns": dropped,
+            "new_tokens": len(request.tokens), "finish": reason, "stopped": reason == "cancelled",
+            "ttft_s": round((said["first"] or time.time()) - began, 4), "seconds": round(time.time() - began, 4),
+            "shapes": sorted(list(s) for s in chat.shapes)}))
 
     request = Request(ids, bucket, max_new, temperature=float(order.get("temperature") or 0),
                       top_p=float(order.get("top_p") or 1.0), seed=order.get("seed"), on_token=on_token,

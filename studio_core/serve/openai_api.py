@@ -11,7 +11,7 @@ buckets and core lease as the Chat tab, so however many requests come, the model
 prefill shape per bucket plus the one-token decode shape (on Neuron each is a compilation).
 Requests are answered in arrival order: with a batched chat process (`launch.py serve`, max_batch
 above 1) up to max_batch at once, decoded together at fixed shapes (serve/batching.py: at most a
-decode shape per batch bucket and a prefill shape per length bucket); else one at a time. At most
+decode shape per batch bucket and a prefill shape per batch and length bucket); else one at a time. At most
 `max_queue` wait beyond those; one more gets 503 at once. A client that disconnects from a stream
 ends its generation after the current token (a batched one frees its row at the next step) and
 gives up its place.
