@@ -2,7 +2,7 @@
 batched server, and `transformers serve` (Transformers' own OpenAI-compatible server, with its
 continuous batching), on the same tiny model, at 1, 4 and 16 concurrent clients.
 
-Run from the repository root (about 10 minutes on 2 idle CPU cores):
+Run from the repository root (about 4 minutes on 2 idle CPU cores):
 
     .venv/bin/python bench/serve_load.py
     .venv/bin/python bench/serve_load.py --clients 1,4,16 --requests 4 --rounds 5
