@@ -182,40 +182,48 @@ def test_sigterm_ends_the_requests_in_flight_and_queued_the_chat_process_and_the
     """One at a time, three requests wait in the queue; batched, all four are decoded together."""
     runs_dir = tmp_path / "runs"
     proc, url = start_server(runs_dir, max_queue=8, max_batch=max_batch)
-    count = os.cpu_count() or 1
-    chat_pids = [info["pid"] for info in leases.holders(runs_dir, "cpu", count).values() if info.get("kind") == "chat"]
-    assert len(chat_pids) == 1
-    host, port = url.split("//")[1].split("/")[0].split(":")
-    streamed = http.client.HTTPConnection(host, int(port), timeout=120)
-    streamed.request("POST", "/v1/completions", json.dumps({"model": BUILTIN_MODEL, "prompt": "Zorbia", "stream": True,
-                                                            "max_tokens": 900, "temperature": 1.0}),
-                     {"Content-Type": "application/json"})
-    stream = streamed.getresponse()
-    assert stream.status == 200
-    events = []
-    while not events or "choices" not in events[-1]:  # the first piece of the answer: it is being written
-        line = stream.readline().decode()
-        if line.startswith("data: {"):
-            events.append(json.loads(line[6:]))
-    queued = []
-    waiting = [threading.Thread(target=lambda: queued.append(post(url + "/completions", {
-        "model": BUILTIN_MODEL, "prompt": "Zorbia", "max_tokens": 900}))) for _ in range(3)]
-    for thread in waiting:
-        thread.start()
-    deadline = time.monotonic() + 120
-    while json.load(urllib.request.urlopen(url + "/studio/stats", timeout=30))[where] < (3 if max_batch == 1 else 4):
-        assert time.monotonic() < deadline, f"the three requests are not {where}"
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    rest = stream.read().decode()  # until the server closes the stream
-    events += [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
-    assert proc.wait(timeout=120) == 0
-    for thread in waiting:
-        thread.join(timeout=120)
-    assert events[-1]["error"]["code"] == "server_shutting_down", events[-1]  # said, not a stream cut short
-    assert "data: [DONE]" in rest
-    assert [status for status, _ in queued] == [503] * 3, queued
-    assert all(body["error"]["code"] == "server_shutting_down" for _, body in queued)
+    try:
+        count = os.cpu_count() or 1
+        chat_pids = [info["pid"] for info in leases.holders(runs_dir, "cpu", count).values()
+                     if info.get("kind") == "chat"]
+        assert len(chat_pids) == 1
+        host, port = url.split("//")[1].split("/")[0].split(":")
+        streamed = http.client.HTTPConnection(host, int(port), timeout=120)
+        streamed.request("POST", "/v1/completions", json.dumps({"model": BUILTIN_MODEL, "prompt": "Zorbia",
+                                                                "stream": True, "max_tokens": 900,
+                                                                "temperature": 1.0}),
+                         {"Content-Type": "application/json"})
+        stream = streamed.getresponse()
+        assert stream.status == 200
+        events = []
+        while not events or "choices" not in events[-1]:  # the first piece of the answer: it is being written
+            line = stream.readline().decode()
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+        queued = []
+        waiting = [threading.Thread(target=lambda: queued.append(post(url + "/completions", {
+            "model": BUILTIN_MODEL, "prompt": "Zorbia", "max_tokens": 900}))) for _ in range(3)]
+        for thread in waiting:
+            thread.start()
+        deadline = time.monotonic() + 120
+        wanted = 3 if max_batch == 1 else 4
+        while json.load(urllib.request.urlopen(url + "/studio/stats", timeout=30))[where] < wanted:
+            assert time.monotonic() < deadline, f"the three requests are not {where}"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        rest = stream.read().decode()  # until the server closes the stream
+        events += [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+        assert proc.wait(timeout=120) == 0
+        for thread in waiting:
+            thread.join(timeout=120)
+        assert events[-1]["error"]["code"] == "server_shutting_down", events[-1]  # said, not a stream cut short
+        assert "data: [DONE]" in rest
+        assert [status for status, _ in queued] == [503] * 3, queued
+        assert all(body["error"]["code"] == "server_shutting_down" for _, body in queued)
+    finally:  # a failure above must not leave the server running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     with pytest.raises(ProcessLookupError):
         os.kill(chat_pids[0], 0)  # the chat process is gone, reaped
     assert leases.holders(runs_dir, "cpu", count) == {}  # its core is free

@@ -111,7 +111,8 @@ class Answering:
 
     def __init__(self, chat, model: str, max_queue: int = MAX_QUEUE, setting: str = CACHE_SETTING):
         self.chat, self.model, self.turns, self.setting = chat, model, Turns(max_queue, chat.max_batch), setting
-        self.models = chat.info.get("models") or [model]  # several runs' adapters on one base: each a name
+        several = chat.info.get("models") or []  # several runs' adapters on one base: each its run's name
+        self.models = several if len(several) > 1 else [model]
         self.max_cache_len = chat.info["max_cache_len"]
         self.shapes: list = []
         self.counts = {"requests": 0, "completed": 0, "stopped": 0, "failed": 0}
