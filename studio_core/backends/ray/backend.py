@@ -85,6 +85,10 @@ def cluster_version(address: str) -> str:
         raise RayError(f"no Ray cluster answers at {address}: {error}") from error
 
 
+NO_AGENT = "No available agent to submit job"  # Ray's 500 while the head's job agent starts: it says try again
+AGENT_WAIT_S = 30
+
+
 class RayBackend(RunBackend):
     name = "ray"
     label = "Ray"
@@ -166,12 +170,19 @@ class RayBackend(RunBackend):
         if problems:
             raise SubmitError("; ".join(problems))
         job_id = f"studio-{run_dir.name}-{int(time.time())}"  # an attempt's: a resume submits a new job
-        try:
-            client(address).submit_job(entrypoint=shlex.join(entrypoint(launch.argv[0], str(run_dir), job_id)),
-                                       submission_id=job_id, runtime_env={"env_vars": dict(launch.env)},
-                                       metadata={"studio_run": run_dir.name})
-        except (RayError, RuntimeError) as error:
-            raise SubmitError(str(error)) from error
+        deadline = time.monotonic() + AGENT_WAIT_S
+        while True:
+            try:
+                client(address).submit_job(entrypoint=shlex.join(entrypoint(launch.argv[0], str(run_dir), job_id)),
+                                           submission_id=job_id, runtime_env={"env_vars": dict(launch.env)},
+                                           metadata={"studio_run": run_dir.name})
+                break
+            except (RayError, RuntimeError) as error:
+                # a head just started (or restarted) answers this until its job agent has registered
+                if NO_AGENT in str(error) and time.monotonic() < deadline:
+                    time.sleep(1)
+                    continue
+                raise SubmitError(str(error)) from error
         record_job(run_dir, job_id, address, time.time())
         events.append(run_dir / EVENTS, events.log(f"submitted to Ray as job {job_id} (dashboard {address})"))
 
