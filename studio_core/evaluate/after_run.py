@@ -34,9 +34,7 @@ def main(runs_dir: Path, sweep_id: str, run_id: str) -> int:
     try:
         evaluation = EvalProcess.start(request, runs_dir, hardware)
     except EvalError as error:
-        try:
-            leases.choose(runs_dir, hardware, 1, None)
-        except (leases.NoFreeCores, leases.NamedCoresHeld):
+        if not leases.has_free(runs_dir, hardware):
             print(f"run {run_id}: no core free for its evaluation yet", flush=True)
             return NO_CORE
         return record(runs_dir, sweep_id, run_id, {"state": "failed", "why": str(error)})

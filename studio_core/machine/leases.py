@@ -162,6 +162,12 @@ def choose(runs_dir: str | Path, hardware, nproc: int, cores: str | None) -> lis
     return block
 
 
+def has_free(runs_dir: str | Path, hardware, nproc: int = 1) -> bool:
+    """Whether `nproc` cores that a run or an evaluation could take are free now."""
+    held = holders(runs_dir, hardware.backend, hardware.cores)
+    return pick_cores(nproc, set(range(hardware.cores)) - set(held), hardware) is not None
+
+
 def wait_held(runs_dir: str | Path, backend: str, cores: list[int], proc, timeout: float = 30) -> bool:
     """Wait until the child process `proc` (a Popen) holds all of `cores`; False if it ends
     first or does not hold them within `timeout`."""

@@ -32,20 +32,20 @@ def main(runs_dir: Path, lock_fd: int | None) -> int:
     lock_fd = queue.lock_queue(runs_dir) if lock_fd is None else lock_fd
     manager, evaluator = RunManager(runs_dir), Evaluator(runs_dir)
 
-    def work() -> bool:
-        return bool(queue.queued(runs_dir) or evaluator.busy() or evaluator.wanted())
+    def work(wanted: list) -> bool:
+        return bool(queue.queued(runs_dir) or evaluator.busy() or wanted)
 
     while lock_fd is not None:  # None: another runner has this queue
-        while work():
+        while work(wanted := evaluator.wanted()):
             for run_id, problem in manager.start_queued():
                 say(f"run {run_id}: {problem or 'started'}")
-            started = evaluator.step()
+            started = evaluator.step(wanted)
             if started:
                 say(started)
             time.sleep(queue.QUEUE_POLL_S)
         # let go, then look once more: a run queued in the meantime found the lock held and left it to us
         os.close(lock_fd)
-        lock_fd = queue.lock_queue(runs_dir) if work() else None
+        lock_fd = queue.lock_queue(runs_dir) if work(evaluator.wanted()) else None
     return 0
 
 
@@ -74,18 +74,16 @@ class Evaluator:
                 sweep_eval.mark(self.runs_dir, sweep_id, run_id, {"state": "skipped", "why": f"the run {state}"})
         return found
 
-    def step(self) -> str | None:
-        """Start the next evaluation when none runs, a finished run waits for one and a core is
-        free; what it started, in words."""
+    def step(self, wanted: list[tuple[str, str]]) -> str | None:
+        """Start the next evaluation when none runs, a finished run of `wanted` (as wanted() gave
+        them) waits for one and a core is free; what it started, in words."""
         if self.busy():
             return None
-        for sweep_id, run_id in self.wanted():
+        for sweep_id, run_id in wanted:
             view = self.views[run_id]
             if view.live_state != "finished":
                 continue
-            try:
-                leases.choose(self.runs_dir, Hardware(**view.launch()["hardware"]), 1, None)
-            except (leases.NoFreeCores, leases.NamedCoresHeld):
+            if not leases.has_free(self.runs_dir, Hardware(**view.launch()["hardware"])):
                 return None  # every core is busy: later
             self.child = children.start(AFTER_RUN, self.runs_dir, sweep_id, run_id, stdin=subprocess.DEVNULL,
                                         preexec_fn=die_with_parent)
