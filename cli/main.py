@@ -127,8 +127,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key-file", help="a model: file holding the API key clients must send (needed for a "
                        "non-loopback --host)")
     serve.add_argument("--max-batch", type=int, choices=BATCH_BUCKETS, default=BATCH_BUCKETS[-1],
-                       help="a model: at most this many requests decoded together, in batches of 1, 2, 4 or 8 at "
-                            f"fixed shapes (default {BATCH_BUCKETS[-1]}; 1: one request at a time, as the Chat tab)")
+                       help="a model: at most this many requests decoded together, in batches of "
+                            f"{', '.join(map(str, BATCH_BUCKETS))} at fixed shapes (default {BATCH_BUCKETS[-1]}; the "
+                            "static KV cache has this many rows, its size is printed at start; 1: one request at a "
+                            "time, as the Chat tab)")
     serve.add_argument("--max-queue", type=whole_number(1, 1024), default=32,
                        help="a model: requests that may wait for it (default 32); more get 503")
     serve.add_argument("--max-cache-len", type=whole_number(128, 16384), help="a model: its static cache's length "

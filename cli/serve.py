@@ -101,7 +101,9 @@ def serve_model(args) -> int:
         chat.unload()
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
-    batching = f"up to {args.max_batch} requests decoded together" if args.max_batch > 1 else "one request at a time"
+    batching = (f"up to {args.max_batch} requests decoded together, a static KV cache of {args.max_batch} rows x "
+                f"{chat.info['max_cache_len']} tokens: {chat.info['cache_mib']:.0f} MiB" if args.max_batch > 1
+                else "one request at a time")
     needs_key = "required" if key else "not required"
     print(f"Serving {', '.join(args.target)} at {server.url} (OpenAI's API; key {needs_key}; {batching}); Ctrl-C "
           "ends it", flush=True)

@@ -31,11 +31,11 @@ def chat(sft_runs, tmp_path_factory):
 
 
 def questions(n: int) -> list[list[dict]]:
-    """The built-in set's first questions, as conversations, some asked twice or three times (longer
-    prompts: other buckets)."""
-    rows = [json.loads(line) for line in QA.read_text().splitlines()[:n]]
-    return [[{"role": "user", "content": " ".join([row["messages"][0]["content"]] * (1 + k % 3))}]
-            for k, row in enumerate(rows)]
+    """The built-in set's questions (from the first, again from the first after the last), as
+    conversations, some asked twice or three times (longer prompts: other buckets)."""
+    rows = [json.loads(line) for line in QA.read_text().splitlines()]
+    return [[{"role": "user", "content": " ".join([rows[k % len(rows)]["messages"][0]["content"]] * (1 + k % 3))}]
+            for k in range(n)]
 
 
 def engine(chat) -> BatchEngine:
@@ -85,35 +85,36 @@ def test_an_answer_is_the_same_alone_in_a_batch_or_joining_one_and_as_the_chat_w
 def test_the_model_sees_a_decode_shape_per_batch_bucket_and_a_prefill_shape_per_batch_and_length_bucket(chat):
     chat.shapes.clear()
     batcher = engine(chat)
-    conversations = questions(12)
+    conversations = questions(batcher.rows + 4)
     answer_all(batcher, [request(chat, m, max_new_tokens=4 + k) for k, m in enumerate(conversations)])
     decode = {shape for shape in chat.shapes if shape[1] == 1}
     prefill = {shape for shape in chat.shapes if shape[1] > 1}
     assert decode <= {(b, 1) for b in BATCH_BUCKETS}
     assert prefill <= {(w, b) for w in BATCH_BUCKETS[:-1] for b in BUCKETS}  # joiners prefilled together
     assert len(chat.shapes) <= len(BATCH_BUCKETS) * len(BUCKETS) + 2
-    assert (8, 1) in decode and len(decode) > 1  # 12 requests: a full batch, then fewer as they end
-    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert (batcher.rows, 1) in decode and len(decode) > 1  # a full batch, then fewer as they end
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
 
 
 def test_a_cancelled_request_frees_its_row_for_a_waiting_one_at_the_next_step(chat):
     batcher = engine(chat)
-    conversations = questions(9)
-    full = [request(chat, m, max_new_tokens=60) for m in conversations[:8]]
-    waiting = request(chat, conversations[8], max_new_tokens=8)
+    rows = batcher.rows
+    conversations = questions(rows + 1)
+    full = [request(chat, m, max_new_tokens=60) for m in conversations[:rows]]
+    waiting = request(chat, conversations[rows], max_new_tokens=8)
     ended = {}
     for r in [*full, waiting]:
         r.on_done = lambda reason, r=r: ended.__setitem__(r.id, reason)
         batcher.submit(r)
     batcher.step()
-    assert len(batcher.active) == 8 and list(batcher.waiting) == [waiting]  # every row taken
+    assert len(batcher.active) == rows and list(batcher.waiting) == [waiting]  # every row taken
     batcher.cancel(full[2])
     batcher.step()
     assert ended[full[2].id] == "cancelled" and waiting in batcher.active and not batcher.waiting
-    while len(ended) < 9:
+    while len(ended) < rows + 1:
         batcher.step()
     assert ended[waiting.id] in ("stop", "length") and 0 < len(waiting.tokens) <= 8
-    alone = request(chat, conversations[8], max_new_tokens=8)
+    alone = request(chat, conversations[rows], max_new_tokens=8)
     answer_all(engine(chat), [alone])
     assert waiting.tokens == alone.tokens  # joined in a row another had used: the same answer
 

@@ -2,18 +2,21 @@
 batch at step boundaries (continuous batching), while the model sees only a few input shapes (on
 Neuron each new shape is a compilation). Imports torch: child processes only.
 
-The cache: one static KV cache of `rows` rows (the largest batch bucket) by `max_cache_len` cells
-(SlotCache), every row written at one shared position P per step. A request joins when a row is
-free and its prompt fits left of P: its prompt, left-padded to its length bucket Lb, is
-prefilled into its row's cells [P-Lb, P), together with the others joining in the same bucket (a
-(b, Lb) input, b a batch bucket but the widest, so 8 joining at once take two prefills of 4), and
-its first token is sampled from that pass. Each step then decodes the active rows together: a (b, 1) input, b the
-smallest batch bucket that holds them, each row with its own position and a mask of its own
-cells (a 4D mask: the model attends to nothing else). Active rows are kept in rows 0..n-1 (a
-finished row's place is taken by the last one, its cells copied), so rows n..b-1 only pad the
-batch. When no row is active P starts again. So the model sees at most a prefill shape per batch
-bucket (but the widest) and length bucket, and a decode shape per batch bucket, however many
-requests come: 3 x 4 + 4 = 16 with the defaults, within batch buckets x length buckets + 2.
+The cache: one static KV cache of `rows` rows (the largest batch bucket, 16 by default) by
+`max_cache_len` cells (SlotCache), every row written at one shared position P per step. A
+request joins when a row is free and its prompt fits left of P: its prompt, left-padded to its
+length bucket Lb, is prefilled into its row's cells [P-Lb, P), together with the others joining
+in the same bucket (a (b, Lb) input, b a batch bucket but the widest, so 16 joining at once take
+two prefills of 8), and its first token is sampled from that pass. A prefill attends to the
+cells it writes only (a prompt sees nothing left of it), so its cost and its shape do not depend
+on P. Each step then decodes the active rows together: a (b, 1) input, b the smallest batch
+bucket that holds them, each row with its own position and a mask of its own cells (a 4D mask:
+the model attends to nothing else). Active rows are kept in rows 0..n-1 (a finished row's place
+is taken by the last one, its cells copied), so rows n..b-1 only pad the batch. When no row is
+active P starts again. So the model sees at most a prefill shape per batch bucket (but the
+widest) and length bucket, and a decode shape per batch bucket, however many requests come:
+4 x 4 + 5 = 21 with the defaults (a 1024-token cache: prompt buckets 64 to 512), within batch
+buckets x length buckets + 2.
 
 Who joins when: waiting requests join in arrival order (a later one never passes an earlier
 one, so a long prompt is not starved). A request needs Lb <= P (room on the left: P grows one
@@ -36,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-BATCH_BUCKETS = (1, 2, 4, 8)
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
 
 
 def batch_bucket(active: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
@@ -66,6 +69,15 @@ class Request:
     cancelled: bool = False
 
 
+def cache_mib(model, rows: int, max_cache_len: int) -> float:
+    """The static KV cache's size in MiB: keys and values, every layer, rows x cells."""
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_cell = 2 * config.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+    return rows * max_cache_len * per_cell / 2 ** 20
+
+
 def slot_cache(model, rows: int, max_cache_len: int):
     """A static cache of `rows` rows for `model`, written at one shared position (see the module's
     doc); `at(position, row)` sets where the next forward writes."""
@@ -74,9 +86,10 @@ def slot_cache(model, rows: int, max_cache_len: int):
 
     class SlotLayer(StaticLayer):
         """Transformers' static layer with a fixed number of rows: a forward of b rows writes rows
-        [row, row + b) at the shared position."""
+        [row, row + b) at the shared position. `own`: the forward attends to the cells it writes
+        only (a prefill: a prompt sees nothing left of it), not to the rows' every cell."""
 
-        row = 0
+        row, own = 0, False
 
         def lazy_initialization(self, key_states, value_states) -> None:
             shape = key_states.shape
@@ -90,6 +103,8 @@ def slot_cache(model, rows: int, max_cache_len: int):
             cells = torch.arange(length, device=self.device) + self.cumulative_length
             self.keys[self.row:self.row + b].index_copy_(2, cells, key_states)
             self.values[self.row:self.row + b].index_copy_(2, cells, value_states)
+            if self.own:
+                return key_states, value_states
             return self.keys[self.row:self.row + b], self.values[self.row:self.row + b]
 
     class SlotCache(Cache):
@@ -97,10 +112,10 @@ def slot_cache(model, rows: int, max_cache_len: int):
             layers = model.config.get_text_config().num_hidden_layers
             super().__init__(layers=[SlotLayer(max_cache_len=max_cache_len) for _ in range(layers)])
 
-        def at(self, position: int, row: int = 0) -> None:
+        def at(self, position: int, row: int = 0, own: bool = False) -> None:
             for layer in self.layers:
                 layer.cumulative_length.fill_(position)
-                layer.row = row
+                layer.row, layer.own = row, own
 
         def move(self, source: int, target: int) -> None:
             """Row `source`'s cells copied into row `target`."""
@@ -119,7 +134,10 @@ class BatchEngine:
     def __init__(self, model, pad: int, eos: set[int], max_cache_len: int,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, forward_kwargs: Callable[[list], dict] | None = None,
                  after_step: Callable[[], None] = lambda: None):
+        import torch
+
         self.model, self.pad, self.eos, self.max_cache_len = model, pad, set(eos), max_cache_len
+        self.cells = torch.arange(max_cache_len)  # the cache's cell numbers, for each step's masks
         self.buckets = tuple(sorted(batch_buckets))
         self.rows = self.buckets[-1]
         self.cache = slot_cache(model, self.rows, max_cache_len)
@@ -238,28 +256,29 @@ class BatchEngine:
 
     def _prefill(self, group: tuple[int, int, list[Request]]) -> list[tuple[Request, object]]:
         """One prefill of a bucket's requests into rows [row, row + width): each prompt left-padded
-        to the bucket, written at cells [P - bucket, P). -> each request with its last token's logits."""
+        to the bucket, written at cells [P - bucket, P). A prompt attends to its own cells only (its
+        keys are the ones it writes: a (width, bucket) by (bucket) attention, whatever P is).
+        -> each request with its last token's logits."""
         import torch
 
         row, width, requests = group
         bucket = requests[0].bucket
         first = self.position - bucket
-        cells = torch.arange(self.max_cache_len)
-        query_cells = torch.arange(first, self.position)
+        keys = torch.arange(bucket)
         ids, positions, seen = [], [], []
         for request in requests:
             count = len(request.ids)
             request.start, request.length = self.position - count, count
             ids.append([self.pad] * (bucket - count) + request.ids)
             positions.append([0] * (bucket - count) + list(range(count)))
-            # query j (cell first + j) sees the real cells up to its own; a pad sees only itself
-            seen.append((cells[None, :] >= request.start) & (cells[None, :] <= query_cells[:, None]))
+            # query j sees the real cells up to its own (causal); a pad sees only itself
+            seen.append((keys[None, :] >= bucket - count) & (keys[None, :] <= keys[:, None]))
         for _ in range(width - len(requests)):  # rows that only pad the batch: each query sees itself
             ids.append([self.pad] * bucket)
             positions.append([0] * bucket)
-            seen.append(torch.zeros(bucket, self.max_cache_len, dtype=torch.bool))
-        seen = torch.stack(seen) | (cells[None, None, :] == query_cells[None, :, None])
-        self.cache.at(first, row)
+            seen.append(torch.zeros(bucket, bucket, dtype=torch.bool))
+        seen = torch.stack(seen) | torch.eye(bucket, dtype=torch.bool)[None]
+        self.cache.at(first, row, own=True)
         logits = self._forward(torch.tensor(ids), torch.tensor(positions), seen,
                                requests + [None] * (width - len(requests)))[:, -1]  # the last (real) token's
         return list(zip(requests, logits))
@@ -271,9 +290,8 @@ class BatchEngine:
         b = batch_bucket(n, self.buckets)
         last = [r.tokens[-1] for r in self.active] + [self.pad] * (b - n)
         positions = [r.length for r in self.active] + [0] * (b - n)
-        cells = torch.arange(self.max_cache_len)
         starts = torch.tensor([r.start for r in self.active] + [self.position] * (b - n))
-        seen = (cells[None, :] >= starts[:, None]) & (cells[None, :] <= self.position)  # each row its own cells
+        seen = (self.cells[None, :] >= starts[:, None]) & (self.cells[None, :] <= self.position)  # each row its own
         self.cache.at(self.position, 0)
         logits = self._forward(torch.tensor(last)[:, None], torch.tensor(positions)[:, None], seen[:, None],
                                self.active + [None] * (b - n))[:, -1]

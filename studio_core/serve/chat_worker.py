@@ -29,7 +29,7 @@ import time
 import traceback
 
 from studio_core.machine import leases
-from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, Request
+from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, Request, cache_mib
 from studio_core.serve.generation import Generator, TooLong, on_leased_cores
 
 
@@ -205,7 +205,8 @@ def main() -> int:
                 return 1
             emit("ready", label=target["label"], cores=setup["cores"], backend=setup["backend"],
                  max_cache_len=chat.max_cache_len, has_base=chat.has_base, template_kwargs=chat.template_kwargs,
-                 thinking=chat.thinking, models=list(chat.adapter_names) or [target["label"]])
+                 thinking=chat.thinking, models=list(chat.adapter_names) or [target["label"]],
+                 cache_mib=round(cache_mib(chat.model, setup.get("max_batch", 1), chat.max_cache_len), 1))
             if setup.get("max_batch", 1) > 1:
                 serve_batched(chat, setup["max_batch"])
             else:
