@@ -186,16 +186,16 @@ class ChatProcess:
     """A running chat process and the pipe to it. One generation at a time, or with `max_batch`
     above 1 (a server's) several at once, answered together in batches (serve/batching.py)."""
 
-    def __init__(self, proc: subprocess.Popen, target: ChatTarget, ready: dict, events: queue.Queue,
+    def __init__(self, proc: subprocess.Popen, target: ChatTarget, ready: dict, events: Events,
                  max_batch: int = 1):
-        self.proc, self.target, self.info, self._events = proc, target, ready, events
+        self.proc, self.target, self.info = proc, target, ready
         self.max_batch = max_batch
         self._lock = threading.Lock() if max_batch == 1 else contextlib.nullcontext()
         self._ids = itertools.count(1)
         self._answers: dict[int, queue.Queue] = {}  # each generation's events, by its id
         self._answers_lock = threading.Lock()
         self._ended = False  # the process's output has ended
-        threading.Thread(target=self._route, name="chat-events", daemon=True).start()
+        events.route_to(self._route)  # from here each event goes to its generation's queue as it is read
 
     @classmethod
     def start(cls, name: str, runs_dir: str | Path, hardware: Hardware, cores: str | None = None,
@@ -235,7 +235,7 @@ class ChatProcess:
             env = device_env(hardware, compile_cache_root(), chosen)
             proc = children.start(module, env=env, without=without, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
-            events: queue.Queue = queue.Queue()
+            events = Events()
             stderr_tail: list[str] = []
             threading.Thread(target=_read_events, args=(proc.stdout, events), daemon=True).start()
             threading.Thread(target=_keep_tail, args=(proc.stderr, stderr_tail), daemon=True).start()
@@ -303,26 +303,24 @@ class ChatProcess:
             if event["type"] == "done":
                 return
 
-    def _route(self) -> None:
-        """Each event to its generation's queue (an event of a generation no longer followed is
-        dropped); the process's end to every one."""
-        while True:
-            event = self._events.get()
-            with self._answers_lock:
-                if event.get("type") == "eof":
-                    for answers in self._answers.values():
-                        answers.put(event)
-                    self._ended = True
-                    return
-                if event.get("type") == "tokens":  # a batched step's new text, every request's at once
-                    for rid, text in event["pieces"].items():
-                        answers = self._answers.get(int(rid))
-                        if answers is not None:
-                            answers.put({"type": "token", "id": int(rid), "text": text})
-                    continue
-                answers = self._answers.get(event.get("id"))
-            if answers is not None:
-                answers.put(event)
+    def _route(self, event: dict) -> None:
+        """In the thread that reads the process's output: the event to its generation's queue (an
+        event of a generation no longer followed is dropped); the process's end to every one."""
+        with self._answers_lock:
+            if event.get("type") == "eof":
+                for answers in self._answers.values():
+                    answers.put(event)
+                self._ended = True
+                return
+            if event.get("type") == "tokens":  # a batched step's new text, every request's at once
+                for rid, text in event["pieces"].items():
+                    answers = self._answers.get(int(rid))
+                    if answers is not None:
+                        answers.put({"type": "token", "id": int(rid), "text": text})
+                return
+            answers = self._answers.get(event.get("id"))
+        if answers is not None:
+            answers.put(event)
 
     def stop_generation(self) -> None:
         """End every running generation after its current token."""
@@ -357,6 +355,30 @@ def choose_one_core(runs_dir: str | Path, hardware: Hardware, cores: str | None,
                         f"({none.holding}); stop one of them first") from none
     except ValueError as error:
         raise ChatError(f"cores: {error}") from error
+
+
+class Events(queue.Queue):
+    """A child process's events, as its output is read: queued, or once `route_to(handle)` is
+    called, each handed to `handle` in the reading thread (no hop through another thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self._handle = None
+        self._routing = threading.Lock()
+
+    def put(self, event, block=True, timeout=None) -> None:
+        with self._routing:
+            if self._handle is None:
+                super().put(event, block, timeout)
+            else:
+                self._handle(event)
+
+    def route_to(self, handle) -> None:
+        """Every event from now on (and any queued before) to `handle`, in the order read."""
+        with self._routing:
+            while not self.empty():
+                handle(self.get_nowait())
+            self._handle = handle
 
 
 def _read_events(stream, events: queue.Queue) -> None:

@@ -42,6 +42,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -117,6 +118,8 @@ class Answering:
         self.shapes: list = []
         self.counts = {"requests": 0, "completed": 0, "stopped": 0, "failed": 0}
         self.cancels: set[threading.Event] = set()  # one per request in progress, set by close()
+        # the threads that answer: one per request answered or waiting (each waits for its turn in one)
+        self.threads = ThreadPoolExecutor(max_workers=max_queue + chat.max_batch, thread_name_prefix="answer")
 
     def enter(self) -> tuple[object, threading.Event]:
         """A turn in the queue and the event that cancels its answer; ApiError 503 if full or closed."""
@@ -137,6 +140,7 @@ class Answering:
         self.turns.close()
         for cancel in list(self.cancels):
             cancel.set()
+        self.threads.shutdown(wait=False)  # each ends as its request does
 
     def run(self, ticket, request: dict, pieces=None, cancel: threading.Event | None = None) -> dict:
         """In a worker thread: wait for the turn, generate, hand each new piece of the answer to
@@ -213,10 +217,11 @@ class Either:
         return any(event.is_set() for event in self.events)
 
 
-def _answer_in_thread(answering: Answering, ticket, fields: dict, cancel: threading.Event, streamed: bool,
-                      rid: str) -> asyncio.Queue:
-    """Start the answer's worker thread, which owns the turn from here on: it gives it back however
-    the answer ends. The queue gets the pieces (when `streamed`), then the result or an ApiError."""
+def _answer_in_thread(answering: Answering, ticket, fields: dict, cancel: threading.Event,
+                      streamed: bool) -> asyncio.Queue:
+    """Start the answer in one of the answering threads, which owns the turn from here on: it gives
+    it back however the answer ends. The queue gets the pieces (when `streamed`), then the result
+    or an ApiError."""
     loop, items = asyncio.get_running_loop(), asyncio.Queue()
 
     def put(item) -> None:
@@ -234,10 +239,12 @@ def _answer_in_thread(answering: Answering, ticket, fields: dict, cancel: thread
             put(ApiError(500, f"the server failed: {type(error).__name__}: {error}", kind="server_error"))
 
     try:
-        threading.Thread(target=work, name=f"answer-{rid}", daemon=True).start()
-    except BaseException:
+        answering.threads.submit(work)
+    except BaseException as error:  # the server is ending (its threads take no more) or a thread cannot start
         answering.turns.leave(ticket)
         answering.cancels.discard(cancel)
+        if isinstance(error, RuntimeError) and answering.turns.closed:
+            raise shutting_down() from None
         raise
     return items
 
@@ -300,7 +307,7 @@ def build_api(answering: Answering, api_key: str | None = None):
         fields, stream, usage_wanted = parse(body, kind, answering.models, answering.max_cache_len)
         ticket, cancel = answering.enter()
         made, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        items = _answer_in_thread(answering, ticket, fields, cancel, stream, rid)
+        items = _answer_in_thread(answering, ticket, fields, cancel, stream)
         if stream:
             return _Stream(_stream(items, kind, rid, made, fields["model"], usage_wanted), cancel)
         result = await items.get()
