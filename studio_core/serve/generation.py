@@ -190,12 +190,12 @@ class Generator:
                whole: bool) -> tuple[list[int], int, int]:
         """(prompt ids, bucket, turns dropped) of a conversation, or of a plain `text` prompt (no
         chat template). `whole`: a prompt that does not fit the cache is a TooLong, not cut."""
-        if text is None:
-            ids, bucket, dropped = self.prompt(messages, max_new_tokens)
-            if whole and (dropped or len(ids) < len(self.render(messages))):
-                raise TooLong(len(self.render(messages)), buckets_for(self.max_cache_len, max_new_tokens)[-1])
-            return ids, bucket, dropped
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) or [self.pad]
+        if text is None and not whole:
+            return self.prompt(messages, max_new_tokens)
+        if text is None:  # whole: rendered once, never cut
+            ids = self.render(messages)
+        else:
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) or [self.pad]
         room = buckets_for(self.max_cache_len, max_new_tokens)[-1]
         if len(ids) > room:
             if whole:

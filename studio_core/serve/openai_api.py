@@ -40,7 +40,7 @@ import itertools
 import json
 import threading
 import time
-import uuid
+import secrets
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -277,6 +277,8 @@ def build_api(answering: Answering, api_key: str | None = None):
                 raise ApiError(401, f"{what}: send it as 'Authorization: Bearer KEY' (the openai client's "
                                "api_key)", code="invalid_api_key")
 
+    # each answer's id: this server's random part and a count (a fresh random id each took a system call)
+    server_id, numbers = secrets.token_hex(8), itertools.count()
     api = FastAPI(title="trn-studio OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None,
                   dependencies=[Depends(check_key)])
 
@@ -306,7 +308,7 @@ def build_api(answering: Answering, api_key: str | None = None):
             raise ApiError(400, "the request body must be a JSON object")
         fields, stream, usage_wanted = parse(body, kind, answering.models, answering.max_cache_len)
         ticket, cancel = answering.enter()
-        made, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        made, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{server_id}{next(numbers):08x}"
         items = _answer_in_thread(answering, ticket, fields, cancel, stream)
         if stream:
             return _Stream(_stream(items, kind, rid, made, fields["model"], usage_wanted), cancel)
