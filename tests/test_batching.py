@@ -2,7 +2,8 @@
 model: an answer is the same token for token alone, in a batch, or joining a batch already going,
 and the same as the chat's own generate(); the model sees a decode shape per batch bucket and a
 prefill shape per batch and length bucket; a cancelled request frees its row for the next at once;
-sampling keeps each request's own seed."""
+a request joins beside one that has nearly filled its row; sampling keeps each request's own
+seed."""
 
 from __future__ import annotations
 
@@ -117,6 +118,24 @@ def test_a_cancelled_request_frees_its_row_for_a_waiting_one_at_the_next_step(ch
     alone = request(chat, conversations[rows], max_new_tokens=8)
     answer_all(engine(chat), [alone])
     assert waiting.tokens == alone.tokens  # joined in a row another had used: the same answer
+
+
+def test_a_request_joins_beside_a_long_answer_near_the_end_of_the_cache_without_waiting_for_it(chat):
+    batcher = BatchEngine(chat.model, chat.pad, set(), MAX_CACHE_LEN)  # no end of sequence: each runs to its max
+    first, second = questions(2)
+    long = request(chat, first, max_new_tokens=MAX_CACHE_LEN - 64)
+    batcher.submit(long)
+    for _ in range(MAX_CACHE_LEN - 64 - 10):  # its row is filled to 10 cells from the end
+        batcher.step()
+    short = batcher.submit(request(chat, second, max_new_tokens=24))
+    batcher.step()
+    assert short in batcher.active and long in batcher.active  # more than 10 cells: it has a row of its own
+    while batcher.active:
+        batcher.step()
+    assert len(long.tokens) == MAX_CACHE_LEN - 64 and len(short.tokens) == 24
+    alone = request(chat, second, max_new_tokens=24)
+    answer_all(BatchEngine(chat.model, chat.pad, set(), MAX_CACHE_LEN), [alone])
+    assert short.tokens == alone.tokens
 
 
 def test_sampling_keeps_each_requests_own_seed_in_a_batch(chat):

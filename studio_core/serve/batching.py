@@ -3,26 +3,23 @@ batch at step boundaries (continuous batching), while the model sees only a few 
 Neuron each new shape is a compilation). Imports torch: child processes only.
 
 The cache: one static KV cache of `rows` rows (the largest batch bucket, 16 by default) by
-`max_cache_len` cells (SlotCache), every row written at one shared position P per step. A
-request joins when a row is free and its prompt fits left of P: its prompt, left-padded to its
-length bucket Lb, is prefilled into its row's cells [P-Lb, P), together with the others joining
-in the same bucket (a (b, Lb) input, b a batch bucket but the widest, so 16 joining at once take
-two prefills of 8), and its first token is sampled from that pass. A prefill attends to the
-cells it writes only (a prompt sees nothing left of it), so its cost and its shape do not depend
-on P. Each step then decodes the active rows together: a (b, 1) input, b the smallest batch
-bucket that holds them, each row with its own position and a mask of its own cells (a 4D mask:
-the model attends to nothing else). Active rows are kept in rows 0..n-1 (a finished row's place
-is taken by the last one, its cells copied), so rows n..b-1 only pad the batch. When no row is
-active P starts again. So the model sees at most a prefill shape per batch bucket (but the
-widest) and length bucket, and a decode shape per batch bucket, however many requests come:
-4 x 4 + 5 = 21 with the defaults (a 1024-token cache: prompt buckets 64 to 512), within batch
-buckets x length buckets + 2.
+`max_cache_len` cells (SlotCache); each row holds one request, from cell 0. A request joins at a
+step boundary when a row is free: its prompt, left-padded to its length bucket Lb, is prefilled
+into its row's cells [0, Lb), together with the others joining in the same bucket (a (b, Lb)
+input, b a batch bucket but the widest, so 16 joining at once take two prefills of 8), and its
+first token is sampled from that pass. A prefill attends to the cells it writes only, so its
+cost and shape are the bucket's. Each step then decodes the active rows together: a (b, 1)
+input, b the smallest batch bucket that holds them, each row writing its token at its own next
+cell, with its own position and a mask of its own cells (a 4D mask: the model attends to
+nothing else). Active rows are kept in rows 0..n-1 (a finished row's place is taken by the last
+one, its cells copied), so rows n..b-1 only pad the batch. So the model sees at most a prefill
+shape per batch bucket (but the widest) and length bucket, and a decode shape per batch bucket,
+however many requests come: 4 x 4 + 5 = 21 with the defaults (a 1024-token cache: prompt buckets
+64 to 512), within batch buckets x length buckets + 2.
 
-Who joins when: waiting requests join in arrival order (a later one never passes an earlier
-one, so a long prompt is not starved). A request needs Lb <= P (room on the left: P grows one
-cell a step, and when the batch is empty P is set to the longest bucket of those joining) and
-P + max_new_tokens <= max_cache_len (room on the right); one that does not fit waits for the
-batch to drain.
+Who joins when: waiting requests join in arrival order, as rows free up (a later one never passes
+an earlier one). Every request fits a row (its bucket and max_new_tokens fit the cache: `submit`
+refuses one that does not), so none waits for the others to drain.
 
 Each request keeps its own sampling (temperature, top_p, a seeded generator), max_new_tokens and
 end-of-sequence; `cancel` ends one at the next step boundary and frees its row. Greedy decoding
@@ -79,17 +76,18 @@ def cache_mib(model, rows: int, max_cache_len: int) -> float:
 
 
 def slot_cache(model, rows: int, max_cache_len: int):
-    """A static cache of `rows` rows for `model`, written at one shared position (see the module's
-    doc); `at(position, row)` sets where the next forward writes."""
+    """A static cache of `rows` rows for `model` (see the module's doc): `prefill_at(row)` or
+    `decode_at(cells)` sets where the next forward writes."""
     import torch
     from transformers.cache_utils import Cache, StaticLayer
 
     class SlotLayer(StaticLayer):
-        """Transformers' static layer with a fixed number of rows: a forward of b rows writes rows
-        [row, row + b) at the shared position. `own`: the forward attends to the cells it writes
-        only (a prefill: a prompt sees nothing left of it), not to the rows' every cell."""
+        """Transformers' static layer with a fixed number of rows. A prefill of b rows (`cells`
+        None) writes rows [row, row + b) at cells [0, q) and attends to those cells only; a decode
+        step writes row i at its own cell cells[i] and attends to rows [0, b), every cell (the
+        mask says which)."""
 
-        row, own = 0, False
+        row, cells = 0, None
 
         def lazy_initialization(self, key_states, value_states) -> None:
             shape = key_states.shape
@@ -100,22 +98,28 @@ def slot_cache(model, rows: int, max_cache_len: int):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             b, length = key_states.shape[0], key_states.shape[-2]
-            cells = torch.arange(length, device=self.device) + self.cumulative_length
-            self.keys[self.row:self.row + b].index_copy_(2, cells, key_states)
-            self.values[self.row:self.row + b].index_copy_(2, cells, value_states)
-            if self.own:
+            if self.cells is None:
+                self.keys[self.row:self.row + b, :, :length] = key_states
+                self.values[self.row:self.row + b, :, :length] = value_states
                 return key_states, value_states
-            return self.keys[self.row:self.row + b], self.values[self.row:self.row + b]
+            batch = torch.arange(b, device=self.device)
+            self.keys[batch, :, self.cells] = key_states[:, :, 0]
+            self.values[batch, :, self.cells] = value_states[:, :, 0]
+            return self.keys[:b], self.values[:b]
 
     class SlotCache(Cache):
         def __init__(self):
             layers = model.config.get_text_config().num_hidden_layers
             super().__init__(layers=[SlotLayer(max_cache_len=max_cache_len) for _ in range(layers)])
 
-        def at(self, position: int, row: int = 0, own: bool = False) -> None:
+        def prefill_at(self, row: int) -> None:
             for layer in self.layers:
-                layer.cumulative_length.fill_(position)
-                layer.row, layer.own = row, own
+                layer.row, layer.cells = row, None
+
+        def decode_at(self, cells) -> None:
+            """Row i of the next forward writes at cells[i] (a (b,) tensor on the model's device)."""
+            for layer in self.layers:
+                layer.cells = cells
 
         def move(self, source: int, target: int) -> None:
             """Row `source`'s cells copied into row `target`."""
@@ -143,7 +147,6 @@ class BatchEngine:
         self.cache = slot_cache(model, self.rows, max_cache_len)
         self.active: list[Request] = []  # row i holds active[i]
         self.waiting: deque[Request] = deque()
-        self.position = 0  # P: the cell every row writes next
         self.lock = threading.Condition()
         self.closed = False
         self.ids = itertools.count(1)
@@ -209,26 +212,15 @@ class BatchEngine:
                 self._decode()
 
     def _joining(self) -> list[Request]:
-        """The waiting requests that join now, in arrival order, each given its row."""
+        """The waiting requests that join now, in arrival order, each given its row (the cancelled
+        ones end)."""
         joined = []
         with self.lock:
-            while self.waiting and self.waiting[0].cancelled:
-                self.waiting.popleft().on_done("cancelled")
-            if not self.active and self.waiting:  # an empty batch: P set for the first ones to join together
-                self.position, longest = 0, 0
-                for request in itertools.islice(self.waiting, self.rows):
-                    position, most = max(self.position, request.bucket), max(longest, request.max_new_tokens)
-                    if position + most > self.max_cache_len:
-                        break
-                    self.position, longest = position, most
+            for request in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(request)
+                request.on_done("cancelled")
             while self.waiting and len(self.active) < self.rows:
-                request = self.waiting[0]
-                if request.cancelled:
-                    self.waiting.popleft().on_done("cancelled")
-                    continue
-                if request.bucket > self.position or self.position + request.max_new_tokens > self.max_cache_len:
-                    break  # it waits (and the ones after it: arrival order)
-                self.waiting.popleft()
+                request = self.waiting.popleft()
                 self.active.append(request)
                 joined.append(request)
         return joined
@@ -256,19 +248,17 @@ class BatchEngine:
 
     def _prefill(self, group: tuple[int, int, list[Request]]) -> list[tuple[Request, object]]:
         """One prefill of a bucket's requests into rows [row, row + width): each prompt left-padded
-        to the bucket, written at cells [P - bucket, P). A prompt attends to its own cells only (its
-        keys are the ones it writes: a (width, bucket) by (bucket) attention, whatever P is).
+        to the bucket, written at cells [0, bucket), attending to those cells only.
         -> each request with its last token's logits."""
         import torch
 
         row, width, requests = group
         bucket = requests[0].bucket
-        first = self.position - bucket
         keys = torch.arange(bucket)
         ids, positions, seen = [], [], []
         for request in requests:
             count = len(request.ids)
-            request.start, request.length = self.position - count, count
+            request.start, request.length = bucket - count, count
             ids.append([self.pad] * (bucket - count) + request.ids)
             positions.append([0] * (bucket - count) + list(range(count)))
             # query j sees the real cells up to its own (causal); a pad sees only itself
@@ -278,7 +268,7 @@ class BatchEngine:
             positions.append([0] * bucket)
             seen.append(torch.zeros(bucket, bucket, dtype=torch.bool))
         seen = torch.stack(seen) | torch.eye(bucket, dtype=torch.bool)[None]
-        self.cache.at(first, row, own=True)
+        self.cache.prefill_at(row)
         logits = self._forward(torch.tensor(ids), torch.tensor(positions), seen,
                                requests + [None] * (width - len(requests)))[:, -1]  # the last (real) token's
         return list(zip(requests, logits))
@@ -290,12 +280,12 @@ class BatchEngine:
         b = batch_bucket(n, self.buckets)
         last = [r.tokens[-1] for r in self.active] + [self.pad] * (b - n)
         positions = [r.length for r in self.active] + [0] * (b - n)
-        starts = torch.tensor([r.start for r in self.active] + [self.position] * (b - n))
-        seen = (self.cells[None, :] >= starts[:, None]) & (self.cells[None, :] <= self.position)  # each row its own
-        self.cache.at(self.position, 0)
+        starts = torch.tensor([r.start for r in self.active] + [0] * (b - n))  # a padding row: cell 0 alone
+        cells = torch.tensor([r.start + r.length for r in self.active] + [0] * (b - n))  # where each row writes
+        seen = (self.cells[None, :] >= starts[:, None]) & (self.cells[None, :] <= cells[:, None])  # its own cells
+        self.cache.decode_at(cells.to(self.model.device))
         logits = self._forward(torch.tensor(last)[:, None], torch.tensor(positions)[:, None], seen[:, None],
                                self.active + [None] * (b - n))[:, -1]
-        self.position += 1
         for request, row_logits in zip(list(self.active), logits):
             request.length += 1
             self._emit(request, row_logits)
