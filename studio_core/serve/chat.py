@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from studio_core.machine import children, leases
 from studio_core.serve.batching import BATCH_BUCKETS  # the batch sizes a server decodes at (--max-batch)
@@ -193,6 +194,9 @@ class ChatProcess:
         self._lock = threading.Lock() if max_batch == 1 else contextlib.nullcontext()
         self._ids = itertools.count(1)
         self._answers: dict[int, queue.Queue] = {}  # each generation's events, by its id
+        # the generations whose text goes to a function: (it, their halt)
+        self._on_text: dict[int, tuple[Callable[[str], None], threading.Event | None]] = {}
+        self._heard: dict[int, float] = {}  # when each of those last had text (time.monotonic)
         self._answers_lock = threading.Lock()
         self._ended = False  # the process's output has ended
         events.route_to(self._route)  # from here each event goes to its generation's queue as it is read
@@ -260,17 +264,22 @@ class ChatProcess:
         return self.info["thinking"]
 
     def generate(self, messages: list[dict] | None, which: str = "tuned", temperature: float = 0.0,
-                 top_p: float = 1.0, max_new_tokens: int = 128, halt: threading.Event | None = None, **more):
+                 top_p: float = 1.0, max_new_tokens: int = 128, halt: threading.Event | None = None,
+                 on_text: Callable[[str], None] | None = None, **more):
         """Yield token events as the model writes, then the done event (raises ChatError on failure,
         with `code` "context_length_exceeded" for a prompt too long). `halt`, once set, ends this
-        generation after its current token (or before it starts). `more`: the chat process's other
-        request fields (text, seed, whole: see chat_worker)."""
+        generation after its current token (or before it starts). `on_text`: the new text goes to
+        it instead of token events, called in the thread that reads the chat process's output, in
+        order, before the done event is yielded (no hop through the caller's thread per token).
+        `more`: the chat process's other request fields (text, seed, whole: see chat_worker)."""
         with self._lock:
             if not self.alive:
                 raise ChatError("the chat process has ended; load the model again")
             rid, answers = next(self._ids), queue.Queue()
             with self._answers_lock:
                 self._answers[rid] = answers
+                if on_text is not None:
+                    self._on_text[rid] = (on_text, halt)
             try:
                 self._send({"op": "generate", "id": rid, "which": which, "messages": messages,
                             "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, **more})
@@ -278,9 +287,11 @@ class ChatProcess:
             finally:
                 with self._answers_lock:
                     self._answers.pop(rid, None)
+                    self._on_text.pop(rid, None)
+                    self._heard.pop(rid, None)
 
     def _answer(self, rid: int, answers: queue.Queue, halt: threading.Event | None):
-        waited, halted = 0.0, False
+        heard, halted = time.monotonic(), False
         while True:
             if halt is not None and halt.is_set() and not halted:
                 halted = True
@@ -288,13 +299,14 @@ class ChatProcess:
             try:
                 event = answers.get(timeout=HALT_POLL_S)
             except queue.Empty:
-                waited += HALT_POLL_S
                 if self._ended:
                     raise ChatError("the chat process ended while answering (out of memory?)") from None
-                if waited >= REPLY_TIMEOUT_S:
+                if time.monotonic() - max(heard, self._heard.get(rid, heard)) >= REPLY_TIMEOUT_S:
                     raise ChatError(f"no answer within {REPLY_TIMEOUT_S} s") from None
                 continue
-            waited = 0.0
+            heard = time.monotonic()
+            if event.get("type") == "halted":
+                continue  # looked at above, on the next pass
             if event.get("type") == "eof":
                 raise ChatError("the chat process ended while answering (out of memory?)")
             if event["type"] == "error":
@@ -304,8 +316,9 @@ class ChatProcess:
                 return
 
     def _route(self, event: dict) -> None:
-        """In the thread that reads the process's output: the event to its generation's queue (an
-        event of a generation no longer followed is dropped); the process's end to every one."""
+        """In the thread that reads the process's output: the event to its generation's queue, or
+        its text to the generation's on_text (an event of a generation no longer followed is
+        dropped); the process's end to every one."""
         with self._answers_lock:
             if event.get("type") == "eof":
                 for answers in self._answers.values():
@@ -313,12 +326,29 @@ class ChatProcess:
                 self._ended = True
                 return
             if event.get("type") == "tokens":  # a batched step's new text, every request's at once
-                for rid, text in event["pieces"].items():
-                    answers = self._answers.get(int(rid))
-                    if answers is not None:
-                        answers.put({"type": "token", "id": int(rid), "text": text})
-                return
-            answers = self._answers.get(event.get("id"))
+                pieces = [(int(rid), text) for rid, text in event["pieces"].items()]
+            elif event.get("type") == "token":
+                pieces = [(event.get("id"), event["text"])]
+            else:
+                pieces = []
+            takers = [(self._on_text.get(rid), self._answers.get(rid), rid, text) for rid, text in pieces]
+            answers = self._answers.get(event.get("id")) if not pieces else None
+        for taker, queued, rid, text in takers:
+            if taker is None:
+                if queued is not None:
+                    queued.put({"type": "token", "id": rid, "text": text})
+                continue
+            on_text, halt = taker
+            halted = halt is not None and halt.is_set()
+            self._heard[rid] = time.monotonic()
+            try:
+                on_text(text)
+            except Exception as error:  # the reading goes on for the others; this generation fails
+                if queued is not None:
+                    queued.put({"type": "error", "message": f"{type(error).__name__}: {error}"})
+                continue
+            if queued is not None and halt is not None and halt.is_set() and not halted:
+                queued.put({"type": "halted"})  # its generation ends now (a stop string), not at the next look
         if answers is not None:
             answers.put(event)
 

@@ -144,17 +144,16 @@ class Answering:
 
     def run(self, ticket, request: dict, pieces=None, cancel: threading.Event | None = None) -> dict:
         """In a worker thread: wait for the turn, generate, hand each new piece of the answer to
-        `pieces` (a callable) as it comes, return {text, finish_reason, usage}. Raises ApiError.
+        `pieces` (a callable, called from the thread that reads the chat process) as it comes,
+        return {text, finish_reason, usage}. Raises ApiError.
         The turn is given back however this ends. With stop strings, the last characters that
         could begin one are held back until the next piece shows whether they do. `cancel` set
         (the client left, the server ends): the generation is stopped after its current token,
         or never started."""
         cancel = cancel or threading.Event()
-        cut, text, sent, done = None, "", 0, {}
-        halt = Either(cancel, threading.Event())  # set: the chat process ends this answer
+        done = {}
         try:
-            stop_strings = request.pop("stop")
-            hold = max((len(s) for s in stop_strings), default=1) - 1
+            answer = Writing(request.pop("stop"), pieces, cancel)
             try:
                 self.turns.wait(ticket)
             except Turns.Closed:
@@ -162,25 +161,9 @@ class Answering:
             if cancel.is_set():
                 self.counts["stopped"] += 1
                 raise shutting_down() if self.turns.closed else ApiError(499, "the client left", kind="server_error")
-            for event in self.chat.generate(**request, whole=True, halt=halt):
-                if event["type"] != "token":
-                    done = event
-                    continue
-                if cancel.is_set() and cut is None:
-                    cut = len(text)
-                if cut is not None:
-                    continue  # after a stop string or the client's leaving: what is still coming is dropped
-                text += event["text"]
-                hit = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=None)
-                if hit is not None:
-                    cut, text = hit, text[:hit]
-                    halt.events[1].set()
-                ready = len(text) if cut is not None else max(sent, len(text) - hold)
-                if pieces is not None and ready > sent:
-                    pieces(text[sent:ready])
-                    sent = ready
-            if pieces is not None and len(text) > sent and not cancel.is_set():
-                pieces(text[sent:])
+            for event in self.chat.generate(**request, whole=True, halt=answer.halt, on_text=answer.add):
+                done = event  # the text went to answer.add as it came: what is left is the end
+            answer.finish()
         except ChatError as error:
             self.counts["failed"] += 1
             if error.code == "context_length_exceeded":
@@ -200,11 +183,44 @@ class Answering:
                                "ask again once it is back", code="server_shutting_down", kind="server_error")
         else:
             self.counts["completed"] += 1
-        finish = "stop" if cut is not None or new_tokens < request["max_new_tokens"] else "length"
+        finish = "stop" if answer.cut is not None or new_tokens < request["max_new_tokens"] else "length"
         prompt_tokens = done.get("prompt_tokens", 0)
-        return {"text": text, "finish_reason": finish,
+        return {"text": answer.text, "finish_reason": finish,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new_tokens,
                           "total_tokens": prompt_tokens + new_tokens}}
+
+
+class Writing:
+    """An answer as its text comes, in the thread that reads the chat process (`add`): cut at the
+    first stop string (which halts the generation), the last characters that could begin one held
+    back until the next piece shows whether they do, each piece ready handed to `pieces`. Once
+    `cancel` is set (the client left, the server ends) what still comes is dropped."""
+
+    def __init__(self, stop_strings: list[str], pieces, cancel: threading.Event):
+        self.stop_strings, self.pieces, self.cancel = stop_strings, pieces, cancel
+        self.hold = max((len(s) for s in stop_strings), default=1) - 1
+        self.halt = Either(cancel, threading.Event())  # set: the chat process ends this answer
+        self.text, self.cut, self.sent = "", None, 0
+
+    def add(self, piece: str) -> None:
+        if self.cancel.is_set() and self.cut is None:
+            self.cut = len(self.text)
+        if self.cut is not None:
+            return  # after a stop string or the client's leaving
+        self.text += piece
+        hit = min((i for i in (self.text.find(s) for s in self.stop_strings) if i >= 0), default=None)
+        if hit is not None:
+            self.cut, self.text = hit, self.text[:hit]
+            self.halt.events[1].set()
+        ready = len(self.text) if self.cut is not None else max(self.sent, len(self.text) - self.hold)
+        if self.pieces is not None and ready > self.sent:
+            self.pieces(self.text[self.sent:ready])
+            self.sent = ready
+
+    def finish(self) -> None:
+        """The generation ended: what was held back goes out."""
+        if self.pieces is not None and len(self.text) > self.sent and not self.cancel.is_set():
+            self.pieces(self.text[self.sent:])
 
 
 class Either:
