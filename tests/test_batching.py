@@ -17,7 +17,7 @@ from pathlib import Path
 
 from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, Request, batch_bucket
 from studio_core.serve.chat import resolve
-from studio_core.serve.generation import BUCKETS, Generator
+from studio_core.serve.generation import Generator, buckets_for
 
 QA = Path(__file__).resolve().parent.parent / "studio_core" / "data" / "samples" / "qa.jsonl"
 
@@ -33,9 +33,9 @@ def chat(sft_runs, tmp_path_factory):
 
 def questions(n: int) -> list[list[dict]]:
     """The built-in set's questions (from the first, again from the first after the last), as
-    conversations, some asked twice or three times (longer prompts: other buckets)."""
+    conversations, some asked four or nine times (longer prompts: other buckets)."""
     rows = [json.loads(line) for line in QA.read_text().splitlines()]
-    return [[{"role": "user", "content": " ".join([rows[k % len(rows)]["messages"][0]["content"]] * (1 + k % 3))}]
+    return [[{"role": "user", "content": " ".join([rows[k % len(rows)]["messages"][0]["content"]] * (1, 4, 9)[k % 3])}]
             for k in range(n)]
 
 
@@ -90,9 +90,11 @@ def test_the_model_sees_a_decode_shape_per_batch_bucket_and_a_prefill_shape_per_
     answer_all(batcher, [request(chat, m, max_new_tokens=4 + k) for k, m in enumerate(conversations)])
     decode = {shape for shape in chat.shapes if shape[1] == 1}
     prefill = {shape for shape in chat.shapes if shape[1] > 1}
+    prompt_buckets = buckets_for(MAX_CACHE_LEN, 1)  # the prompt buckets this cache takes
     assert decode <= {(b, 1) for b in BATCH_BUCKETS}
-    assert prefill <= {(w, b) for w in BATCH_BUCKETS[:-1] for b in BUCKETS}  # joiners prefilled together
-    assert len(chat.shapes) <= len(BATCH_BUCKETS) * len(BUCKETS) + 2
+    assert prefill <= {(w, b) for w in BATCH_BUCKETS[:-1] for b in prompt_buckets}  # joiners prefilled together
+    assert len({b for _, b in prefill}) > 1  # the questions asked nine times took another bucket
+    assert len(chat.shapes) <= len(BATCH_BUCKETS) * len(prompt_buckets) + 2
     assert (batcher.rows, 1) in decode and len(decode) > 1  # a full batch, then fewer as they end
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
 
