@@ -194,9 +194,8 @@ class ChatProcess:
         self._lock = threading.Lock() if max_batch == 1 else contextlib.nullcontext()
         self._ids = itertools.count(1)
         self._answers: dict[int, queue.Queue] = {}  # each generation's events, by its id
-        # the generations whose text goes to a function: (it, their halt)
-        self._on_text: dict[int, tuple[Callable[[str], None], threading.Event | None]] = {}
-        self._heard: dict[int, float] = {}  # when each of those last had text (time.monotonic)
+        # the generations whose text goes to a function: [it, their halt, when they last had text]
+        self._on_text: dict[int, list] = {}
         self._answers_lock = threading.Lock()
         self._ended = False  # the process's output has ended
         events.route_to(self._route)  # from here each event goes to its generation's queue as it is read
@@ -279,7 +278,7 @@ class ChatProcess:
             with self._answers_lock:
                 self._answers[rid] = answers
                 if on_text is not None:
-                    self._on_text[rid] = (on_text, halt)
+                    self._on_text[rid] = [on_text, halt, time.monotonic()]
             try:
                 self._send({"op": "generate", "id": rid, "which": which, "messages": messages,
                             "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, **more})
@@ -288,7 +287,6 @@ class ChatProcess:
                 with self._answers_lock:
                     self._answers.pop(rid, None)
                     self._on_text.pop(rid, None)
-                    self._heard.pop(rid, None)
 
     def _answer(self, rid: int, answers: queue.Queue, halt: threading.Event | None):
         heard, halted = time.monotonic(), False
@@ -301,7 +299,8 @@ class ChatProcess:
             except queue.Empty:
                 if self._ended:
                     raise ChatError("the chat process ended while answering (out of memory?)") from None
-                if time.monotonic() - max(heard, self._heard.get(rid, heard)) >= REPLY_TIMEOUT_S:
+                taker = self._on_text.get(rid)  # its text, when it goes to on_text, counts as hearing from it
+                if time.monotonic() - (max(heard, taker[2]) if taker else heard) >= REPLY_TIMEOUT_S:
                     raise ChatError(f"no answer within {REPLY_TIMEOUT_S} s") from None
                 continue
             heard = time.monotonic()
@@ -338,9 +337,9 @@ class ChatProcess:
                 if queued is not None:
                     queued.put({"type": "token", "id": rid, "text": text})
                 continue
-            on_text, halt = taker
+            on_text, halt, _ = taker
             halted = halt is not None and halt.is_set()
-            self._heard[rid] = time.monotonic()
+            taker[2] = time.monotonic()
             try:
                 on_text(text)
             except Exception as error:  # the reading goes on for the others; this generation fails

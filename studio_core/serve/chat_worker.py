@@ -7,10 +7,11 @@ folder, backend, cores, cache length); it takes its cores through the same lease
 runs (kind "chat"), loads the model (studio_core.serve.generation, which says how generation is
 shaped for Neuron) and says `ready` (with the chat template's arguments it renders prompts
 with, the ones training rendered answers after, and whether answers start inside a <think>
-block). Then each stdin line is a request: {"op": "generate", "id", "which": "tuned"|"base",
-"messages" (or "text": a plain prompt, no chat template), "temperature", "top_p", "max_new_tokens",
-"seed", "whole" (a prompt that does not fit is an error with code context_length_exceeded, not
-cut)}, {"op": "stop"} (ends the running generation) or {"op": "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
+block, and the static KV cache's size in MiB). Then each stdin line is a request: {"op":
+"generate", "id", "which": "tuned"|"base", "messages" (or "text": a plain prompt, no chat
+template), "temperature", "top_p", "max_new_tokens", "seed", "whole" (a prompt that does not fit
+is an error with code context_length_exceeded, not cut)}, {"op": "stop"} (ends the running
+generation) or {"op": "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
 {id, stopped, prompt_tokens, bucket, new_tokens, dropped_turns, ttft_s, seconds, text, shapes},
 error.
 
