@@ -216,10 +216,11 @@ def cmd_runs(args) -> int:
     manager = RunManager(runs_folder(args))
     queue.ensure_runner(manager.runs_dir)  # after a reboot: queued runs start again when their cores are free
     runs = manager.list()
+    order = [path.name for path in queue.queued(manager.runs_dir)]  # read once for every queued run's place
     print(f"{'run':48} {'state':9} {'step':>11}  {'started':19} {'training':>8} {'wall':>8}  model / dataset")
     for view in runs:
         steps = f"{view.step}/{view.max_steps or '?'}"
-        where = view.where()
+        where = view.where(order)
         started = format_time(view.first_start) or "-"
         what = f"{view.model} / {view.dataset}" if view.spec else "?"
         print(f"{view.id:48} {view.live_state:9} {steps:>11}  {started:19} {clock(view.training_seconds()):>8} "
@@ -243,8 +244,9 @@ def cmd_queue(args) -> int:
     order, manager = queue.queued(runs_dir), RunManager(runs_dir)
     if not order:
         print("No run is queued.")
+    names = [path.name for path in order]
     for path in order:
-        print(f"{path.name:48} {queue.describe(path, manager.view_or_none)}")
+        print(f"{path.name:48} {queue.describe(path, manager.view_or_none, names)}")
     return 0
 
 

@@ -82,6 +82,9 @@ def test_busy_cores_queue_runs_in_order_moved_and_cancelled_then_each_starts_whe
     assert refused.returncode == 2 and f"held ({HOLDER}" in refused.stderr and "queue the run" in refused.stderr
     listed = launch_py("queue", "--runs-dir", str(manager.runs_dir))
     assert listed.stdout.splitlines()[0].startswith(f"{third.id} ") and "1st of 2" in listed.stdout
+    runs = launch_py("runs", "--runs-dir", str(manager.runs_dir)).stdout  # each queued run's place (queue read once)
+    assert "[queued, 1st of 2: waits for 2 free cpu core(s)" in runs
+    assert f"[queued, 2nd of 2: after run {third.id}]" in runs
 
     held.release()  # the runner starts them in their order, one at a time: each needs both cores
     third, first = manager.wait(third.id), manager.wait(first.id)

@@ -66,11 +66,11 @@ def place(run_dir: Path) -> tuple[int, int]:
     return order.index(run_dir.name) + 1 if run_dir.name in order else 0, len(order)
 
 
-def describe(run_dir: Path, view_of: Callable) -> str:
+def describe(run_dir: Path, view_of: Callable, order: list[str] | None = None) -> str:
     """What a queued run waits for: "queued, 1st of 2: waits for 1 free cpu core (2 of 2 are held
-    (run ... (pid 12)))", or "queued, 2nd of 2: after run ..."."""
-    order = queued(run_dir.parent)
-    names = [path.name for path in order]
+    (run ... (pid 12)))", or "queued, 2nd of 2: after run ...". `order`: the queued runs' names as
+    queued() gives them, when the caller lists many (read once, not once a run)."""
+    names = [path.name for path in queued(run_dir.parent)] if order is None else order
     if run_dir.name not in names:
         return "queued"
     at = names.index(run_dir.name)

@@ -100,11 +100,12 @@ class RunView(RunState):
     def active(self) -> bool:
         return self.live_state in ACTIVE_STATES
 
-    def where(self) -> str | None:
+    def where(self, queue_order: list[str] | None = None) -> str | None:
         """Where the run executes, when not simply here: a Slurm job's id, and while it is
-        active its state (PENDING and Slurm's reason, RUNNING on which nodes)."""
+        active its state (PENDING and Slurm's reason, RUNNING on which nodes); a queued run's
+        place and what it waits for (`queue_order`: the queue's run names, when a listing has them)."""
         if self.live_state == "queued":
-            return queue.describe(self.dir, self.other)
+            return queue.describe(self.dir, self.other, queue_order)
         return self.backend.where(self.dir, live=self.active)
 
     @property
