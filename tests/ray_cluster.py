@@ -38,24 +38,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_ports(taken: tuple[int, ...] = ()) -> list[str]:
-    """A node's own ports, free now (two nodes of one machine must not share them), none of them
-    (nor the `taken` ones its other flags name) inside the range its workers take: Ray refuses to
-    start a node whose ports overlap."""
+def pick_port(named: set[int]) -> int:
+    """A port free now and not yet named by this cluster (a port named for a node that is down, or
+    for workers not started yet, is free to the system but not to us), added to `named`."""
+    while (port := free_port()) in named:
+        continue
+    named.add(port)
+    return port
+
+
+def node_ports(named: set[int]) -> list[str]:
+    """A node's own ports, none of them named before for this cluster (Ray refuses to start a node
+    whose ports meet another component's, and two nodes of one machine must not share them); the
+    41 ports its workers take are named too."""
     worker = free_port()
-    while any(port in range(worker, worker + 41) for port in taken):
+    while named.intersection(range(worker, worker + 41)):
         worker = free_port()
-    workers = range(worker, worker + 41)
-
-    def other() -> int:
-        while (port := free_port()) in workers:
-            continue
-        return port
-
-    return [f"--node-manager-port={other()}", f"--object-manager-port={other()}",
-            f"--dashboard-agent-listen-port={other()}", f"--dashboard-agent-grpc-port={other()}",
-            f"--metrics-export-port={other()}", f"--runtime-env-agent-port={other()}",
-            f"--min-worker-port={worker}", f"--max-worker-port={worker + 40}"]
+    named.update(range(worker, worker + 41))
+    return [f"--node-manager-port={pick_port(named)}", f"--object-manager-port={pick_port(named)}",
+            f"--dashboard-agent-listen-port={pick_port(named)}",
+            f"--dashboard-agent-grpc-port={pick_port(named)}", f"--metrics-export-port={pick_port(named)}",
+            f"--runtime-env-agent-port={pick_port(named)}", f"--min-worker-port={worker}",
+            f"--max-worker-port={worker + 40}"]
 
 
 @dataclass
@@ -63,6 +67,7 @@ class RayCluster:
     folder: Path  # the session's temporary folder (short: Ray's sockets live under it)
     gcs_port: int
     dashboard_port: int
+    named: set[int]  # every port named for this cluster so far: no later pick takes one of them
     nodes: list[subprocess.Popen] = field(default_factory=list)
 
     @property
@@ -71,7 +76,8 @@ class RayCluster:
 
     @classmethod
     def start(cls, timeout: float = 120) -> RayCluster:
-        cluster = cls(Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")), free_port(), free_port())
+        named: set[int] = set()
+        cluster = cls(Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")), pick_port(named), pick_port(named), named)
         try:
             cluster.nodes.append(cluster._popen(cluster._head_argv(), 0))
             cluster.wait(1, timeout)
@@ -83,13 +89,12 @@ class RayCluster:
         return cluster
 
     def _head_argv(self) -> list[str]:
-        client = free_port()
         return [RAY, "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={client}",
-                f"--temp-dir={self.folder}", *node_ports((self.gcs_port, self.dashboard_port, client)), *COMMON]
+                f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={pick_port(self.named)}",
+                f"--temp-dir={self.folder}", *node_ports(self.named), *COMMON]
 
     def _worker_argv(self) -> list[str]:
-        return [RAY, "start", f"--address=127.0.0.1:{self.gcs_port}", *node_ports(), *COMMON]
+        return [RAY, "start", f"--address=127.0.0.1:{self.gcs_port}", *node_ports(self.named), *COMMON]
 
     def kill_node(self, index: int) -> None:
         """A node goes down at once: SIGKILL to its `ray start` and everything it started (its raylet,
