@@ -89,11 +89,14 @@ def stop_run(manager: RunManager, run_id: str | None) -> str:
     if not run_id:
         return "No run to stop."
     try:
+        queued = manager.view(run_id).live_state == "queued"
         view = manager.stop(run_id)
     except StopError as error:
         return f"**Not stopped:** {error}"
     if view.reason == queue.CANCELLED:
         return f"Run `{run_id}` was cancelled while queued: it never started."
+    if queued and view.live_state != "queued":  # a queued resume, called off
+        return f"The resume of run `{run_id}` was cancelled while queued: the run is {view.live_state}, as it was."
     return f"Run `{run_id}` is {view.live_state}; none of its processes is left."
 
 
@@ -111,10 +114,12 @@ def resume_run(manager: RunManager, hardware: Hardware, run_id: str | None) -> s
     if not run_id:
         return "No run to resume: open one in the Runs tab."
     try:
-        view = manager.resume(run_id, hardware)
+        view = manager.resume(run_id, hardware, queue_if_busy=True)
     except (SpecError, KeyError) as error:
         problems = error.problems if isinstance(error, SpecError) else [str(error).strip("'\"")]
         return "**Not resumed:** " + "; ".join(problems)
+    if view.live_state == "queued":  # no cores are free: it waits for them, as Start queues a run
+        return f"Run `{run_id}` {view.where()}. Stop cancels it."
     loads = view.resumed_from()  # the checkpoint it loads, which its launch record names
     return f"Run `{run_id}` resumed from step {view.step}" + (f" ({loads.rstrip('/').rsplit('/', 1)[-1]})." if loads else ".")
 

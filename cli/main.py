@@ -190,8 +190,8 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("--resume", metavar="RUN_ID", help="go on with a run from its last checkpoint "
                              "(instead of a recipe), in the same run folder")
             sub.add_argument("--from-checkpoint", type=int, metavar="STEP", help="with --resume: this checkpoint")
-            sub.add_argument("--no-queue", action="store_true", help="refuse the run when its cores are busy "
-                             "(by default it waits in the queue and starts when they are free)")
+            sub.add_argument("--no-queue", action="store_true", help="refuse the run (or the resume) when its "
+                             "cores are busy (by default it waits in the queue and starts when they are free)")
     sweep = command("sweep", cmd_sweep, "train a recipe over a grid of values, a run per combination, through "
                     "the queue; --show SWEEP_ID: its runs, best first")
     sweep.add_argument("recipe", nargs="?", help="a recipe YAML file (see recipes/)")

@@ -80,11 +80,15 @@ def cmd_train(args) -> int:
         if given:
             raise SpecError([f"--resume goes on with the run's own settings: leave out {', '.join(given)}"])
         manager.view(args.resume)  # a run of that id, before the hardware is probed
-        view = manager.resume(args.resume, hardware_for(args), step=args.from_checkpoint)
+        view = manager.resume(args.resume, hardware_for(args), step=args.from_checkpoint,
+                              queue_if_busy=not args.no_queue)
         loads = view.resumed_from()
-        print(f"Run {view.id} resumed from step {checkpoint_step(loads, view.step)}; its folder: {view.dir}"
-              + (f" (it loads {Path(loads).relative_to(view.dir) if Path(loads).is_relative_to(view.dir) else loads})"
-                 if loads else ""))
+        if view.live_state == "queued":
+            print(f"Run {view.id} {view.where()}; its folder: {view.dir}")
+        else:
+            print(f"Run {view.id} resumed from step {checkpoint_step(loads, view.step)}; its folder: {view.dir}"
+                  + (f" (it loads {Path(loads).relative_to(view.dir) if Path(loads).is_relative_to(view.dir) else loads})"
+                     if loads else ""))
     elif not args.recipe:
         raise SpecError(["give a recipe (e.g. recipes/tiny-sft.yaml), or --resume RUN_ID"])
     elif args.from_checkpoint is not None:
@@ -125,15 +129,18 @@ def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:
     run's history (metrics, late compilations, steps up to its checkpoint) is not shown again."""
     from tqdm import tqdm
 
-    bar, shown, warned, fetch, precompiled, queued = None, 0, 0, None, None, view.live_state == "queued"
-    first_step = view.step if resumed else 0
-    if resumed:
-        shown, warned = len(view.metrics), len(view.late_compiles())
+    bar, fetch, precompiled, queued = None, None, None, view.live_state == "queued"
+    shown, warned, first_step = resumed_history(view) if resumed and not queued else (0, 0, 0)
     while True:
         view = manager.view(view.id)
         if queued and view.live_state != "queued":
             queued = False
             print(f"Run {view.id} left the queue: {view.live_state}", flush=True)
+            if resumed:  # its attempt began now
+                shown, warned, first_step = resumed_history(view)
+        if queued:  # a queued resume's history is its last attempt's: nothing to show yet
+            time.sleep(0.5)
+            continue
         if bar is None:
             fetch = follow_download(view, fetch)
             line = precompile.describe(view.precompile)
@@ -178,6 +185,14 @@ def follow(manager: RunManager, view: RunView, resumed: bool = False) -> int:
         print(f"Model saved in {view.dir / 'output'}")
         return 0
     return 1
+
+
+def resumed_history(view: RunView) -> tuple[int, int, int]:
+    """What a resumed run's follower does not show again: (its metrics before this attempt, its
+    late compilations so far, the step it went on from)."""
+    begin = view.spans[-1].begin if view.spans else 0.0
+    return (sum(m["time"] < begin for m in view.metrics), len(view.late_compiles()),
+            checkpoint_step(view.resumed_from(), view.step))
 
 
 def follow_download(view: RunView, fetch):
@@ -259,6 +274,7 @@ def cmd_stop(args) -> int:
         print(f"Run {view.id}: {view.live_state}" + (f"; resume it from step {point['step']} with "
                                                      f"`launch.py train --resume {view.id}`" if point else ""))
         return 0
+    queued = manager.view(args.run_id).live_state == "queued"
     view = manager.stop(args.run_id)
-    print(f"Run {view.id}: {view.live_state}")
+    print(f"Run {view.id}: {view.live_state}" + (" (cancelled while queued)" if queued else ""))
     return 0

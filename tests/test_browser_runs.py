@@ -3,7 +3,8 @@ overlaid, the settings that differ), clones one into the Train form and deletes 
 confirmation; its compile cache panel shows the cache, refuses to clear it while a real run goes
 and clears it once the run has stopped (what a real compile leaves in the cache is checked in
 test_compile_cache.py); a run survives the page closing and the app restarting, and a page of
-the new app follows it, stops and saves it, and after a reload resumes it from the Runs tab.
+the new app follows it, stops and saves it, and after a reload resumes it from the Runs tab (its
+cores held first: the resume is queued, then cancelled, and the run is as it was).
 
 The compared runs are the session's history_runs (conftest), copied into the app's runs folder.
 Chromium through Playwright, the app as its own process, one app for this file, with a compile
@@ -21,6 +22,7 @@ import pytest
 
 from studio_browser import app, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from studio_browser import ROOT, App, expect, run_state, set_number
+from studio_core.machine import leases
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
 from studio_core.recipe.spec import RunSpec
@@ -181,6 +183,15 @@ def test_a_run_survives_page_and_app_then_is_stopped_saved_and_resumed_from_the_
         # and the Runs tab resumes any run it opens
         page.get_by_role("tab", name="Runs").click()
         pick(page, "open-run", view.id)
+        expect(page.locator("#runs-resume")).to_be_enabled(timeout=SLOW)
+        with leases.acquire(runs_dir, "cpu", [0, 1], holder="chat-holding-both", kind="chat"):  # no core free
+            page.locator("#runs-resume").click()  # it waits in the queue, and Stop calls it off
+            expect(page.locator("#runs-message")).to_contain_text(f"queued to resume from step {step}, 1st of 1",
+                                                                  timeout=60_000)
+            expect(page.locator("#runs-stop")).to_be_enabled(timeout=SLOW)
+            page.locator("#runs-stop").click()
+            expect(page.locator("#runs-message")).to_contain_text("cancelled while queued: the run is stopped, as it "
+                                                                  "was", timeout=SLOW)
         expect(page.locator("#runs-resume")).to_be_enabled(timeout=SLOW)
         page.locator("#runs-resume").click()
         expect(page.locator("#runs-message")).to_contain_text(f"resumed from step {step}", timeout=60_000)

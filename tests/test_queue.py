@@ -24,6 +24,7 @@ from studio_core.recipe.spec import SpecError
 from test_runs import REPO, tiny
 
 HOLDER = "chat-holding-both"
+T0 = 1_767_000_000.0  # the first start of the event streams written here
 
 
 @pytest.fixture
@@ -141,6 +142,63 @@ def test_starters_racing_for_one_queued_run_start_it_once(manager, held):
     assert manager.wait(run.id).live_state == "finished"
     statuses = [e["state"] for e in events.read(run.dir / "events.jsonl") if e["type"] == "status"]
     assert statuses.count("starting") == 1 and statuses[0] == "queued", statuses
+
+
+def test_a_resume_whose_cores_are_busy_waits_in_the_queue_and_a_cancel_leaves_the_run_as_it_was(manager):
+    hardware = cpu_hardware()
+    run = manager.start(tiny("max_steps=6", "save_strategy=steps", "save_steps=6"), hardware)
+    manager.stop_and_save(run.id)  # asked before training begins: a checkpoint at step 1, then a stop
+    stopped = manager.wait(run.id)
+    assert stopped.live_state == "stopped" and [c["step"] for c in stopped.checkpoints] == [1]
+    before = (stopped.live_state, stopped.reason, stopped.ended, stopped.training_seconds(), stopped.attempts)
+    lease = leases.acquire(manager.runs_dir, "cpu", [0, 1], holder=HOLDER, kind="chat")
+    try:
+        with pytest.raises(SpecError, match=f"held \\({HOLDER}"):  # without the queue: refused, as before
+            manager.resume(run.id, hardware)
+        queued = launch_py("train", "--resume", run.id, "--detach", "--runs-dir", str(manager.runs_dir),
+                           "--backend", "cpu")
+        assert queued.returncode == 0, queued.stderr
+        assert f"Run {run.id} queued to resume from step 1, 1st of 1: waits for 1 free cpu core(s)" in queued.stdout
+        view = manager.view(run.id)
+        assert view.live_state == "queued" and HOLDER in view.where()
+        assert (view.ended, view.training_seconds(), view.attempts) == before[2:]  # the wait is no attempt
+        with pytest.raises(SpecError, match="is queued"):  # one resume at a time
+            manager.resume(run.id, hardware, queue_if_busy=True)
+
+        cancelled = launch_py("stop", run.id, "--runs-dir", str(manager.runs_dir))
+        assert cancelled.stdout.strip() == f"Run {run.id}: stopped (cancelled while queued)", cancelled.stderr
+        view = manager.view(run.id)  # as it was: same state, reason, end, training time and attempts
+        assert (view.live_state, view.reason, view.ended, view.training_seconds(), view.attempts) == before
+        assert queue.queued(manager.runs_dir) == [] and view.resume_point()["step"] == 1
+        assert "the resume from step 1 was cancelled while queued" in (view.dir / "events.jsonl").read_text()
+
+        assert manager.resume(run.id, hardware, queue_if_busy=True).live_state == "queued"
+        wait_for(lambda: runners(manager.runs_dir), "a queue runner")
+    finally:
+        freed = time.time()
+        lease.release()
+    resumed = manager.wait(run.id)  # the runner resumes it once a core is free
+    assert resumed.live_state == "finished" and resumed.attempts == 2, resumed.error_text
+    steps = [e["step"] for e in events.read(resumed.dir / "events.jsonl") if e["type"] == "progress"]
+    assert steps[-5:] == [2, 3, 4, 5, 6]  # it went on from the checkpoint at step 1
+    assert resumed.resumed_from().endswith("checkpoint-1")
+    assert resumed.spans[0].end == before[2] and resumed.spans[1].begin >= freed  # its attempt: from its start
+    assert resumed.training_seconds() == pytest.approx(sum(span.seconds() for span in resumed.spans))
+    wait_for(lambda: not runners(manager.runs_dir), "the runner to exit with the queue empty")
+
+
+@pytest.mark.fast
+def test_a_queued_resume_begins_its_attempt_when_it_starts_and_a_cancel_ends_nothing_new():
+    at = [("starting", 0), ("running", 5), ("stopped", 60)]
+    ran = [{**events.status(state), "time": T0 + t} for state, t in at]
+    queued, cancelled = {**events.status("queued"), "time": T0 + 100}, {**events.status("stopped"), "time": T0 + 150}
+    state = fold([*ran, queued, {**events.log("a note while it waits"), "time": T0 + 120}, cancelled])
+    assert (state.state, state.ended, len(state.spans), state.attempts) == ("stopped", T0 + 60, 1, 1)
+    resume = {**events.resume(1, "output/checkpoint-1"), "time": T0 + 300}
+    state = fold([*ran, queued, cancelled, {**queued, "time": T0 + 200}, resume,
+                  {**events.status("starting"), "time": T0 + 300}, {**events.status("finished"), "time": T0 + 400}])
+    assert [(span.begin - T0, span.end - T0) for span in state.spans] == [(0, 60), (300, 400)]
+    assert (state.state, state.ended, state.attempts) == ("finished", T0 + 400, 2)
 
 
 @pytest.mark.fast

@@ -317,12 +317,15 @@ class RunState:
     def apply(self, event: dict) -> None:
         kind, when = event["type"], event["time"]
         # a queued run has begun no attempt: the time it waits for its cores is no part of the run
-        waiting = event.get("state") == "queued" if kind == "status" else self.state == "queued"
+        # (a queued resume's attempt begins with its resume event, when it leaves the queue)
+        waiting = event.get("state") == "queued" if kind == "status" else self.state == "queued" and kind != "resume"
         if not waiting and (kind == "resume" or not self.spans):
             self.spans.append(Attempt(when, when))
         elif not waiting and not self.spans[-1].ended:
             self.spans[-1].end = max(self.spans[-1].end, when)
         if kind == "status":
+            # a queued resume called off (runs/queue.py cancel) ends nothing new: the run ended before
+            called_off = self.state == "queued" and self.spans and self.spans[-1].ended
             self.state = event.get("state", self.state)
             self.exit_code = event.get("exit_code", self.exit_code)
             self.world_size = event.get("world_size", self.world_size)
@@ -330,7 +333,7 @@ class RunState:
             self.reason = event.get("reason")
             if self.state == "running" and self.started is None:
                 self.started = when
-            if self.state in FINAL_STATES:
+            if self.state in FINAL_STATES and not called_off:
                 self.ended = when
                 self.spans[-1].ended = True
         elif kind == "progress":

@@ -189,8 +189,16 @@ class RunManager:
                     hardware = Hardware(**queued_launch["hardware"])
                     if queue.held_back(queue.hold_of(run_dir), self.view_or_none):
                         break  # its sweep holds it (its precompile, --parallel): the runs after it wait too
+                    resume = queue.resume_of(run_dir)
+                    if resume:
+                        spec = self._spec_to_resume(spec, hardware)
+                        if not any(c["path"] == resume["path"] for c in list_checkpoints(run_dir)):
+                            raise SpecError([f"its checkpoint at step {resume['step']} ({resume['path']}) is gone: "
+                                             "resume it again, from a checkpoint it has"])
                     cores = self.choose_cores(spec, hardware, wait=True)
-                    launch = None if cores is None else self._plan(spec, hardware, cores, run_dir.name)
+                    launch = None if cores is None else (
+                        self._resume_plan(spec, hardware, cores, run_dir.name, resume, queued_launch) if resume
+                        else self._plan(spec, hardware, cores, run_dir.name))
                     if launch is not None and launch.errors:
                         raise SpecError(launch.errors)
                 except (SpecError, folder.DamagedRun, KeyError, TypeError) as error:
@@ -201,8 +209,11 @@ class RunManager:
                     continue
                 if launch is None:
                     break  # its turn, but its cores are busy: the runs after it wait too
-                folder.write_launch(run_dir, folder.launch_record(launch), created=queued_launch.get("created"))
-                events.append(run_dir / folder.EVENTS, events.status("starting"))
+                if resume:
+                    self._restart(run_dir, launch, resume)
+                else:
+                    folder.write_launch(run_dir, folder.launch_record(launch), created=queued_launch.get("created"))
+                    events.append(run_dir / folder.EVENTS, events.status("starting"))
                 queue.leave(run_dir)
                 backends.get(spec.layout.run_on).submit(run_dir, launch, device=hardware.backend)
                 done.append((run_dir.name, None))
@@ -231,10 +242,13 @@ class RunManager:
         tmp.rename(run_dir)
         return run_dir
 
-    def resume(self, run_id: str, hardware: Hardware, step: int | None = None) -> RunView:
+    def resume(self, run_id: str, hardware: Hardware, step: int | None = None,
+               queue_if_busy: bool = False) -> RunView:
         """Go on from the run's last checkpoint (or the one at `step`), in the same run folder:
         model, optimizer, scheduler and RNG states come back, the step count goes on, and the
-        new events append to the run's own (after a `resume` event)."""
+        new events append to the run's own (after a `resume` event). It takes the run's cores, or
+        the next free ones; with `queue_if_busy`, when none are free it waits in the queue
+        (runs/queue.py) to resume from that checkpoint, and a cancel leaves it as it was."""
         view = self.view(run_id)
         run_id = view.id  # an id, also when given as the path of its folder
         if view.active:
@@ -267,14 +281,29 @@ class RunManager:
                 raise SpecError([f"not submitted: {error}"]) from error
             return self.view(run_id)
         with leases.choosing(self.runs_dir):
-            held = leases.holders(self.runs_dir, hardware.backend, hardware.cores)
-            if spec.layout.cores and set(parse_cores(spec.layout.cores)) & set(held):
-                spec = replace(spec, layout=replace(spec.layout, cores=None))  # its cores are taken: next free
-            cores = self.choose_cores(spec, hardware)
+            spec = self._spec_to_resume(spec, hardware)
+            cores = self.choose_cores(spec, hardware, wait=queue_if_busy)  # None: none free, it waits
             launch = self._resume_plan(spec, hardware, cores, run_id, chosen, first)
-            self._restart(view.dir, launch, chosen)
-            backend.submit(view.dir, launch, device=hardware.backend)
+            if cores is None:
+                # what a cancel gives back (a run whose processes ended silently: what the backend said)
+                was = {"state": view.live_state,
+                       "reason": view.reason if view.state in FINAL_STATES else view.error_text}
+                queue.enter(view.dir, resume={"step": chosen["step"], "path": chosen["path"], "was": was})
+                events.append(view.dir / folder.EVENTS, events.status("queued"))
+            else:
+                self._restart(view.dir, launch, chosen)
+                backend.submit(view.dir, launch, device=hardware.backend)
+        if cores is None:
+            queue.ensure_runner(self.runs_dir)
         return self.view(run_id)
+
+    def _spec_to_resume(self, spec: RunSpec, hardware: Hardware) -> RunSpec:
+        """The spec a local resume plans with: its own cores, or the next free block ("next
+        free") when any of them is taken now."""
+        held = leases.holders(self.runs_dir, hardware.backend, hardware.cores)
+        if spec.layout.cores and set(parse_cores(spec.layout.cores)) & set(held):
+            return replace(spec, layout=replace(spec.layout, cores=None))
+        return spec
 
     def _resume_plan(self, spec: RunSpec, hardware: Hardware, cores, run_id: str, chosen: dict, first: dict) -> Plan:
         launch = self._plan(spec, hardware, cores, run_id)

@@ -9,6 +9,11 @@ start lock (leases.choosing), re-reading its state there first: two apps on one 
 start it twice, and a cancel or a delete never races a start. Strict order: a run waits while one
 queued before it waits, so a big run is not starved by small ones that keep fitting.
 
+A run that stopped or failed can be queued to resume (RunManager.resume with queue_if_busy): its
+place then holds `resume`, the checkpoint it goes on from (chosen when it was queued) and the state
+it was in, which a cancel gives back (the run is as it was, its end unchanged). Its attempt begins
+when it starts, with the `resume` event, as a resume begins at once.
+
 A sweep's runs (runs/sweep.py) may carry a `hold` in their place, which keeps a run waiting even
 when its cores are free: `after`, a run whose precompile it shares (it waits until that run's
 precompile has ended, or that run is no longer active), and `parallel` with `siblings`, the runs
@@ -36,7 +41,8 @@ from studio_core.machine.hardware import Hardware
 from studio_core.rundir import events, folder
 from studio_core.runs import sweep_eval
 
-QUEUE = "queue.json"  # in a queued run's folder: {"order": number, "hold": {...} (a sweep's run, see held_back)}
+QUEUE = "queue.json"  # in a queued run's folder: {"order": number, "hold": {...} (a sweep's run, see held_back),
+#                        "resume": {"step", "path", "was": {"state", "reason"}} (a queued resume, see resume_of)}
 LOCK, LOG = ".queue.lock", ".queue.log"  # in the runs folder
 QUEUE_POLL_S = 1.0
 CANCELLED = "cancelled while queued: it never started"
@@ -74,7 +80,8 @@ def describe(run_dir: Path, view_of: Callable, order: list[str] | None = None) -
     if run_dir.name not in names:
         return "queued"
     at = names.index(run_dir.name)
-    head = f"queued, {ordinal(at + 1)} of {len(names)}"
+    resume = resume_of(run_dir)
+    head = f"queued{' to resume from step ' + str(resume['step']) if resume else ''}, {ordinal(at + 1)} of {len(names)}"
     if at:
         return f"{head}: after run {names[at - 1]}"
     return f"{head}: {held_back(hold_of(run_dir), view_of) or waits_for(run_dir)}"
@@ -84,6 +91,13 @@ def hold_of(run_dir: Path) -> dict:
     """The run's hold in the queue ({} when none, or its place cannot be read)."""
     hold = folder.read_json(run_dir / QUEUE).get("hold")
     return hold if isinstance(hold, dict) else {}
+
+
+def resume_of(run_dir: Path) -> dict | None:
+    """A queued resume's checkpoint ({"step", "path", "was"}), None for a new run (or a place
+    that cannot be read)."""
+    resume = folder.read_json(run_dir / QUEUE).get("resume")
+    return resume if isinstance(resume, dict) and isinstance(resume.get("step"), int) and resume.get("path") else None
 
 
 def held_back(hold: dict, view_of: Callable) -> str | None:
@@ -110,7 +124,8 @@ def waits_for(run_dir: Path) -> str:
 
     try:
         spec, hardware = load_spec(run_dir), Hardware(**folder.read_launch(run_dir)["hardware"])
-        leases.choose(run_dir.parent, hardware, spec.layout.nproc, spec.layout.cores)
+        # a resume takes any free block (RunManager.resume): it waits for none in particular
+        leases.choose(run_dir.parent, hardware, spec.layout.nproc, None if resume_of(run_dir) else spec.layout.cores)
     except leases.NoFreeCores as none:
         return f"waits for {none.wanted} free {hardware.backend} core(s) ({none})"
     except leases.NamedCoresHeld as busy:
@@ -124,9 +139,11 @@ def ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def enter(run_dir: Path, hold: dict | None = None) -> None:
-    """Give a new run folder (not yet renamed to its id) its place: last, with its `hold` if any."""
-    folder.write_json(run_dir / QUEUE, {"order": time.time(), **({"hold": hold} if hold else {})})
+def enter(run_dir: Path, hold: dict | None = None, resume: dict | None = None) -> None:
+    """Give a new run folder (not yet renamed to its id) its place: last, with its `hold` if any;
+    or a stopped run's, to `resume` ({"step", "path", "was": its state and reason now})."""
+    folder.write_json(run_dir / QUEUE, {"order": time.time(), **({"hold": hold} if hold else {}),
+                                        **({"resume": resume} if resume else {})})
 
 
 def leave(run_dir: Path) -> None:
@@ -135,12 +152,20 @@ def leave(run_dir: Path) -> None:
 
 
 def cancel(runs_dir: Path, run_id: str) -> None:
-    """End a queued run before it starts: it ends as stopped, saying it never started."""
+    """End a queued run before it starts: it ends as stopped, saying it never started. A queued
+    resume is called off: the run is back in the state it had (stopped or failed, its reason)."""
     with leases.choosing(runs_dir):  # no queue runner starts it meanwhile
         run_dir = Path(runs_dir) / run_id
         if not is_queued(run_dir):
             raise QueueError(f"run {run_id} is not queued (it has started or ended)")
-        events.append(run_dir / folder.EVENTS, events.status("stopped", reason=CANCELLED))
+        resume = resume_of(run_dir)
+        if resume:
+            was = resume.get("was") if isinstance(resume.get("was"), dict) else {}
+            events.append(run_dir / folder.EVENTS, events.log(f"the resume from step {resume['step']} was cancelled "
+                                                              "while queued"))
+            events.append(run_dir / folder.EVENTS, events.status(was.get("state", "stopped"), reason=was.get("reason")))
+        else:
+            events.append(run_dir / folder.EVENTS, events.status("stopped", reason=CANCELLED))
         leave(run_dir)
 
 

@@ -194,19 +194,23 @@ class RunView(RunState):
         """first_start, 0 when unknown: what listings sort by and backends measure a start's grace from."""
         return self.first_start or 0.0
 
+    def going(self) -> bool:
+        """Whether an attempt goes on now (a queued resume's last attempt has ended: it waits)."""
+        return bool(self.spans) and not self.spans[-1].ended and self.live_state in ACTIVE_STATES
+
     def training_seconds(self) -> float | None:
         """The time the run has been going: each attempt from its start to its end (the one going
         now up to now), the idle time between a stop and a resume left out. None without events."""
         if not self.spans:
             return None
-        now = time.time() if self.live_state in ACTIVE_STATES else None
+        now = time.time() if self.going() else None
         return sum(span.seconds() for span in self.spans[:-1]) + self.spans[-1].seconds(now)
 
     def wall_seconds(self) -> float | None:
         """From the first start to the end of the last attempt (now while it goes), idle time included."""
         if not self.spans:
             return None
-        end = time.time() if self.live_state in ACTIVE_STATES else self.spans[-1].end
+        end = time.time() if self.going() else self.spans[-1].end
         return max(0.0, end - min(self.first_start or self.spans[0].begin, self.spans[0].begin))
 
     def duration(self) -> float | None:
