@@ -87,6 +87,26 @@ def test_torn_garbage_and_timeless_lines_are_skipped(tmp_path):
     assert [e["message"] for e in EventReader(path).read_new()] == ["before", "after"]
 
 
+def test_the_last_state_read_from_the_end_is_the_folds(tmp_path):
+    path = tmp_path / "events.jsonl"
+    assert events.last_state(path) is None  # no file yet
+    append(path, events.log("no status yet"))
+    assert events.last_state(path) is None
+    written = []
+    for lines in (["running"], ["stopped", "queued"], ["stopped"]):
+        for state in lines:
+            append(path, events.status(state))
+        with path.open("a") as handle:  # what a reader skips, as the fold's reader does
+            handle.write('{"type": "status", "state": "failed"}\n')  # no time
+            handle.write('{"type": "status", "time": 1.0, "exit_code": 1}\n')  # no state: the last one stands
+            handle.write('{"type": "status", "sta\n')  # torn by a crash mid-write
+        written += lines
+        assert events.last_state(path) == fold(read(path)).state == written[-1]
+    with path.open("a") as handle:
+        handle.write('{"type": "status", "time": 2.0, "state": "running"}')  # being written: not an event yet
+    assert events.last_state(path) == fold(read(path)).state == "stopped"
+
+
 def test_unknown_types_are_passed_through_and_folded_past(tmp_path):
     path = tmp_path / "events.jsonl"
     with path.open("a") as handle:

@@ -68,7 +68,7 @@ def options_from_dict(cls, key: str, data):
 
 def has_final_status(run_dir: Path) -> bool:
     """Do the run's events end in a final status (finished, failed, stopped)?"""
-    return events.fold(events.read(run_dir / EVENTS)).state in events.FINAL_STATES
+    return events.last_state(run_dir / EVENTS) in events.FINAL_STATES
 
 
 def recorded(run_dir: Path, ending: Ending | None, to_write: list[dict]) -> Ending | None:

@@ -256,6 +256,26 @@ class EventReader:
         return events
 
 
+def last_state(path: str | Path) -> str | None:
+    """The state the run's events end in, as `fold(read(path)).state` has it once they hold a
+    status, found from the file's end: a check that a run is queued or has ended does not fold
+    every event of a long run. None without a status event."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    for line in reversed(data[:data.rfind(b"\n") + 1].splitlines()):  # a trailing partial line: not yet an event
+        if b'"status"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if usable(event) and event["type"] == "status" and "state" in event:
+            return event["state"]
+    return None
+
+
 def usable(event) -> bool:
     """An event a reader can fold: a JSON object with a text `type` and a numeric `time`."""
     return (isinstance(event, dict) and isinstance(event.get("type"), str)

@@ -54,7 +54,7 @@ class QueueError(ValueError):
 
 def is_queued(run_dir: Path) -> bool:
     """Whether the run waits in the queue now (its folder has a place and its events say queued)."""
-    return (run_dir / QUEUE).exists() and events.fold(events.read(run_dir / folder.EVENTS)).state == "queued"
+    return (run_dir / QUEUE).exists() and events.last_state(run_dir / folder.EVENTS) == "queued"
 
 
 def queued(runs_dir: Path) -> list[Path]:
