@@ -78,7 +78,6 @@ CASES = [
     ("plan {r} --nproc 8 --instance trn2.3xlarge --no-forecast --runs-dir {d}", 2, "use at most 4"),
     ("plan {r} --instance trn2.3xlarge --lnc 3 --runs-dir {d}", 2, "invalid choice: 3 (choose from 1, 2)"),
     ("plan {r} --instance trn9 --runs-dir {d}", 2, "invalid choice: 'trn9'"),
-    ("plan {r} --instance trn2.48xlarge --lnc 1 --no-forecast --runs-dir {d}", 2, "use LNC=2"),
     ("plan {r} --backend cuda --runs-dir {d}", 2, "invalid choice: 'cuda'"),
     ("plan --runs-dir {d}", 2, "the following arguments are required: recipe"),
     ("plan {r} --nodes 2 --backend cpu --no-forecast --runs-dir {d}", 2, "--nodes: a run on several machines goes to a cluster: add --slurm or --ray ADDRESS"),

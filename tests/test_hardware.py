@@ -1,4 +1,4 @@
-"""Tests for studio_core.machine.hardware: the instance table, LNC limits, and neuron-ls parsing.
+"""Tests for studio_core.machine.hardware: the instance table, LNC values, and neuron-ls parsing.
 
 No Trainium here: detection is run against a stand-in `neuron-ls` script and a stand-in
 `torch_neuronx` module on PYTHONPATH, each playing the part of the AWS tool or package.
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from studio_core.machine.hardware import (INSTANCES, cpu_hardware, detect_hardware, instance_hardware, parse_neuron_ls,
-                                   studio_cpus)
+from studio_core.machine.hardware import (INSTANCES, MAX_DEVICES_PER_PROCESS, cpu_hardware, detect_hardware,
+                                   instance_hardware, parse_neuron_ls, studio_cpus)
+from studio_core.machine.layout import check_layout
 
 GIB = 2**30
 
@@ -27,6 +28,9 @@ GIB = 2**30
     ("trn2.48xlarge", 2, 64, 16, 96),
     ("trn2u.48xlarge", 2, 64, 16, 96),
     ("trn3.48xlarge", 2, 64, 16, 144),
+    ("trn2.48xlarge", 1, 128, 16, 96),  # TorchNeuron allows 128 devices per process (issue 45, item 4)
+    ("trn2u.48xlarge", 1, 128, 16, 96),
+    ("trn3.48xlarge", 1, 128, 16, 144),
 ])
 def test_instance_table(instance, lnc, cores, chips, memory):
     hardware = instance_hardware(instance, lnc=lnc)
@@ -37,10 +41,20 @@ def test_instance_table(instance, lnc, cores, chips, memory):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("instance", ["trn2.48xlarge", "trn2u.48xlarge", "trn3.48xlarge"])
-def test_lnc1_on_16_chips_is_refused(instance):
-    with pytest.raises(ValueError, match=r"128 logical NeuronCores.*PyTorch cannot address more than 127 "
-                                         r"devices: use LNC=2 \(64 cores\)"):
-        instance_hardware(instance, lnc=1)
+def test_lnc1_on_16_chips_gives_128_cores_and_plans(instance):
+    """128 logical cores at LNC=1: TorchNeuron's limit is 128 devices per process, and the
+    studio's processes see one core each (or, naming none, the machine's 128)."""
+    hardware = instance_hardware(instance, lnc=1)
+    assert hardware.devices == 128 == MAX_DEVICES_PER_PROCESS
+    assert check_layout(128, 1, 1, "0-127", hardware) == []
+    assert check_layout(8, 8, 1, None, hardware) == []
+
+
+@pytest.mark.fast
+def test_no_listed_instance_shows_a_process_more_devices_than_torchneuron_allows():
+    for instance in INSTANCES:
+        for lnc in (1, 2):
+            assert instance_hardware(instance, lnc=lnc).devices <= MAX_DEVICES_PER_PROCESS, (instance, lnc)
 
 
 @pytest.mark.fast

@@ -162,9 +162,11 @@ def test_check_core_set_lists_duplicates_and_empty():
     (2, 1, 1, "1,2", CPU8, None, None),
     (2, 1, 1, "7-8", CPU8, None, "goes past the 8 cpu cores (0-7): choose cores below 8"),
     (2, 1, 1, "0", CPU8, None, "is 1 core(s) but studio.nproc is 2"),
-    # detected hardware at LNC=1 on 16 chips
-    (4, 1, 1, "0-3", Hardware("neuron", 128, 192, chips=16, lnc=1), None,
-     "PyTorch cannot address more than 127 devices: use LNC=2"),
+    # detected hardware at LNC=1 on 16 chips: 128 devices, as many as TorchNeuron allows a process
+    (4, 1, 1, "0-3", Hardware("neuron", 128, 192, chips=16, lnc=1), None, None),
+    # a machine whose cores a process naming none could not all see
+    (4, 1, 1, "0-3", Hardware("neuron", 256, 384, chips=32, lnc=1), None,
+     "TorchNeuron allows 128 devices per process: use LNC=2"),
     # sizes that are not whole numbers
     (0, 1, 1, None, TRN2_3XL, None, "studio.nproc: got 0; use a whole number of at least 1"),
     (2, True, 1, None, TRN2_3XL, None, "studio.tp_size: got True; use a whole number"),

@@ -1,8 +1,10 @@
 """The compiler's LNC and the precompile jobs a host can hold (issue 30, items 5 and 7).
 
 LNC: AWS's "Logical NeuronCore configuration" page requires the compiler's --lnc to equal the
-runtime's NEURON_LOGICAL_NC_CONFIG. Every process the studio puts on Neuron gets both, the user's
-own NEURON_CC_FLAGS kept; a user --lnc that names another LNC is refused before anything starts.
+runtime's NEURON_LOGICAL_NC_CONFIG. TorchNeuron passes --lnc from NEURON_LOGICAL_NC_CONFIG to the
+compiler itself and appends NEURON_CC_FLAGS, part of every NEFF cache key (issue 45, item 3): every
+process the studio puts on Neuron gets NEURON_LOGICAL_NC_CONFIG and the user's own NEURON_CC_FLAGS
+exactly as given, no --lnc added; a user --lnc that names another LNC is refused before anything starts.
 
 Precompile: neuronx-cc compiles on the host, so the default number of parallel precompile jobs
 is capped by the host's vCPUs and memory as well as the cores, and the plan says which limit
@@ -46,25 +48,27 @@ def no_flags(monkeypatch):
     monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
 
 
-# --- item 5: --lnc in NEURON_CC_FLAGS ------------------------------------------------------
+# --- item 5 (issue 30), item 3 (issue 45): the compiler's LNC ------------------------------
 @pytest.mark.parametrize("instance, lnc", [("trn2.3xlarge", 2), ("trn2.3xlarge", 1), ("trn2.48xlarge", 2),
-                                           ("trn3.48xlarge", 2)])
-def test_every_neuron_plan_compiles_for_the_runtimes_lnc_and_says_why(no_flags, instance, lnc):
+                                           ("trn2.48xlarge", 1), ("trn3.48xlarge", 2)])
+def test_a_neuron_plan_sets_the_runtimes_lnc_and_adds_no_compiler_flag(no_flags, instance, lnc):
+    """TorchNeuron passes --lnc from NEURON_LOGICAL_NC_CONFIG itself: an --lnc of the studio's would
+    reach the compiler twice and change every NEFF cache key against a plain TorchNeuron run."""
     launch = plan(spec(), instance_hardware(instance, lnc=lnc))
     assert launch.errors == []
     assert launch.env["NEURON_LOGICAL_NC_CONFIG"] == str(lnc)
-    assert launch.env["NEURON_CC_FLAGS"] == f"--lnc={lnc}"
-    value, reason = applied(launch)["NEURON_CC_FLAGS"]
-    assert value == f"--lnc={lnc}" and LNC_PAGE in reason
-    assert f"NEURON_CC_FLAGS=--lnc={lnc}" in launch.command_line()
+    assert "NEURON_CC_FLAGS" not in launch.env and "NEURON_CC_FLAGS" not in applied(launch)
+    assert "--lnc" not in launch.command_line() and "NEURON_CC_FLAGS" not in launch.describe()
 
 
-def test_chat_export_and_the_doctor_get_the_flag_too(no_flags, monkeypatch, tmp_path):
+def test_chat_export_and_the_doctor_add_no_compiler_flag_either(no_flags, monkeypatch, tmp_path):
     for cores in ([3], None):  # a chat or evaluation on its core; an export or a Slurm node naming none
-        assert device_env(TRN2_3XL, tmp_path, cores)["NEURON_CC_FLAGS"] == "--lnc=2"
-    assert device_env(instance_hardware("trn2.3xlarge", lnc=1), tmp_path, [0])["NEURON_CC_FLAGS"] == "--lnc=1"
+        env = device_env(TRN2_3XL, tmp_path, cores)
+        assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and "NEURON_CC_FLAGS" not in env
+    assert "NEURON_CC_FLAGS" not in device_env(instance_hardware("trn2.3xlarge", lnc=1), tmp_path, [0])
     check = doctor.compiler_flags(TRN2_3XL)
-    assert check.ok and "--lnc=2" in check.found
+    assert check.ok and "NEURON_CC_FLAGS not set" in check.found
+    assert "TorchNeuron passes --lnc=2 from NEURON_LOGICAL_NC_CONFIG" in check.found
     # off Neuron the flags are not the studio's business: not set, not checked
     monkeypatch.setenv("NEURON_CC_FLAGS", "--lnc=1")
     assert "NEURON_CC_FLAGS" not in device_env(cpu_hardware(), tmp_path, [0])
@@ -72,18 +76,18 @@ def test_chat_export_and_the_doctor_get_the_flag_too(no_flags, monkeypatch, tmp_
     assert "NEURON_CC_FLAGS" not in on_cpu.env and on_cpu.errors == []
 
 
-@pytest.mark.parametrize("flags, expected", [
-    ("-O1 --model-type=transformer", "-O1 --model-type=transformer --lnc=2"),
-    ("  --auto-cast=none  ", "--auto-cast=none --lnc=2"),
-    ("-O1 --lnc=2", "-O1 --lnc=2"),  # the same LNC: kept as written
-    ("--logical-nc-config 2 -O1", "--logical-nc-config 2 -O1"),
-    ("-lnc=2", "-lnc=2"),
-])
-def test_the_users_own_flags_are_kept(monkeypatch, flags, expected):
+@pytest.mark.parametrize("flags", ["-O1 --model-type=transformer", "  --auto-cast=none  ", "", "-O1 --lnc=2",
+                                   "--logical-nc-config 2 -O1", "-lnc=2"])
+def test_the_users_own_flags_are_kept_exactly_as_given(monkeypatch, tmp_path, flags):
     monkeypatch.setenv("NEURON_CC_FLAGS", flags)
     launch = plan(spec(), TRN2_3XL)
     assert launch.errors == []
-    assert launch.env["NEURON_CC_FLAGS"] == expected
+    assert launch.env["NEURON_CC_FLAGS"] == flags  # nothing added, nothing stripped: the cache key is theirs
+    value, reason = applied(launch)["NEURON_CC_FLAGS"]
+    assert value == flags and "kept exactly as given" in reason and LNC_PAGE in reason
+    assert device_env(TRN2_3XL, tmp_path, None)["NEURON_CC_FLAGS"] == flags
+    check = doctor.compiler_flags(TRN2_3XL)
+    assert check.ok and f"NEURON_CC_FLAGS={flags!r} kept as given" in check.found
 
 
 @pytest.mark.parametrize("flags, option", [
@@ -95,9 +99,10 @@ def test_a_user_lnc_that_disagrees_is_refused_before_launch(monkeypatch, tmp_pat
     launch = plan(spec(), TRN2_3XL)
     (error,) = [e for e in launch.errors if "NEURON_CC_FLAGS" in e]
     assert "runtime runs at LNC=2" in error and LNC_PAGE in error
-    assert f"remove {option} from NEURON_CC_FLAGS (the studio adds --lnc=2 itself)" in error
+    assert (f"remove {option} from NEURON_CC_FLAGS (TorchNeuron passes --lnc=2 from NEURON_LOGICAL_NC_CONFIG "
+            "itself)") in error
     # the rest of the plan still shows; what it would launch does not carry the refused flags
-    assert launch.env["NEURON_CC_FLAGS"] == "--lnc=2"
+    assert "NEURON_CC_FLAGS" not in launch.env and launch.env["NEURON_LOGICAL_NC_CONFIG"] == "2"
     # the same flags are right for an LNC=1 plan, and kept as written there
     one = plan(spec(), instance_hardware("trn2.3xlarge", lnc=1))
     assert one.errors == [] and one.env["NEURON_CC_FLAGS"] == flags

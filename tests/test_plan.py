@@ -43,9 +43,12 @@ def test_instance_hardware(instance, lnc, cores, chips):
     assert f"{cores} NeuronCores" in hardware.describe()
 
 
-def test_lnc_1_on_a_trn2_48xlarge_is_refused():
-    with pytest.raises(ValueError, match="cannot address more than 127"):
-        instance_hardware("trn2.48xlarge", lnc=1)
+def test_lnc_1_on_a_trn2_48xlarge_plans_128_ranks_one_core_each():
+    """128 logical cores: TorchNeuron allows 128 devices per process, and each rank sees one."""
+    launch = plan(spec("studio.nproc=128"), instance_hardware("trn2.48xlarge", lnc=1))
+    assert launch.errors == []
+    assert launch.env["NEURON_LOGICAL_NC_CONFIG"] == "1"
+    assert rank_cores(launch.env) == [str(core) for core in range(128)]
 
 
 def test_unknown_instance_lists_the_known_ones():

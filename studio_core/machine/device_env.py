@@ -7,9 +7,10 @@ On Neuron:
 - `TORCH_NEURONX_NEFF_CACHE_DIR`: compiled graphs land in the studio's compile cache, shared
   by runs, chat and the doctor (TorchNeuron's own default is /tmp/neff_cache).
 - `NEURON_LOGICAL_NC_CONFIG`: the machine's Logical NeuronCore setting, so a process sees
-  cores as the studio counted them.
-- `NEURON_CC_FLAGS`: the compiler's `--lnc=N`, the same N, added to the user's own flags
-  (`compiler_flags`); a user `--lnc` that names another N is refused with what to change.
+  cores as the studio counted them, and the compiler builds for it (TorchNeuron's `--lnc`).
+- `NEURON_CC_FLAGS`: the user's own, kept exactly as given; the studio adds no `--lnc`, since
+  TorchNeuron passes the runtime's LNC to the compiler itself (`compiler_flags`). A user
+  `--lnc` that names another LNC than the runtime's is refused with what to change.
 - Cores. The Neuron backend keeps a `NEURON_RT_VISIBLE_CORES` it finds set, gives every
   core of it to the one process, and then requires exactly one device per process (read
   in the torch-neuronx source; not tried on a device). So a one-process job gets
@@ -52,14 +53,16 @@ REASONS = {
                 "device per process, so each rank keeps block[LOCAL_RANK] as its NEURON_RT_VISIBLE_CORES, set by "
                 "the worker before torch loads",
     "NEURON_LOGICAL_NC_CONFIG": "the runtime's Logical NeuronCore setting (physical cores per logical core), so "
-                                "each process sees the cores as the studio counted them",
+                                "each process sees the cores as the studio counted them; TorchNeuron passes it to "
+                                "the compiler as --lnc, so NEFFs are built for the same LNC",
     "FI_PROVIDER": "libfabric talks to the nodes' EFA adapters: collectives between nodes go over EFA",
     "FI_EFA_USE_DEVICE_RDMA": "the Neuron devices read and write across nodes directly (RDMA), without a copy "
                               "through host memory",
     "FI_EFA_FORK_SAFE": "data loader workers fork; without it, forked processes can break registered EFA memory "
                         "(needed on Amazon Linux 2)",
-    CC_FLAGS: f"--lnc, the same LNC as NEURON_LOGICAL_NC_CONFIG: {LNC_PAGE}; the NEURON_CC_FLAGS of the "
-              "studio's environment are kept, --lnc added unless they name it",
+    CC_FLAGS: "your own compiler options, kept exactly as given: TorchNeuron passes --lnc from "
+              "NEURON_LOGICAL_NC_CONFIG itself and appends these (they are part of every NEFF cache key, so the "
+              f"studio adds nothing); an --lnc in them must name the runtime's LNC: {LNC_PAGE}",
 }
 
 
@@ -71,39 +74,38 @@ class CompilerFlagsError(ValueError):
         self.found, self.fix = found, fix
 
 
-# Set rather than refused: the compiler and the runtime both default to LNC=2 on Trn2, so at the
-# default the flag changes nothing; but at LNC=1 (or a machine set to 1) nothing read shows that
-# torch-neuronx passes the runtime's LNC on to neuronx-cc by itself (AWS's LNC page says only that
-# the two must agree; the torch-neuronx source at hand, an XLA-era copy, has no such code), and a
-# NEFF compiled for another LNC does not run. Naming it costs nothing where it is redundant and
-# makes LNC=1 plans compile for LNC=1, without waiting for a device to prove LNC=1 works unset.
-# NEURON_CC_FLAGS is how the framework hands the compiler its options (AWS Neuron docs: "PyTorch
-# Neuron Environment Variables", and the neuronx-cc CLI reference); that TorchNeuron's native
-# backend still reads it is from those pages and NCC_EVRF066's example, NOT tried on a device.
-def compiler_flags(lnc: int, flags: str | None) -> str:
-    """`flags` (the user's NEURON_CC_FLAGS, or None) with `--lnc=<lnc>`: their flags kept as
-    written, the option added unless they name it already with the same value.
-    CompilerFlagsError when they name another value, or cannot be read as shell words."""
-    flags = (flags or "").strip()
+# Not set by the studio. TorchNeuron passes the compiler `--lnc` itself, from
+# NEURON_LOGICAL_NC_CONFIG (else the platform's default, 2 on trn2 and trn3), and then appends
+# NEURON_CC_FLAGS, which are also part of every NEFF cache key (torch-neuronx source: the native
+# backend's neuronx-cc invocation and its NEFF cache key). An `--lnc` added here would reach the
+# compiler twice and give the studio's NEFFs other cache keys than a plain TorchNeuron run of the
+# same graph. The studio sets NEURON_LOGICAL_NC_CONFIG (device_env), so the compiler builds for the
+# runtime's LNC; what it still checks is a user `--lnc` that contradicts it, since a NEFF compiled
+# for another LNC does not run (AWS Neuron docs, "Logical NeuronCore configuration").
+def compiler_flags(lnc: int, flags: str | None) -> str | None:
+    """`flags` (the user's NEURON_CC_FLAGS, or None when unset), exactly as given: nothing is added.
+    CompilerFlagsError when they name an LNC other than `lnc` (the runtime's), or cannot be read
+    as shell words."""
+    if flags is None:
+        return None
     try:
         words = shlex.split(flags)
     except ValueError as error:
         raise CompilerFlagsError(f"{CC_FLAGS}={flags!r} cannot be read as shell words ({error})",
                                  "fix its quoting, or unset it") from None
-    named = []
     for at, word in enumerate(words):
         option, equals, value = word.partition("=")
-        if option in LNC_OPTIONS:
-            named.append((option, value if equals else (words[at + 1] if at + 1 < len(words) else "")))
-    for option, value in named:
+        if option not in LNC_OPTIONS:
+            continue
+        value = value if equals else (words[at + 1] if at + 1 < len(words) else "")
         if value.strip() != str(lnc):
             raise CompilerFlagsError(
                 f"{CC_FLAGS} in the studio's environment sets {option} {value or '(no value)'}, but the runtime "
                 f"runs at LNC={lnc} (NEURON_LOGICAL_NC_CONFIG={lnc}) and {LNC_PAGE}",
-                f"remove {option} from {CC_FLAGS} (the studio adds --lnc={lnc} itself), or plan for "
-                f"LNC={value or 'N'} instead (--instance with --lnc, or the LNC field; on this machine, the Neuron "
-                "runtime's setting)")
-    return flags if named else f"{flags} --lnc={lnc}".strip()
+                f"remove {option} from {CC_FLAGS} (TorchNeuron passes --lnc={lnc} from NEURON_LOGICAL_NC_CONFIG "
+                f"itself), or plan for LNC={value or 'N'} instead (--instance with --lnc, or the LNC field; on this "
+                "machine, the Neuron runtime's setting)")
+    return flags
 
 
 EFA = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}  # Neuron between nodes
@@ -115,8 +117,8 @@ def device_env(hardware, compile_cache, cores: list[int] | None, processes: int 
     """What a process (or each of `processes` ranks) needs on `hardware`, placed on `cores`
     (None: no core is named, as on a Slurm node). `written`: the cores as the user wrote
     them ("0,1"), kept when they name the same cores. `environ`: the environment the process
-    inherits (default: this one's), whose NEURON_CC_FLAGS are kept; CompilerFlagsError when they
-    set another LNC. `between_nodes`: the processes are on a cluster's nodes and talk over its
+    inherits (default: this one's), whose NEURON_CC_FLAGS are kept as given; CompilerFlagsError when
+    they set another LNC. `between_nodes`: the processes are on a cluster's nodes and talk over its
     network. Pure but for that: `compile_cache` is the root."""
     env = compile_cache_env(hardware.backend, compile_cache)
     text = written if written and cores is not None and parse_cores(written) == cores else (
@@ -125,7 +127,9 @@ def device_env(hardware, compile_cache, cores: list[int] | None, processes: int 
         env["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
         if hardware.lnc:
             env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.lnc)
-            env[CC_FLAGS] = compiler_flags(hardware.lnc, (os.environ if environ is None else environ).get(CC_FLAGS))
+            flags = compiler_flags(hardware.lnc, (os.environ if environ is None else environ).get(CC_FLAGS))
+            if flags is not None:  # the user's own, as given; unset stays unset
+                env[CC_FLAGS] = flags
         if text is not None:
             env[VISIBLE if processes == 1 else RANK_CORES] = text
         if between_nodes:

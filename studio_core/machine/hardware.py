@@ -18,10 +18,13 @@ from dataclasses import asdict, dataclass, field
 from studio_core.machine.cores import parse_cores
 
 DEVICES = ("neuron", "cuda", "cpu")  # the kinds of machine the studio runs on; the one list of them
-# PyTorch cannot address more than 127 devices of one type: a trn2.48xlarge at LNC=1 shows
-# 128 logical cores and fails (the project's Neuron notes; not in the AWS pages read), so
-# such a configuration is refused up front.
-MAX_TORCH_DEVICES = 127
+# TorchNeuron allows up to 128 devices in one process (tested at LNC=1 on a trn2.48xlarge, whose
+# 16 chips show 128 logical cores; torch-neuronx's native backend). The limit is per process, not
+# per instance: the studio gives each rank one core (NEURON_RT_VISIBLE_CORES), so a rank sees one
+# device; only a process that names no core (a cluster node's rank, an export) sees the whole
+# machine, which on every instance in INSTANCES is at most 16 chips x 8 physical cores = 128.
+# layout.check_layout refuses a machine whose processes could see more.
+MAX_DEVICES_PER_PROCESS = 128
 log = logging.getLogger(__name__)
 
 
@@ -106,10 +109,6 @@ def instance_hardware(instance_type: str, lnc: int = 2) -> Hardware:
                          "(NEURON_LOGICAL_NC_CONFIG; 2 is the default)")
     info = INSTANCES[instance_type]
     cores = info["chips"] * info["physical_cores_per_chip"] // lnc
-    if cores > MAX_TORCH_DEVICES:
-        raise ValueError(f"{instance_type} at LNC={lnc} has {cores} logical NeuronCores, but PyTorch cannot "
-                         f"address more than {MAX_TORCH_DEVICES} devices: use LNC=2 "
-                         f"({cores * lnc // 2} cores)")
     return Hardware("neuron", cores, cpu_count=os.cpu_count() or 1, instance_type=instance_type,
                     chips=info["chips"], lnc=lnc, detected=False, chip_memory_gib=info["chip_memory_gib"],
                     vcpus=info["vcpus"], host_memory_gib=info["host_memory_gib"])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from studio_core.machine.cores import format_cores, parse_cores
-from studio_core.machine.hardware import MAX_TORCH_DEVICES, Hardware
+from studio_core.machine.hardware import MAX_DEVICES_PER_PROCESS, Hardware
 
 def _show(cores: list[int]) -> str:
     """Two cores as TRL's guide writes them ("0,1"), more as ranges; out of order as written."""
@@ -124,9 +124,11 @@ def check_layout(nproc: int, tp_size: int, fsdp_size: int, cores: list[int] | st
         unit = "NeuronCores" if hardware.backend == "neuron" else "CUDA devices"
         problems.append(f"studio.nproc: {nproc} processes but {hardware.describe()} has {hardware.devices} "
                         f"{unit}: use at most {hardware.devices}")
-    if hardware.backend == "neuron" and hardware.devices > MAX_TORCH_DEVICES:
-        problems.append(f"{hardware.devices} NeuronCores at LNC={hardware.lnc}: PyTorch cannot address more than "
-                        f"{MAX_TORCH_DEVICES} devices: use LNC=2 (NEURON_LOGICAL_NC_CONFIG=2)")
+    if hardware.backend == "neuron" and hardware.devices > MAX_DEVICES_PER_PROCESS:
+        # per process: a rank sees its one core, but a process that names none sees them all
+        problems.append(f"{hardware.devices} NeuronCores at LNC={hardware.lnc}: a process that names no core sees "
+                        f"them all, and TorchNeuron allows {MAX_DEVICES_PER_PROCESS} devices per process: use LNC=2 "
+                        "(NEURON_LOGICAL_NC_CONFIG=2)")
     if isinstance(cores, str):
         try:
             cores = parse_cores(cores)
