@@ -3,7 +3,8 @@
 What a real torch.compile leaves in it, and its reuse by the next process, is checked by
 the doctor's compiled step (tests/test_doctor.py), which compiles twice in new processes
 pointed at the cache by the same environment a run gets. The NEFF cache needs Trainium;
-here its folder, environment and layout (NEFF files two shard folders down) are checked.
+here its folder, environment and layout (NEFF files two shard folders down, and the kernel
+path's one folder down) are checked.
 """
 
 import json
@@ -63,15 +64,18 @@ def test_runs_on_one_backend_share_the_configured_cache(monkeypatch, tmp_path, h
 
 
 @pytest.mark.fast
-def test_neffs_are_counted_as_files_two_shard_folders_down(tmp_path):
-    """TorchNeuron's layout: <dir>/ab/cd/<key>.neff, with other files beside them."""
+def test_neffs_are_counted_as_files_at_any_depth(tmp_path):
+    """TorchNeuron's layouts: <dir>/ab/cd/<key>.neff (its persistent cache) and <dir>/<hash>/<hash>.neff
+    (its kernel path), with other files beside them."""
     neff = compile_cache_dir("neuron", tmp_path) / "neff"
     for key in ("ab12ff", "ab34ee", "cd56aa"):
         (neff / key[:2] / key[2:4]).mkdir(parents=True, exist_ok=True)
         (neff / key[:2] / key[2:4] / f"{key}.neff").write_bytes(b"\0" * 100)
     (neff / "ab" / "12" / "ab12ff.lock").write_text("")
+    (neff / "5e5e5e5e").mkdir()
+    (neff / "5e5e5e5e" / "5e5e5e5e.neff").write_bytes(b"\0" * 100)
     cache = summary(compile_cache_dir("neuron", tmp_path))
-    assert cache.entries == {"NEFFs": 3} and "NEFFs: 3" in cache.describe()  # not 2 top-level shards
+    assert cache.entries == {"NEFFs": 4} and "NEFFs: 4" in cache.describe()  # not 3 top-level folders
 
 
 @pytest.mark.fast

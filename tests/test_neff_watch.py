@@ -1,23 +1,29 @@
 """Neuron's compile cache answers and eager-mode compiles, checked on what they are made of.
 
 There is no Trainium here: the NEFF cache is a real folder in tmp with files where TorchNeuron
-puts them (<dir>/ab/cd/<key>.neff), and TorchNeuron's per-graph records are the plain records
-`torch.neuron.get_dynamo_metrics()` returns (as dicts, and as objects with its fields). The
-watcher, the labeller and the precompile step's cache answer are the studio's real code; the
-events they write are folded by the real RunView, whose ETA must leave the compile steps out.
+puts them (<dir>/ab/cd/<key>.neff from its persistent cache, <dir>/<hash>/<hash>.neff from its
+kernel path), TorchNeuron's per-graph records are the plain records `torch.neuron.get_dynamo_metrics()`
+returns (as dicts, and as objects with its fields), and its PersistentHits counter is a number
+read through a function, as torch_neuronx.metrics.get_counter_value gives it. The watcher, the
+labeller and the precompile step's cache answer are the studio's real code; the events they
+write are folded by the real RunView, whose ETA must leave the compile steps out.
+
+A record of 0 ms is TorchNeuron's answer both for a NEFF found in the persistent cache and for an
+entry it could not find (evicted): it is a hit only with evidence, else "unknown" (issue 45, item 5).
 """
 
 import json
+import sys
 import time
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from studio_core.machine import leases
 from studio_core.training import precompile
-from studio_core.machine.compile_cache import neff_cache_folder, neff_keys
-from studio_core.training.compile_watch import CompileWatch, NeffCompileTimes, StepCache
-from studio_core.training.neff_watch import NeffStepWatch, cache_label, should_scan, step_cache_label
+from studio_core.machine.compile_cache import neff_cache_folder, neff_keys, summary
+from studio_core.training.compile_watch import CompileWatch, NeffCompileTimes, PersistentHits, StepCache
+from studio_core.training.neff_watch import NeffStepWatch, cache_label, cache_labels, should_scan, step_cache_label
 from studio_core.rundir import events
 from studio_core.rundir.events import fold
 from studio_core.runs.view import RunView, compile_totals_text
@@ -32,6 +38,13 @@ def add_neffs(folder, *keys: str) -> None:
     for key in keys:
         (folder / key[:2] / key[2:4]).mkdir(parents=True, exist_ok=True)
         (folder / key[:2] / key[2:4] / f"{key}.neff").write_bytes(b"NEFF")
+
+
+def add_kernel_neffs(folder, *hashes: str) -> None:
+    """What TorchNeuron's Python kernel path writes: <folder>/<hash>/<hash>.neff, one folder down."""
+    for name in hashes:
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / f"{name}.neff").write_bytes(b"NEFF")
 
 
 def record(name: str, compile_us: int | None) -> dict:
@@ -61,6 +74,15 @@ class Step:
         return progress
 
 
+def run_page(tmp_path, written: list[dict]) -> RunView:
+    """A run folder holding `written` as its events, as the run page and the CLI see it."""
+    run = tmp_path / "runs" / RUN_ID
+    run.mkdir(parents=True)
+    (run / "launch.json").write_text(json.dumps({"backend": "local", "cores": [0], "hardware": {"backend": "cpu"}}))
+    events.append_all(run / "events.jsonl", written)
+    return RunView(dir=run).refresh()
+
+
 def neuron_watch(tmp_path, records: list) -> CompileWatch:
     """A CompileWatch as install() sets it up on Neuron, its records and NEFF cache in tmp_path."""
     watch = CompileWatch(tmp_path / "events.jsonl", step=lambda: 0)
@@ -75,24 +97,60 @@ def test_the_neff_cache_is_read_where_torch_neuronx_writes_it(tmp_path):
     add_neffs(folder, "ab12ff", "ab12ee", "cd56aa")
     (folder / "ab" / "12" / "tmpXYZ.tmp").write_bytes(b"half")  # a NEFF being written (temp file, then rename)
     (folder / "ab" / "12" / "ab12ff.lock").write_text("")
-    (folder / "stray.neff").write_text("")  # not two shard folders down: not TorchNeuron's
     assert neff_keys(folder) == {"ab12ff", "ab12ee", "cd56aa"}
     assert neff_keys(tmp_path / "none") == set()
+    assert neff_keys(folder / "ab" / "12" / "ab12ff.neff") == set()  # a file, not a folder
+
+
+def test_the_kernel_paths_neffs_one_folder_down_are_found_too(tmp_path):
+    """TorchNeuron's kernel path writes <dir>/<hash>/<hash>.neff: found beside the persistent
+    cache's two-level ones, in the cache folder and in the compile cache's summary alike."""
+    folder = tmp_path / "neuron" / "neff"
+    add_neffs(folder, "ab12ff")
+    add_kernel_neffs(folder, "9f8e7d6c5b4a", "0123abcd")
+    (folder / "9f8e7d6c5b4a" / "kernel.json").write_text("{}")  # beside it: not a NEFF
+    (folder / "loop").symlink_to(folder, target_is_directory=True)  # a symlinked folder is not followed
+    assert neff_keys(folder) == {"ab12ff", "9f8e7d6c5b4a", "0123abcd"}
+    assert summary(tmp_path / "neuron").entries["NEFFs"] == 3
+
+
+def test_thousands_of_neffs_list_by_name_alone(tmp_path):
+    """A large cache of both layouts: every NEFF listed, none opened (each file is unreadable)."""
+    folder = tmp_path / "neff"
+    keys = [f"{i:04x}{i * 7919 % 65536:04x}cafe" for i in range(2500)]
+    add_neffs(folder, *keys[:2000])
+    add_kernel_neffs(folder, *keys[2000:])
+    for neff in folder.rglob("*.neff"):
+        neff.chmod(0)  # names are all the listing may read
+    assert neff_keys(folder) == set(keys)
     assert neff_cache_folder({"TORCH_NEURONX_NEFF_CACHE_DIR": str(folder)}) == folder
     assert str(neff_cache_folder({})) == "/tmp/neff_cache"  # torch-neuronx's own default
     assert neff_cache_folder({"TORCH_NEURONX_NEFF_CACHE_DIR": str(folder),
                               "TORCH_NEURONX_NEFF_DISABLE_CACHE": "1"}) is None
 
 
-def test_the_record_wins_and_the_folder_decides_only_without_one():
+def test_a_compile_time_is_a_miss_and_0_ms_is_a_hit_only_with_evidence():
     assert cache_label(95.0, 0) == "miss"  # compiled here, whatever the shared folder shows
-    assert cache_label(0.0, 3) == "hit"  # found in the NEFF cache: recorded as 0 ms
-    assert cache_label(None, 1) == "miss" and cache_label(None, 0) == "hit"
-    assert cache_label(None, None) is None  # no record time, no folder: unknown
-    assert step_cache_label([0.0, 0.0], 2) == "hit"
-    assert step_cache_label([0.0, 120.0], 0) == "miss"
-    assert step_cache_label([], 4) == "miss" and step_cache_label([], 0) == "hit" and step_cache_label([], None) is None
-    assert step_cache_label([None, 0.0], None) is None  # one graph unknown: the step is
+    assert cache_label(95.0, None, persistent_hits=4) == "miss"
+    # 0 ms: a persistent-cache hit, or an entry TorchNeuron could not find; the folder must back it
+    assert cache_label(0.0, 0, held=5) == "hit"  # not compiled into the folder, which had NEFFs to find
+    assert cache_label(0.0, 0, held=0) == "unknown"  # an empty folder had nothing to find
+    assert cache_label(0.0, 3, held=5) == "unknown"  # the folder grew: its own compile, evicted, or another rank's
+    assert cache_label(0.0, None) == "unknown"  # the folder was not looked at (or is off)
+    # the PersistentHits counter, when TorchNeuron counts it, decides instead of the folder
+    assert cache_label(0.0, 3, held=5, persistent_hits=1) == "hit"
+    assert cache_label(0.0, 0, held=5, persistent_hits=0) == "unknown"
+    assert cache_labels([0.0, 0.0, 80.0], None, persistent_hits=2) == ["hit", "hit", "miss"]
+    assert cache_labels([0.0, 0.0], None, persistent_hits=1) == ["unknown", "unknown"]  # which one hit?
+    # a record without the field: the folder decides, as before
+    assert cache_label(None, 1) == "miss" and cache_label(None, 0, held=2) == "hit"
+    assert cache_label(None, None) == "unknown" and cache_label(None, 1, persistent_hits=0) == "miss"
+    # a precompile job's step: a miss if one graph missed, a hit if all hit, else unknown
+    assert step_cache_label([0.0, 0.0], 0, held=2) == "hit"
+    assert step_cache_label([0.0, 0.0], 2, held=2) == "unknown"
+    assert step_cache_label([0.0, 120.0], 0, held=2) == "miss"
+    assert step_cache_label([], 4) == "miss" and step_cache_label([], 0, held=4) == "hit"
+    assert step_cache_label([], None) == "unknown" and step_cache_label([None, 0.0], None) == "unknown"
 
 
 def test_compile_end_on_neuron_says_hit_or_miss_from_the_neff_cache(tmp_path):
@@ -125,22 +183,65 @@ def test_compile_end_on_neuron_says_hit_or_miss_from_the_neff_cache(tmp_path):
     assert not any(e["phase"] == "eager" for e in ended)  # each new NEFF is a graph's own
 
 
-def test_a_hit_graph_beside_new_neffs_leaves_them_to_an_eager_compile(tmp_path):
-    """The record says the graph came from the cache; the NEFFs the step added are someone else's:
-    the optimizer's eager ops, compiled in the step's remaining time."""
-    records = []
+@pytest.mark.parametrize("counted, answer", [(None, "unknown"), (1, "hit")],
+                         ids=["no counter: unknown", "PersistentHits grew: hit"])
+def test_new_neffs_beside_a_0_ms_graph_go_to_an_eager_compile(tmp_path, counted, answer):
+    """The graph's record says 0 ms; the step added two NEFFs: the optimizer's eager ops, compiled
+    in the step's remaining time, or the graph's own (compiled, then evicted). Only TorchNeuron's
+    PersistentHits counter can say the graph was found: without it the graph is unknown."""
+    records, hits = [], [0]
     watch = neuron_watch(tmp_path, records)
+    if counted is not None:
+        watch.hits = PersistentHits(lambda: hits[0])
     step = Step(watch, tmp_path / "events.jsonl", max_steps=10)
 
     def body():
         records.append(record("m_0_fwd_0", 0))
         add_neffs(tmp_path / "neff", "cc01adam", "cc02adam")
+        hits[0] += counted or 0
 
     progress = step(40.0, before_end=body)
     ended = [e for e in events.read(tmp_path / "events.jsonl") if e["type"] == "compile_end"]
     assert [(e["graph"], e["phase"], e.get("cache"), e.get("graphs")) for e in ended] == [
-        ("m_0_fwd_0", "neff", "hit", None), ("eager/0", "eager", "miss", 2)]
+        ("m_0_fwd_0", "neff", answer, None), ("eager/0", "eager", "miss", 2)]
     assert ended[1]["seconds"] == pytest.approx(40.0, abs=1.0) and progress["compiled"]
+
+
+def test_a_0_ms_record_with_nothing_to_find_is_unknown_not_a_hit(tmp_path):
+    """An empty NEFF cache folder, nothing written: the graph was not found there. TorchNeuron
+    reports 0 ms for an in-process entry it could not find (evicted) too: unknown, on the run
+    page as well, while a graph compiled in the same run stays a miss."""
+    records = []
+    watch = neuron_watch(tmp_path, records)
+    step = Step(watch, tmp_path / "events.jsonl", max_steps=10)
+    step(1.0, new_shape=True, before_end=lambda: records.append(record("m_0_fwd_0", 0)))
+    step(90.0, new_shape=True, before_end=lambda: (records.append(record("m_1_fwd_0", 88_000_000)),
+                                                   add_neffs(tmp_path / "neff", "dd01fwd")))
+    ended = [e for e in events.read(tmp_path / "events.jsonl") if e["type"] == "compile_end"]
+    assert [(e["graph"], e["cache"]) for e in ended] == [("m_0_fwd_0", "unknown"), ("m_1_fwd_0", "miss")]
+    totals = compile_totals_text(run_page(tmp_path, events.read(tmp_path / "events.jsonl")))
+    assert totals.endswith("; 1 compiled, 1 unknown (nothing proves a cache hit or a compile)")
+
+
+def test_persistent_hits_are_read_from_torch_neuronx_metrics_only_when_counted(monkeypatch):
+    """torch_neuronx.metrics (a stand-in module here: there is no torch-neuronx) counts only with
+    its metrics on; get_counter_value gives None for a counter not created yet."""
+    metrics = ModuleType("torch_neuronx.metrics")
+    counted = {"on": False, "value": None}
+    metrics.is_enabled = lambda: counted["on"]
+    metrics.get_counter_value = lambda name: counted["value"] if name == "CompilationCache.PersistentHits" else 7
+    package = ModuleType("torch_neuronx")
+    package.metrics = metrics
+    monkeypatch.setitem(sys.modules, "torch_neuronx", package)
+    monkeypatch.setitem(sys.modules, "torch_neuronx.metrics", metrics)
+    assert PersistentHits.here() is None  # metrics off (TorchNeuron's default): no evidence from it
+    counted["on"] = True
+    hits = PersistentHits.here()
+    assert hits.grown() == 0  # not created yet: none so far
+    counted["value"] = 3
+    assert hits.grown() == 3 and hits.grown() == 0
+    counted["value"] = 1  # cleared with the persistent cache and counted again: says nothing
+    assert hits.grown() is None and hits.grown() == 0
 
 
 def test_an_eager_step_that_adds_neffs_is_a_compile_and_the_eta_leaves_it_out(tmp_path):
@@ -232,9 +333,17 @@ def test_a_precompile_step_on_neuron_says_whether_the_neff_cache_had_its_shape(t
     records += [record("m_1_fwd_0", 0), record("m_1_bwd_0", 0)]  # both found in the cache
     found = cache.end()
     assert (compiled, found) == ("miss", "hit")
-    done = [events.precompiled([4, 128], 0, 190.0, cache=compiled), events.precompiled([4, 256], 0, 3.0, cache=found)]
-    state = fold([events.precompile_start([[4, 128], [4, 256]], 1), *done])
-    assert "1 already in the cache" in precompile.describe(state.precompile)
+    for neff in (tmp_path / "neff").rglob("*.neff"):
+        neff.unlink()  # the cache cleared meanwhile: a 0 ms record now has nothing it could have been found in
+    cache.begin()
+    records += [record("m_2_fwd_0", 0)]
+    unproven = cache.end()
+    assert unproven == "unknown"
+    done = [events.precompiled([4, 128], 0, 190.0, cache=compiled), events.precompiled([4, 256], 0, 3.0, cache=found),
+            events.precompiled([4, 384], 0, 2.0, cache=unproven)]
+    state = fold([events.precompile_start([[4, 128], [4, 256], [4, 384]], 1), *done])
+    said = precompile.describe(state.precompile)
+    assert "1 already in the cache" in said and "1 not known to have been in the cache or compiled" in said
 
 
 def test_on_cpu_the_precompile_step_keeps_inductors_counters():
@@ -251,8 +360,20 @@ def test_on_cpu_the_precompile_step_keeps_inductors_counters():
 
 def test_records_read_back_as_objects_label_the_same(tmp_path):
     """torch-neuronx returns dataclass objects; the studio reads their fields the same way."""
+    add_neffs(tmp_path / "neff", "ee01earlier")  # what an earlier run compiled
     records = [SimpleNamespace(graph_id="k", graph_name="m_0_fwd_0", torch_neuronx_compile_us=0)]
     watch = neuron_watch(tmp_path, records)
     watch.step_ended()
     ended = [e for e in events.read(tmp_path / "events.jsonl") if e["type"] == "compile_end"]
     assert [(e["graph"], e["cache"]) for e in ended] == [("m_0_fwd_0", "hit")]
+
+
+def test_an_old_runs_cache_answers_read_as_before(tmp_path):
+    """Events written before "unknown" existed: "hit", "miss", or no answer at all."""
+    old = [events.compile_end("0/0", "forward", 1, 2.0, cache="hit"), events.compile_end("0/0", "neff", 1, 0.0,
+                                                                                          cache="hit"),
+           events.compile_end("1/0", "neff", 3, 40.0, cache="miss"), events.compile_end("2/0", "backward", 3, 1.0)]
+    view = run_page(tmp_path, [events.status("running", world_size=1, max_steps=5), *old])
+    assert [c.get("cache") for c in view.compiles] == ["hit", "hit", "miss", None]
+    assert compile_totals_text(view).endswith("; 2 found in the compile cache, 1 compiled")
+    assert "unknown" not in compile_totals_text(view)

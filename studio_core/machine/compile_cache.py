@@ -4,7 +4,8 @@ One folder per backend under the compile cache root (`$STUDIO_COMPILE_CACHE`, el
 `<studio cache>/compile-cache`), so every run with the same compiler stack shares it:
 
     <root>/neuron/neff/       TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR):
-                              <key>.neff files two shard folders down (ab/cd/)
+                              <key>.neff files two shard folders down (ab/cd/), and its
+                              kernel path's <hash>/<hash>.neff one folder down
     <root>/<backend>/inductor/  TORCHINDUCTOR_CACHE_DIR: Inductor's FX graph cache (fxgraph/)
                               and the AOTAutograd cache (aotautograd/), with the C++ and
                               Python code they load; used only by the inductor backend
@@ -88,28 +89,27 @@ def neff_cache_folder(environ=os.environ) -> Path | None:
 
 
 def neff_keys(folder: Path) -> set[str]:
-    """The keys of the NEFFs in a NEFF cache folder. TorchNeuron writes each one as
-    <folder>/ab/cd/<key>.neff (torch-neuronx's PersistentCacheBackend: two shard folders from the
-    key's first four characters, written to a temporary file and renamed), so only those are
-    read: a file being written, a lock, the shard folders are not NEFFs. Three levels of
-    scandir, not a recursive walk; a folder that goes away meanwhile (a clear) is skipped."""
+    """The keys (file names less `.neff`) of the NEFFs in a NEFF cache folder, at any depth.
+    TorchNeuron writes them at more than one depth (torch-neuronx source): its persistent cache
+    as <folder>/ab/cd/<key>.neff (PersistentCacheBackend: two shard folders from the key's first
+    four characters, written to a temporary file and renamed), its Python kernel path as
+    <folder>/<hash>/<hash>.neff. Only `.neff` files count (a file being written, a lock, the
+    folders are not NEFFs), and only names are read, no file is opened: os.scandir down the
+    tree, symlinked folders not followed, tens of milliseconds for thousands of NEFFs. A
+    folder that goes away meanwhile (a clear) or cannot be read is skipped."""
     found: set[str] = set()
-    for first in _folders(folder):
-        for second in _folders(first):
-            try:
-                with os.scandir(second) as entries:
-                    found.update(e.name[:-5] for e in entries if e.name.endswith(".neff") and e.is_file())
-            except (FileNotFoundError, NotADirectoryError):
-                continue
+    pending = [os.fspath(folder)]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif entry.name.endswith(".neff") and entry.is_file():
+                        found.add(entry.name[:-5])
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue  # gone (a clear) or not ours to read: what it held cannot be counted
     return found
-
-
-def _folders(path) -> list[str]:
-    try:
-        with os.scandir(path) as entries:
-            return [e.path for e in entries if e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def summary(path: str | Path) -> CacheSummary:
@@ -124,8 +124,9 @@ def summary(path: str | Path) -> CacheSummary:
         newest = max(newest or 0.0, stat.st_mtime)
     entries = {}
     if (path / NEFF).is_dir():
-        # TorchNeuron shards its cache two levels down, <dir>/ab/cd/<key>.neff (read in the
-        # torch-neuronx source): count the NEFF files, not the shard folders.
+        # TorchNeuron keeps NEFFs two levels down (<dir>/ab/cd/<key>.neff) and one level down
+        # (<dir>/<hash>/<hash>.neff, its kernel path; read in the torch-neuronx source): count the
+        # NEFF files at any depth, not the folders.
         entries["NEFFs"] = sum(1 for p in (path / NEFF).rglob("*.neff") if p.is_file())
     for folder, kind in INDUCTOR_ENTRIES.items():
         if (path / INDUCTOR / folder).is_dir():

@@ -7,7 +7,8 @@ callback when it is done. That works on every backend (neuron, inductor, aot_eag
 eager), so the same events come from a CPU test and a Trainium run:
 
     compile_start  graph ("0/1": frame 0, its 2nd compilation), phase, step, reason
-    compile_end    graph, phase, step, seconds, cache ("hit" / "miss" / absent: unknown)
+    compile_end    graph, phase, step, seconds, cache ("hit" / "miss" / "unknown": nothing proves
+                   either; absent: no cache was asked)
     shape          a batch shape reaching the model for the first time, and its step
                    (read from tensor metadata: nothing here reads a value off the device)
 
@@ -26,12 +27,14 @@ as a `compile_end` of phase "neff". The step's time is then its wall time less D
 compile time and the NEFF compile time, and the progress event says the step compiled.
 
 Cache hits: on CPU and CUDA from Inductor's FX graph cache counters. On Neuron those stay 0
-(the neuron backend does not use Inductor), so a "neff" compile_end is labelled from
-TorchNeuron's record and the NEFF cache folder instead, and a step that added NEFFs no graph
-explains (eager-mode ops: DPO, KTO, GRPO, RLOO and reward modelling train eagerly on Neuron)
-is reported as a compilation of phase "eager" whose time is the step's; studio_core/training/neff_watch.py
-has the rules and their sources (read in the torch-neuronx source, not run on a device here).
-`StepCache` gives a precompile job's step the same answer.
+(the neuron backend does not use Inductor), so a "neff" compile_end is labelled hit, miss or
+unknown from TorchNeuron's record, its PersistentHits counter (when its metrics are on) and the
+NEFF cache folder instead: a record's 0 ms alone is no hit, since TorchNeuron also reports 0 for
+an entry it could not find. A step that added NEFFs no missed graph explains (eager-mode ops:
+DPO, KTO, GRPO, RLOO and reward modelling train eagerly on Neuron) is reported as a compilation
+of phase "eager" whose time is the step's; studio_core/training/neff_watch.py has the rules and
+their sources (read in the torch-neuronx source, not run on a device here). `StepCache` gives a
+precompile job's step the same answer.
 """
 
 from __future__ import annotations
@@ -45,11 +48,15 @@ from time import perf_counter, thread_time
 from typing import Callable
 
 from studio_core.machine.compile_cache import neff_cache_folder, neff_keys
-from studio_core.training.neff_watch import NeffStepWatch, cache_label, compile_seconds, record_field, step_cache_label
+from studio_core.training.neff_watch import (MISS, NeffStepWatch, cache_labels, compile_seconds, compiled_here,
+                                             record_field, step_cache_label)
 from studio_core.rundir import events as ev
 
 RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
 CACHE_COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss")
+# TorchNeuron's count of NEFFs this process read from the persistent cache (torch-neuronx source:
+# CompilationCache.cpp adds to it on each persistent hit; torch_neuronx/metrics.py reads it).
+PERSISTENT_HITS = "CompilationCache.PersistentHits"
 
 
 class CompileWatch:
@@ -63,6 +70,7 @@ class CompileWatch:
         self.cache_before: tuple[int, int] = (0, 0)
         self.neff: NeffCompileTimes | None = None  # Neuron only
         self.eager: NeffStepWatch | None = None  # Neuron with its NEFF cache on
+        self.hits: PersistentHits | None = None  # Neuron with TorchNeuron's metrics on
         self._lock = threading.Lock()
 
     def install(self) -> None:
@@ -70,6 +78,7 @@ class CompileWatch:
         from torch._dynamo.callback import callback_handler
 
         self.neff = neuron_compile_times()
+        self.hits = PersistentHits.here() if self.neff is not None else None
         folder = neff_cache_folder() if self.neff is not None else None
         if folder is not None:
             self.eager = NeffStepWatch(folder)
@@ -90,26 +99,30 @@ class CompileWatch:
 
     def step_ended(self, since: tuple[float, float] | None = None, new_shape: bool = False) -> None:
         """At the end of each step, on Neuron: neuronx-cc's time for the graphs recorded in it,
-        each labelled hit or miss, and a step that compiled outside them (NEFFs none of them
-        explains) reported as an "eager" compilation of the step's time. `since`: when the step
-        began and compile_seconds() then (the worker's mark); `new_shape`: a batch shape reached
-        the model for the first time in it."""
+        each labelled hit, miss or unknown, and a step that compiled outside them (NEFFs none of
+        the missed ones explains) reported as an "eager" compilation of the step's time. `since`:
+        when the step began and compile_seconds() then (the worker's mark); `new_shape`: a batch
+        shape reached the model for the first time in it."""
         if self.neff is None:
             return
         graphs = self.neff.new_graphs()
+        hits = self.hits.grown() if self.hits is not None else None  # read each step: this step's own
         with self._lock:
             self.finished_s += sum(seconds or 0.0 for _, seconds in graphs)
             self.compiles += len(graphs)
         wall = None if since is None else max(0.0, time.time() - since[0] - (self.compile_seconds() - since[1]))
         new = None
         if self.eager is not None and (wall is not None or graphs):
-            new = self.eager.step_ended(wall or 0.0, new_shape, must_scan=any(s is None for _, s in graphs))
-        labels = [cache_label(seconds, new) for _, seconds in graphs]
+            # a graph without a compile time needs the folder's answer
+            uncertain = any(not compiled_here(s) for _, s in graphs)
+            new = self.eager.step_ended(wall or 0.0, new_shape, must_scan=uncertain)
+        held = self.eager.held if new is not None else None
+        labels = cache_labels([seconds for _, seconds in graphs], new, held, hits)
         if graphs:
             step = self.step()
             ev.append_all(self.events, [ev.compile_end(graph, "neff", step, round(seconds or 0.0, 3), cache=label)
                                         for (graph, seconds), label in zip(graphs, labels)])
-        unexplained = (new or 0) - labels.count("miss")
+        unexplained = (new or 0) - labels.count(MISS)
         if unexplained > 0 and since is not None:
             self._eager_compiled(since[0], wall, unexplained)
         elif self.eager is not None and wall is not None and self.compile_seconds() == since[1]:
@@ -128,7 +141,7 @@ class CompileWatch:
                                         "(ops run eagerly, without torch.compile)")
         start["time"] = began
         ev.append_all(self.events, [start, ev.compile_end(f"eager/{step}", "eager", step, round(seconds, 3),
-                                                          cache="miss", graphs=neffs)])
+                                                          cache=MISS, graphs=neffs)])
 
     def report_backend_metrics(self) -> None:
         """The Neuron backend's own per-graph records, when it is installed (Trainium only)."""
@@ -194,33 +207,69 @@ def neuron_compile_times() -> NeffCompileTimes | None:
     return NeffCompileTimes(neuron.get_dynamo_metrics, lambda: counters["neuron"]["compiled_graphs"])
 
 
+class PersistentHits:
+    """TorchNeuron's PersistentHits counter, read as its growth since the last reading. `read`:
+    the counter's value (torch_neuronx.metrics.get_counter_value; None: not counted yet)."""
+
+    def __init__(self, read: Callable[[], int | None]):
+        self.read = read
+        self.seen = read() or 0
+
+    @classmethod
+    def here(cls) -> PersistentHits | None:
+        """This process's counter, when torch-neuronx counts it (its metrics are off by default:
+        TORCH_NEURONX_METRICS_ENABLED=1 turns them on); None when nothing can be read."""
+        try:
+            import torch_neuronx.metrics as metrics
+        except ImportError:
+            return None
+        if not (hasattr(metrics, "get_counter_value") and hasattr(metrics, "is_enabled")) or not metrics.is_enabled():
+            return None
+        return cls(lambda: metrics.get_counter_value(PERSISTENT_HITS))
+
+    def grown(self) -> int | None:
+        """How much the counter grew since the last reading; None when it went back (TorchNeuron
+        clears it with its persistent cache), which says nothing of the step."""
+        now = self.read() or 0
+        grown, self.seen = now - self.seen, now
+        return grown if grown >= 0 else None
+
+
 class StepCache:
     """Whether one step's compilations came from the compile cache (a precompile job's step):
-    on Neuron from TorchNeuron's records and the NEFF cache folder (neff_watch.step_cache_label),
-    elsewhere from Inductor's FX graph cache counters. None: nothing says."""
+    on Neuron "hit", "miss" or "unknown" from TorchNeuron's records, its PersistentHits counter and
+    the NEFF cache folder (neff_watch.step_cache_label), elsewhere from Inductor's FX graph cache
+    counters (None: the cache was not asked)."""
 
-    def __init__(self, neff: NeffCompileTimes | None, folder: Path | None):
-        self.neff, self.folder = neff, folder
+    def __init__(self, neff: NeffCompileTimes | None, folder: Path | None, hits: PersistentHits | None = None):
+        self.neff, self.folder, self.hits = neff, folder, hits
         self.before: tuple[int, int] = (0, 0)
         self.keys: set[str] = set()
 
     @classmethod
     def here(cls) -> StepCache:
         neff = neuron_compile_times()
-        return cls(neff, neff_cache_folder() if neff is not None else None)
+        if neff is None:
+            return cls(None, None)
+        return cls(neff, neff_cache_folder(), PersistentHits.here())
 
     def begin(self) -> None:
         if self.neff is None:
             self.before = _cache_counts()
-        elif self.folder is not None:
+            return
+        if self.folder is not None:
             self.keys = neff_keys(self.folder)
+        if self.hits is not None:
+            self.hits.grown()  # from here on
 
     def end(self) -> str | None:
         if self.neff is None:
             return _inductor_label(_cache_counts(), self.before)
         graphs = self.neff.new_graphs()  # syncs the device: every graph of the step has compiled
-        new = len(neff_keys(self.folder) - self.keys) if self.folder is not None else None
-        return step_cache_label([seconds for _, seconds in graphs], new)
+        now = neff_keys(self.folder) if self.folder is not None else None
+        new, held = (None, None) if now is None else (len(now - self.keys), len(now & self.keys))
+        hits = self.hits.grown() if self.hits is not None else None
+        return step_cache_label([seconds for _, seconds in graphs], new, held, hits)
 
 
 class ShapeWatch:

@@ -179,7 +179,9 @@ def describe(state: dict | None) -> str | None:
     seconds = [d["seconds"] for d in state["done"]]
     each = f", {min(seconds):.1f}-{max(seconds):.1f} s each" if seconds else ""
     hits = sum(d.get("cache") == "hit" for d in state["done"])
-    cached = f", {hits} already in the cache" if hits else ""
+    unknown = sum(d.get("cache") == "unknown" for d in state["done"])  # a 0 ms NEFF record alone proves no hit
+    cached = (f", {hits} already in the cache" if hits else "") + (
+        f", {unknown} not known to have been in the cache or compiled" if unknown else "")
     if state.get("seconds") is None:
         return f"precompile: {done}/{total} shapes compiled in {state['jobs']} parallel job(s){each}{cached}"
     failed = f"; {len(state['failed'])} job(s) failed (their shapes compile at their first step)" \
