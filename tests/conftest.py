@@ -23,6 +23,11 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("STUDIO_CACHE_DIR", tempfile.mkdtemp(prefix="studio-test-cache-"))
 # datasets' own cache of the JSONL files the tests load, away from the user's
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="studio-test-datasets-"))
+# Core leases are machine-wide for users (machine/leases.py). Here each runs folder keeps its own
+# (a relative STUDIO_LEASES_DIR is taken inside the runs folder), as if each test had a machine of
+# its own: the two xdist workers' runs, a module's server and a test's own run never wait on each
+# other's cores, nor on a user's studio. A test of the machine-wide folder sets its own.
+os.environ["STUDIO_LEASES_DIR"] = ".leases"
 # Every test has a runs folder of its own, so "next free" starts each run on core 0: with two
 # pytest-xdist workers, the second one's cores start on another CPU (STUDIO_CPU_CORES), so
 # their runs do not share one CPU while the other idles.

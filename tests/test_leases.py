@@ -27,7 +27,7 @@ from studio_core.machine.leases import acquire
 runs_dir, backend, cores, holder, kind, child = sys.argv[1:7]
 lease = acquire(runs_dir, backend, [int(c) for c in cores.split(",")], holder, kind)
 # close_fds=False: only the descriptors' own close-on-exec flag keeps the lock from the child
-extra = {"pass_fds": list(lease.fds.values())} if child == "inherit" else {"close_fds": False}
+extra = {"pass_fds": list(lease.descriptors())} if child == "inherit" else {"close_fds": False}
 if child != "none":  # a long-lived child, as torchrun is to the supervisor
     kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], **extra)
     print("child", kid.pid, flush=True)

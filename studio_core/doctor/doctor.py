@@ -8,7 +8,10 @@ same code on a trn instance as on a laptop. In order:
     versions     torch, torch-neuronx, transformers, TRL, ... against what the studio was built for
     torch_xla    absent next to torch-neuronx (Accelerate would take the retired XLA path)
     devices      the cores, LNC and instance type (from the instance metadata when it answers)
-    compiler     on Neuron: NEURON_CC_FLAGS' --lnc agrees with the runtime's LNC (the studio adds it)
+    compiler     on Neuron: an --lnc in the user's NEURON_CC_FLAGS agrees with the runtime's LNC
+                 (TorchNeuron passes --lnc from NEURON_LOGICAL_NC_CONFIG itself; nothing is added)
+    neuron-ls    on Neuron: neuron-ls answers, and which cores programs outside the studio use
+                 (starts do not pick those)
     collective   2 processes under torchrun, each on its own core as a run places them,
                  all-reduce through the backend's process group (neuron, nccl, gloo)
     compile      a tiny compiled forward and backward, twice in new processes: its graph must
@@ -38,6 +41,7 @@ from studio_core.machine.children import REPO_ROOT
 from studio_core.machine.compile_cache import compile_cache_dir, compile_cache_root
 from studio_core.machine.device_env import CC_FLAGS, CompilerFlagsError, device_env, flags_problem
 from studio_core.machine.hardware import TORCH_XLA_PROBLEM, Hardware, detect_hardware, instance_type
+from studio_core.machine.outside_use import KIND as OUTSIDE
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "huggingface_hub", "gradio")
 TIMEOUT_S = {"cpu": 300, "cuda": 300, "neuron": 1800}  # a first Neuron compile takes minutes
@@ -72,6 +76,7 @@ def checks(runs_dir: str | Path, hardware: Hardware | None = None) -> Iterator[C
     yield devices(hardware)
     if hardware.backend == "neuron":
         yield compiler_flags(hardware)
+        yield other_programs(runs_dir, hardware)
     yield collective(runs_dir, hardware)
     yield compile_step(runs_dir, hardware)
     yield cache_writable(hardware.backend)
@@ -142,12 +147,16 @@ def devices(hardware: Hardware) -> Check:
 
 
 def compiler_flags(hardware: Hardware) -> Check:
-    """The compiler must build for the runtime's LNC: NEURON_CC_FLAGS as every process gets it."""
+    """The compiler must build for the runtime's LNC. TorchNeuron passes it --lnc from
+    NEURON_LOGICAL_NC_CONFIG (which every process gets) and then the user's NEURON_CC_FLAGS,
+    kept as given: an --lnc there must agree."""
     try:
-        flags = device_env(hardware, compile_cache_root(), None)[CC_FLAGS]
+        flags = device_env(hardware, compile_cache_root(), None).get(CC_FLAGS)
     except CompilerFlagsError as refused:
         return Check("compiler", False, refused.found, refused.fix)
-    return Check("compiler", True, f"{CC_FLAGS}={flags!r}: compiled for LNC={hardware.lnc}, as the runtime runs")
+    kept = f"{CC_FLAGS}={flags!r} kept as given" if flags is not None else f"{CC_FLAGS} not set"
+    return Check("compiler", True, f"{kept}; TorchNeuron passes --lnc={hardware.lnc} from NEURON_LOGICAL_NC_CONFIG: "
+                 f"compiled for LNC={hardware.lnc}, as the runtime runs")
 
 
 # --- the device: a collective and a compiled step -----------------------------------------
@@ -255,6 +264,19 @@ def cache_writable(backend: str) -> Check:
     fix = "set STUDIO_COMPILE_CACHE to a folder you can write to (on a cluster: one every node sees)"
     return Check("cache", not failed, "; ".join(c.found for c in failed) or
                  f"{compile_cache_dir(backend)} is writable ({', '.join(f.name for f in folders)})", fix)
+
+
+def other_programs(runs_dir: Path, hardware: Hardware) -> Check:
+    """neuron-ls must answer: it is how a start sees NeuronCores that programs outside the
+    studio use (machine/outside_use.py). Cores in use are said, not a failure."""
+    held, problem = leases.taken(runs_dir, hardware)
+    if problem:
+        return Check("neuron-ls", False, problem, "run `neuron-ls --json-output` by hand to see why; it comes with "
+                     "aws-neuronx-tools (/opt/aws/neuron/bin). Neuron 2.34 and later drop --json-output: "
+                     "report it, the studio reads only that format so far")
+    outside = sorted({leases.describe(info) for info in held.values() if info.get("kind") == OUTSIDE})
+    return Check("neuron-ls", True, f"answers; NeuronCores in use outside the studio: {'; '.join(outside)}"
+                 if outside else "answers; no program outside the studio uses a NeuronCore")
 
 
 def monitor(backend: str) -> Check:

@@ -131,7 +131,7 @@ def clone_spec(manager: RunManager, run_id: str) -> RunSpec:
 def delete_run(manager: RunManager, run_id: str) -> int:
     """Delete the run's folder and everything in it; return the bytes freed. Refused (with
     RunActiveError naming the state) while the run is starting or running. The core leases
-    in <runs dir>/.leases are not the run's files and are left alone."""
+    (machine/leases.py; an older studio's in <runs dir>/.leases) are not the run's files."""
     with leases.choosing(manager.runs_dir):  # no run starts (or resumes) while we decide
         view = manager.view(run_id)  # KeyError for an unknown run
         state = view.live_state

@@ -90,8 +90,8 @@ class RunManager:
         data_warnings: list[str] = []
         spec = self.check(spec, warnings=data_warnings, elsewhere=elsewhere, hardware=hardware)
         this_machine = this_machine and backends.get(spec.layout.run_on).local_cores
-        cores = self.choose_cores(spec, hardware, wait=queue_if_busy) if this_machine else (
-            parse_cores(spec.layout.cores) if spec.layout.cores else None)
+        cores = (self.choose_cores(spec, hardware, wait=queue_if_busy, warnings=data_warnings) if this_machine
+                 else parse_cores(spec.layout.cores) if spec.layout.cores else None)
         launch = self._plan(spec, hardware, cores, warnings=data_warnings)
         if this_machine and cores is None:
             holders = "; ".join(sorted(set(self.core_holders(hardware).values())))
@@ -162,7 +162,7 @@ class RunManager:
                 raise SpecError([f"not submitted: {error}"]) from error
             return self.view(run_id)
         with leases.choosing(self.runs_dir):  # until the run's process holds the cores chosen here
-            cores = self.choose_cores(spec, hardware, wait=queue_if_busy)  # None: busy, it waits
+            cores = self.choose_cores(spec, hardware, queue_if_busy, data_warnings)  # None: busy, it waits
             if hold and queue.held_back(hold, self.view_or_none):
                 cores = None  # free or not, it waits for what its sweep holds it to
             launch = self._plan(spec, hardware, cores, run_id, data_warnings)
@@ -300,7 +300,7 @@ class RunManager:
     def _spec_to_resume(self, spec: RunSpec, hardware: Hardware) -> RunSpec:
         """The spec a local resume plans with: its own cores, or the next free block ("next
         free") when any of them is taken now."""
-        held = leases.holders(self.runs_dir, hardware.backend, hardware.cores)
+        held, _ = leases.taken(self.runs_dir, hardware)
         if spec.layout.cores and set(parse_cores(spec.layout.cores)) & set(held):
             return replace(spec, layout=replace(spec.layout, cores=None))
         return spec
@@ -321,12 +321,14 @@ class RunManager:
         events.append(run_dir / folder.EVENTS, events.resume(chosen["step"], chosen["path"]))
         events.append(run_dir / folder.EVENTS, events.status("starting"))
 
-    def choose_cores(self, spec: RunSpec, hardware: Hardware, wait: bool = False) -> list[int] | None:
+    def choose_cores(self, spec: RunSpec, hardware: Hardware, wait: bool = False,
+                     warnings: list[str] | None = None) -> list[int] | None:
         """The cores the run will hold: the ones asked for if all are free, else the first free
         valid block ("next free"). On the CPU backend these are CPU cores the run is pinned to.
-        Busy: SpecError naming who holds them, or with `wait` None (the run can wait for them)."""
+        Busy: SpecError naming who holds them, or with `wait` None (the run can wait for them).
+        On Neuron, cores other programs use are busy too; `warnings` gets a line when they cannot be seen."""
         try:
-            return leases.choose(self.runs_dir, hardware, spec.layout.nproc, spec.layout.cores)
+            return leases.choose(self.runs_dir, hardware, spec.layout.nproc, spec.layout.cores, warnings)
         except leases.NoFreeCores as none:
             if none.wanted > none.count:  # no wait frees enough cores: the machine is too small
                 raise SpecError([f"studio.nproc: {spec.layout.nproc} processes but this machine has {none.count} "
@@ -344,9 +346,9 @@ class RunManager:
             raise SpecError([f"studio.cores: {error}"]) from error
 
     def core_holders(self, hardware: Hardware) -> dict[int, str]:
-        """The cores of this machine held now, each with who holds it ("run <id> (pid 123)")."""
-        return {core: leases.describe(info)
-                for core, info in leases.holders(self.runs_dir, hardware.backend, hardware.cores).items()}
+        """The cores of this machine held now, each with who holds it ("run <id> (pid 123)"); on
+        Neuron also those a program outside the studio uses (leases.taken)."""
+        return {core: leases.describe(info) for core, info in leases.taken(self.runs_dir, hardware)[0].items()}
 
     def view_or_none(self, run_id: str) -> RunView | None:
         """The run, or None when it is not there (deleted, damaged)."""

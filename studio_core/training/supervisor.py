@@ -250,7 +250,9 @@ def precompile(run_dir: Path, launch: dict, wanted: int, cpus: list[int], stoppi
     device, events = launch["hardware"]["backend"], run_dir / EVENTS
     own = list(launch["cores"])
     extra = []
-    for core in sorted(leases.free_cores(run_dir.parent, device, Hardware(**launch["hardware"]).cores)):
+    hardware = Hardware(**launch["hardware"])
+    busy, _ = leases.taken(run_dir.parent, hardware)  # on Neuron also cores other programs use
+    for core in sorted(set(range(hardware.cores)) - set(busy)):
         if len(own) + len(extra) >= wanted:
             break
         try:
