@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from studio_core.machine.hardware import instance_hardware
-from studio_core.recipe.spec import RunSpec
-from studio_core.training.memory import read_shape
+from studio_core.machine.hardware import Hardware, instance_hardware
+from studio_core.recipe.spec import Layout, RunSpec
+from studio_core.training.memory import estimate, read_shape
 from studio_core.training.plan import plan
 
 pytestmark = pytest.mark.fast
@@ -24,16 +24,21 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
 
 
 HEAD = "LM head (logits in tiles)"
+GIB, MIB = 2**30, 2**20
 
 
-def planned(config, instance="trn2.3xlarge", trainer="sft", studio=None, **args):
+def planned(config, instance="trn2.3xlarge", trainer="sft", studio=None, lnc=2, **args):
     spec = RunSpec.from_dict({"model_name_or_path": "Qwen/Qwen3-0.6B", "dataset_name": "builtin:qa",
                               **args, "studio": {"trainer": trainer, **(studio or {})}})
-    return plan(spec, instance_hardware(instance), model_config=config)
+    return plan(spec, instance_hardware(instance, lnc=lnc), model_config=config)
 
 
 def memory_errors(launch) -> list[str]:
     return [e for e in launch.errors if e.startswith("device memory")]
+
+
+def memory_warnings(launch) -> list[str]:
+    return [w for w in launch.warnings if w.startswith("device memory")]
 
 
 def test_the_parameters_counted_from_the_config_are_the_models():
@@ -127,3 +132,68 @@ def test_the_lm_heads_tiles_are_trls():
     from studio_core.training.memory import TOKEN_CHUNK, VOCAB_CHUNK
 
     assert (TOKEN_CHUNK, VOCAB_CHUNK) == (chunked_logprob.TOKEN_CHUNK_SIZE, utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+
+
+def test_at_lnc_1_a_cores_12_gib_are_a_fair_share_of_its_bank_and_the_bank_is_the_limit():
+    """A trn2 chip's 96 GiB are four 24 GiB HBM banks, each shared by two physical cores. At LNC=1 a
+    core's 12 GiB is a fair share: a run over it fits only beside an idle or small neighbour (a
+    warning), over the bank it cannot fit (an error). At LNC=2 a core is two physical cores, a bank."""
+    lnc1 = planned(QWEN3_06B, lnc=1, per_device_train_batch_size=16)
+    assert memory_errors(lnc1) == [], lnc1.errors
+    assert 14 * GIB < lnc1.memory.total < 18 * GIB, lnc1.memory.describe()
+    assert (lnc1.memory.available, lnc1.memory.limit) == (12 * GIB, 24 * GIB)
+    [warning] = memory_warnings(lnc1)
+    assert "over a core's fair share at LNC=1" in warning
+    assert "it fits only if the neighbouring core of the same 24.0 GiB HBM bank is idle or uses less than" in warning
+    assert "up to 24.0 GiB: the whole HBM bank a core shares with its neighbouring core at LNC=1" in lnc1.describe()
+
+    too_big = planned(QWEN3_06B, lnc=1, per_device_train_batch_size=8, gradient_checkpointing=False)
+    assert 26 * GIB < too_big.memory.total < 34 * GIB, too_big.memory.describe()
+    [error] = memory_errors(too_big)
+    assert "of 24.0 GiB, the whole HBM bank a core shares at LNC=1" in error and "run out of memory" in error
+
+    lnc2 = planned(QWEN3_06B, per_device_train_batch_size=16)
+    assert 14 * GIB < lnc2.memory.total < 18 * GIB
+    assert (lnc2.memory.available, lnc2.memory.limit) == (24 * GIB, None)  # a bank to itself
+    assert memory_errors(lnc2) == [] and memory_warnings(lnc2) == []
+
+
+def test_at_lnc_1_a_runs_own_ranks_fill_its_banks_so_its_fair_share_is_its_limit():
+    """Two ranks at LNC=1 take an aligned pair of cores, the two of one bank: neither is idle."""
+    pair = planned(QWEN3_06B, lnc=1, per_device_train_batch_size=16, studio={"nproc": 2})
+    [error] = memory_errors(pair)
+    assert "at LNC=1 the run's own ranks share each 24.0 GiB HBM bank" in error
+    assert pair.memory.limit is None and pair.memory.total > 12 * GIB
+
+
+RUNTIME = ("runtime microcode", "runtime scratchpad", "runtime DMA rings")
+
+
+def test_the_neuron_runtimes_fixed_costs_are_counted_on_neuron_alone_and_said_with_their_source():
+    args = {"per_device_train_batch_size": 4, "bf16": True}
+    trn2 = instance_hardware("trn2.3xlarge")
+    cpu = Hardware("cpu", 4, cpu_count=4, host_memory_gib=64.0)
+    one = estimate("sft", Layout(), args, trn2, QWEN3_06B)
+    kept = one.parts["activations (gradient checkpointing)"]
+    # 96 MiB of microcode per physical core: two per logical core at LNC=2, one at LNC=1
+    assert one.parts["runtime microcode"] == 2 * 96 * MIB
+    assert estimate("sft", Layout(), args, instance_hardware("trn2.3xlarge", lnc=1), QWEN3_06B).parts[
+        "runtime microcode"] == 96 * MIB
+    # the scratchpad: the largest graph's activations, in whole 512 MiB pages
+    assert one.parts["runtime scratchpad"] % (512 * MIB) == 0
+    assert kept <= one.parts["runtime scratchpad"] < kept + 512 * MIB
+    # DMA rings: a margin; collectives buffers only where the run has more than one process
+    assert one.parts["runtime DMA rings"] == 64 * MIB and "runtime DMA rings and collectives" not in one.parts
+    two = estimate("sft", Layout(nproc=2, fsdp_size=2), args, trn2, QWEN3_06B)
+    assert two.parts["runtime DMA rings and collectives"] == (64 + 256) * MIB
+    assert one.total == sum(one.parts.values())
+    # on the CPU none of them, and every other part as on Neuron (bench/memory.py's ratios hold)
+    on_cpu = estimate("sft", Layout(), args, cpu, QWEN3_06B)
+    assert not any(name.startswith("runtime") for name in on_cpu.parts)
+    assert on_cpu.parts == {name: size for name, size in one.parts.items() if not name.startswith(RUNTIME)}
+    assert one.total - on_cpu.total == sum(one.parts[name] for name in RUNTIME)
+    # the plan's memory section says each term and where its size comes from
+    text = planned(QWEN3_06B, per_device_train_batch_size=4).describe()
+    assert "runtime microcode: 192 MiB (96 MiB per physical core, 2 per core at LNC=2)" in text
+    assert "runtime scratchpad: 512 MiB (as large as the largest compiled graph's activations" in text
+    assert "runtime DMA rings: 64 MiB (a margin, no documented size" in text

@@ -98,8 +98,10 @@ def compile_start(graph: str, phase: str, step: int, reason: str | None = None) 
 
 def compile_end(graph: str, phase: str, step: int, seconds: float, cache: str | None = None,
                 graphs: int | None = None) -> dict:
-    """That compilation ended after `seconds`; `cache`: hit or miss, where the compiler says (on
-    Neuron: TorchNeuron's record and NEFF cache, studio_core/training/neff_watch.py); `graphs`: how many
+    """That compilation ended after `seconds`; `cache`: "hit", "miss" or "unknown" (nothing proves
+    either: on Neuron a record of 0 ms with no persistent-cache evidence), from Inductor's FX graph
+    cache, on Neuron from TorchNeuron's record, counter and NEFF cache (studio_core/training/neff_watch.py);
+    absent: no cache was asked (and in runs from before "unknown" was written); `graphs`: how many
     it compiled when more than one (phase "eager": the NEFFs a step added; absent: one)."""
     return _event("compile_end", graph=graph, phase=phase, step=step, seconds=seconds, cache=cache, graphs=graphs)
 
@@ -141,10 +143,11 @@ def hardware(sample: dict) -> dict:
     return {**_event("hardware"), **sample}
 
 
-def peak_memory(bytes_: int | None, measured: str, device: str) -> dict:
+def peak_memory(bytes_: int | None, measured: str, device: str, allocator: dict | None = None) -> dict:
     """The most memory rank 0 used while it trained (studio_core/training/peak_memory.py): `bytes`
-    (None when the device does not report it), `measured`: how, or why not; `device`."""
-    return _event("peak_memory", bytes=bytes_, measured=measured, device=device)
+    (None when the device does not report it), `measured`: how, or why not; `device`; on Neuron
+    `allocator`: TorchNeuron's allocator statistics (bytes now and at the peak, OOM counts) or why not."""
+    return _event("peak_memory", bytes=bytes_, measured=measured, device=device, allocator=allocator)
 
 
 def studio_cost(steps: int, parts: dict[str, dict], step_cpu_ms: float | None = None) -> dict:
@@ -174,8 +177,9 @@ def precompile_start(shapes: list[list[int]], jobs: int) -> dict:
 
 def precompiled(shape: list[int], job: int, seconds: float, cache: str | None = None) -> dict:
     """A precompile job trained one step on a batch of `shape`: `seconds` (its compilation and the
-    step), `cache`: "hit" or "miss" (absent: unknown), from Inductor's FX graph cache on CPU and CUDA, from
-    TorchNeuron's records and NEFF cache on Neuron (compile_watch.StepCache)."""
+    step), `cache`: "hit", "miss" or "unknown" (nothing proves either), from Inductor's FX graph cache on
+    CPU and CUDA (absent: it was not asked), from TorchNeuron's records, counter and NEFF cache on
+    Neuron (compile_watch.StepCache)."""
     return _event("precompiled", shape=shape, job=job, seconds=seconds, cache=cache)
 
 

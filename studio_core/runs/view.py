@@ -17,6 +17,7 @@ from studio_core.rundir import folder
 from studio_core.runs import queue
 from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES, STATES, EventReader, RunState
 from studio_core.training.memory import gib
+from studio_core.training.peak_memory import describe_allocator
 
 __all__ = ["ACTIVE_STATES", "FINAL_STATES", "STATES", "RunView", "late_compile_text", "memory_text",
            "studio_cost_text"]
@@ -320,9 +321,24 @@ def compile_totals_text(view: RunView) -> str:
     frames = {str(c.get("graph")).partition("/")[0] for c in view.compiles if c.get("phase") in ("forward", "backward")}
     share = f" ({seconds / wall:.0%} of the run's time{' so far' if going else ''})" if wall > 0 else ""
     frames_text = f"; {len(frames)} code frame(s)" if frames else ""
+    answers = cache_answers_text(view.compiles)
     return (f"{len(view.compiles)} compilation(s)" + (f" ({phases}{frames_text})" if done else "")
             + f" in {short_seconds(seconds)}{share}; {len(view.shapes)} batch shape(s) reached the model (a new "
-            "one compiles again the frames it changes)")
+            "one compiles again the frames it changes)" + (f"; {answers}" if answers else ""))
+
+
+CACHE_ANSWERS = {"hit": "found in the compile cache", "miss": "compiled",
+                 "unknown": "unknown (nothing proves a cache hit or a compile)"}
+
+
+def cache_answers_text(compiles: list[dict]) -> str:
+    """How the compile cache answered the compilations that carry an answer ("2 found in the compile
+    cache, 1 compiled, 1 unknown (...)"), "" when none does. "unknown" is said as such: on Neuron a
+    graph recorded at 0 ms is a cache hit only with evidence (studio_core/training/neff_watch.py);
+    an old run's events hold "hit" and "miss" only and read as before."""
+    answers = [c.get("cache") for c in compiles if c.get("cache") in CACHE_ANSWERS]
+    return ", ".join(f"{answers.count(answer)} {text}" for answer, text in CACHE_ANSWERS.items()
+                     if answer in answers)
 
 
 def short_seconds(seconds: float) -> str:
@@ -333,7 +349,8 @@ def short_seconds(seconds: float) -> str:
 def memory_text(view: RunView) -> str | None:
     """The run's device memory per core: the plan's estimate (launch.json) and, once training
     ended, rank 0's measured peak (its peak_memory event): "memory per core: estimated 1.16 GiB
-    before launch, measured 0.98 GiB at its peak (the estimate is 1.18 x the measurement)"."""
+    before launch, measured 0.98 GiB at its peak (the estimate is 1.18 x the measurement)"; on
+    Neuron, then what TorchNeuron's allocator says of the core (its `allocator`)."""
     estimated = (view.launch().get("memory") or {}).get("bytes")
     peak = view.peak_memory or {}
     parts = [f"estimated {gib(estimated)} before launch"] if estimated else []
@@ -343,6 +360,8 @@ def memory_text(view: RunView) -> str | None:
             parts.append(f"the estimate is {estimated / peak['bytes']:.2f} x the measurement")
     elif peak:
         parts.append(f"not measured: {peak.get('measured')}")
+    allocator = describe_allocator(peak.get("allocator"))  # on Neuron, beside the peak
+    parts += [allocator] if allocator else []
     return "memory per core: " + "; ".join(parts) if parts else None
 
 

@@ -20,14 +20,21 @@ The estimate is for the busiest core (rank 0) and counts, per core:
 - for GRPO and RLOO the generation's KV cache (keys and values of every layer for every
   sequence generated at once, prompt plus completion).
 
-It does not count the runtime's own memory, the compiler's scratch space, or allocator
-fragmentation: the check leaves 10% for them (over 90% is a warning). Lengths are the longest a
-batch can be (`max_length`), so a run whose batches are shorter uses less.
+- on Neuron only, the Neuron runtime's own fixed costs (runtime_costs): its microcode, its
+  scratchpad, and a margin for DMA rings and collectives buffers (each term's source is beside it).
+
+It does not count allocator fragmentation or what the sizes above miss: the check leaves 10% for
+them (over 90% is a warning). Lengths are the longest a batch can be (`max_length`), so a run
+whose batches are shorter uses less.
 
 Device memory per core (Hardware): on Trainium the chip's HBM shared by its logical cores
 (hardware.py's instance table: a Trainium2 chip has 96 GiB and 4 logical cores at LNC=2, so
 24 GiB each; 12 GiB at LNC=1); on the CPU the host's memory shared by the run's processes; on
-CUDA unknown here (the estimate is shown without a limit).
+CUDA unknown here (the estimate is shown without a limit). The HBM is four banks (stacks), each
+serving two physical cores: at LNC=2 a logical core is those two cores and has its bank alone; at
+LNC=1 a core's 12 GiB is a fair share of the bank it shares with its neighbour, not a limit (a core
+can use the whole bank when its neighbour does not). So at LNC=1 the estimate is held against
+the fair share, a run over it but within the bank is a warning, and over the bank an error.
 """
 
 from __future__ import annotations
@@ -66,6 +73,35 @@ TOKEN_CHUNK = 4096  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE (tests/tes
 VOCAB_CHUNK = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 TILE_COPIES = 8.5
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The Neuron runtime's own device memory (AWS Neuron docs, "Neuron Device Memory",
+# awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/explore/device-memory.html; its
+# categories: tensors, model constants, model code, profile buffers, scratchpad, DMA rings,
+# collectives). Counted per logical core, on Neuron only (runtime_costs):
+# - model code includes a microcode overhead of 96 MB per physical NeuronCore (the page's out-of-
+#   memory table shows 96.065MB of model code on a core that loaded two tiny NEFFs); its MB are MiB
+#   (its 512 MB scratchpad page is 536870912 bytes). A logical core at LNC=2 is 2 physical cores.
+# - scratchpad: where a running NEFF spills what does not fit on chip; "for a training workload,
+#   scratchpad usage is usually determined by the size of activation between forward and backward
+#   layer". The runtime keeps one shared scratchpad per core, as large as the largest scratchpad of
+#   the NEFFs loaded on it, allocated in pages (512 MB by default, NEURON_SCRATCHPAD_PAGE_SIZE).
+#   Estimated as the activations term (computed for the longest batch: the largest compiled
+#   shape), rounded up to whole pages. Variables larger than a page get private allocations on top
+#   (the page's "non-shared scratchpad"): not counted.
+# - DMA rings (descriptors of the NEFFs' data movements) and collectives buffers: the page gives
+#   no size (its examples show tens to hundreds of KB per small NEFF), so a margin, said to be one:
+#   DMA_MARGIN always, COLLECTIVES_MARGIN more where the run has more than one process.
+# - profile buffers (about 2 GB while neuron-profile captures): not counted, runs do not profile.
+MICROCODE = 96 * 2**20  # per physical NeuronCore
+SCRATCHPAD_PAGE = 512 * 2**20
+DMA_MARGIN = 64 * 2**20  # a margin, not a documented size
+COLLECTIVES_MARGIN = 256 * 2**20  # a margin, not a documented size
+# Trainium2 and Trainium3 chips have 4 HBM stacks for their 8 physical cores (AWS Neuron docs, NKI's
+# "Trainium2 Architecture Guide", nki/arch/trainium2_arch.html, and "Trainium3 Architecture Guide",
+# nki/about/trainium3_arch.html). At LNC=1 two neighbouring cores share an
+# HBM stack, and a core can run out of memory earlier than expected depending on what its
+# neighbour loaded ("Neuron Device Memory", its Logical Neuron Cores note, shown for trn2; trn3 is
+# assumed alike). So a core's even share at LNC=1 is half a stack, and its limit the whole stack.
+HBM_BANKS_PER_CHIP = 4
 
 
 @dataclass(frozen=True)
@@ -146,6 +182,11 @@ class Estimate:
     available: int | None = None
     available_source: str = ""
     not_counted: list[str] = field(default_factory=list)  # what it could not count, said
+    # At LNC=1 on Trainium, the most a core can use (its HBM bank, when the neighbour sharing it
+    # uses none); `available` is then its fair share. None: `available` is the limit.
+    limit: int | None = None
+    limit_source: str = ""
+    notes: dict[str, str] = field(default_factory=dict)  # a part's name: where its size comes from
 
     @property
     def total(self) -> int:
@@ -158,7 +199,7 @@ class Estimate:
     def record(self) -> dict:
         """What launch.json keeps of it: bytes per core in all and by part, what a core has."""
         return {"bytes": self.total if self.parts else None, "parts": self.parts, "available": self.available,
-                "not_counted": self.not_counted}
+                "limit": self.limit, "not_counted": self.not_counted}
 
     def describe(self) -> list[str]:
         if not self.parts:
@@ -166,7 +207,10 @@ class Estimate:
         lines = [f"  {gib(self.total)} of {gib(self.available) if self.available else 'an unknown amount'}"
                  f"{f' ({self.fraction:.0%})' if self.fraction is not None else ''} per core"
                  f"{f': {self.available_source}' if self.available_source else ''}"]
-        lines += [f"    {name}: {gib(size)}" for name, size in self.parts.items() if size]
+        if self.limit_source:
+            lines.append(f"  {f'up to {gib(self.limit)}' if self.limit else 'no more'}: {self.limit_source}")
+        lines += [f"    {name}: {gib(size)}{f' ({self.notes[name]})' if name in self.notes else ''}"
+                  for name, size in self.parts.items() if size]
         lines += [f"  not counted: {item}" for item in self.not_counted]
         return lines
 
@@ -207,12 +251,53 @@ def per_core_available(hardware, nproc: int) -> tuple[int | None, str]:
     return None, ""
 
 
+def bank_limit(hardware, nproc: int) -> tuple[int | None, str]:
+    """The most one core can use where it shares an HBM bank with other cores (Trainium at LNC=1):
+    the whole bank, when they use none of it. (None, "") where a core has its memory to itself;
+    (None, why) where the run's own ranks fill its banks."""
+    if hardware.backend != "neuron" or not (hardware.chip_memory_gib and hardware.chips and hardware.devices
+                                            and hardware.lnc):
+        return None, ""
+    physical_per_bank = hardware.devices // hardware.chips * hardware.lnc // HBM_BANKS_PER_CHIP
+    if physical_per_bank <= hardware.lnc:  # a logical core has its bank (or more) to itself
+        return None, ""
+    bank, others = hardware.chip_memory_gib * GIB // HBM_BANKS_PER_CHIP, physical_per_bank // hardware.lnc - 1
+    neighbours = "its neighbouring core" if others == 1 else f"{others} neighbouring cores"
+    if nproc > 1:  # a run's cores are a block aligned to its size (layout.py): its ranks pair up in banks
+        return None, (f"at LNC={hardware.lnc} the run's own ranks share each {gib(bank)} HBM bank, so none can use "
+                      "more than its share")
+    return bank, (f"the whole HBM bank a core shares with {neighbours} at LNC={hardware.lnc}, if "
+                  f"{'it uses' if others == 1 else 'they use'} none of it (the share above is a fair share, the "
+                  "figure the plan holds a run to)")
+
+
+def runtime_costs(hardware, layout, activations_bytes: float) -> tuple[dict[str, int], dict[str, str]]:
+    """The Neuron runtime's fixed costs on one logical core, and where each size comes from (the
+    sources are above MICROCODE): microcode, the shared scratchpad, DMA rings and collectives.
+    Their names begin with "runtime " (biggest() leaves them out)."""
+    lnc = hardware.lnc or 1
+    pages = -(-int(activations_bytes) // SCRATCHPAD_PAGE)
+    processes = layout.nproc * max(layout.nodes, 1)
+    rings = DMA_MARGIN + (COLLECTIVES_MARGIN if processes > 1 else 0)
+    rings_name = "runtime DMA rings and collectives" if processes > 1 else "runtime DMA rings"
+    parts = {"runtime microcode": lnc * MICROCODE, "runtime scratchpad": pages * SCRATCHPAD_PAGE, rings_name: rings}
+    notes = {"runtime microcode": f"96 MiB per physical core, {lnc} per core at LNC={lnc}",
+             "runtime scratchpad": (f"as large as the largest compiled graph's activations, here the longest "
+                                    f"batch's, in {SCRATCHPAD_PAGE // 2**20} MiB pages"),
+             rings_name: (f"a margin, no documented size: {gib(DMA_MARGIN)} for DMA rings"
+                          + (f" and {gib(COLLECTIVES_MARGIN)} for the collectives of {processes} processes"
+                             if processes > 1 else ""))}
+    return parts, notes
+
+
 def estimate(trainer: str, layout, args: dict, hardware, config: dict | None) -> Estimate:
     """The per-core estimate of a run: `args` are the TRL arguments the plan hands the worker."""
     available, source = per_core_available(hardware, layout.nproc)
+    limit, limit_source = bank_limit(hardware, layout.nproc)
     shape, why = read_shape(config)
     if shape is None:
-        return Estimate(available=available, available_source=source, not_counted=[why])
+        return Estimate(available=available, available_source=source, not_counted=[why], limit=limit,
+                        limit_source=limit_source)
     tp, fsdp = max(layout.tp_size, 1), max(layout.fsdp_size, 1)
     weight = dtype_bytes(args, config)
     layer_weights = shape.layer_params() * weight
@@ -232,16 +317,21 @@ def estimate(trainer: str, layout, args: dict, hardware, config: dict | None) ->
     entry = trainers.get(trainer)
     if entry.reference_model and not lora and not args.get("precompute_ref_log_probs"):
         parts["reference model"] = weights
-    parts.update(activations(shape, args, entry, tp))
+    kept = activations(shape, args, entry, tp)
+    parts.update(kept)
     if entry.generates:
         parts["generation cache"] = generation_cache(shape, args, tp, weight)
+    notes = {}
+    if hardware.backend == "neuron":  # the CPU and CUDA backends have no such runtime
+        costs, notes = runtime_costs(hardware, layout, next(iter(kept.values())))  # the layers' activations
+        parts.update(costs)
     not_counted = []
     if not entry.generates and "max_length" in args and not args["max_length"]:
         not_counted.append(f"samples longer than {DEFAULT_LENGTH} tokens (max_length is off: counted as "
                            f"{DEFAULT_LENGTH}, TRL's default)")
     if optim and "adam" not in optim and "sgd" not in optim:
         not_counted.append(f"the state of optimizer {optim!r} (counted as none)")
-    return Estimate({k: int(v) for k, v in parts.items()}, available, source, not_counted)
+    return Estimate({k: int(v) for k, v in parts.items()}, available, source, not_counted, limit, limit_source, notes)
 
 
 def activations(shape: Shape, args: dict, entry: trainers.Trainer, tp: int) -> dict[str, float]:
@@ -278,25 +368,36 @@ def generation_cache(shape: Shape, args: dict, tp: int, weight: int) -> float:
 
 def problems(est: Estimate, trainer: str, layout, args: dict, hardware, config) -> tuple[list[str], list[str]]:
     """(errors, warnings): over the core's memory is refused with the smallest changes that fit;
-    over 90% is a warning."""
+    over 90% is a warning. Where a core shares its HBM bank (Trainium at LNC=1), over its fair share
+    but within the bank is a warning (it fits only beside an idle or small neighbour), over the
+    bank an error."""
     fraction = est.fraction
-    if fraction is None:  # not estimated, or no limit known: the plan's memory section says which
-        return [], []
-    said = f"the run needs about {gib(est.total)} per core of {gib(est.available)} ({fraction:.0%}; {biggest(est)})"
-    if fraction <= WARN_FRACTION:
+    if fraction is None or fraction <= WARN_FRACTION:  # fits; or not estimated, or no limit known (said)
         return [], []
     fitting = fixes(trainer, layout, args, hardware, config)
     change = ("It fits with any one of: " + "; ".join(fitting)) if fitting else (
         "No one change fits: combine LoRA (use_peft: true), more TP or FSDP cores, a smaller batch and a shorter "
         "max_length, or use a bigger instance")
-    if fraction > 1:
+    limit = est.limit or est.available
+    if est.total > limit:
         when = " after compiling" if hardware.backend == "neuron" else ""
-        return [f"{MEMORY_ERROR}{said}: it would run out of memory{when}. {change}"], []
-    return [], [f"{MEMORY_ERROR}{said}: little is left for the runtime. {change}"]
+        whole = f", the whole HBM bank a core shares at LNC={hardware.lnc}" if est.limit else ""
+        why = f"; {est.limit_source}" if est.limit_source and not est.limit else ""
+        return [f"{MEMORY_ERROR}the run needs about {gib(est.total)} per core of {gib(limit)}{whole} "
+                f"({est.total / limit:.0%}; {biggest(est)}): it would run out of memory{when}{why}. {change}"], []
+    said = f"the run needs about {gib(est.total)} per core of {gib(est.available)} ({fraction:.0%}; {biggest(est)})"
+    if fraction > 1:  # over the fair share, within the bank
+        return [], [f"{MEMORY_ERROR}{said}, over a core's fair share at LNC={hardware.lnc}: it fits only if the "
+                    f"neighbouring core of the same {gib(limit)} HBM bank is idle or uses less than "
+                    f"{gib(limit - est.total)} (at LNC=2 each core has a bank to itself). {change}"]
+    return [], [f"{MEMORY_ERROR}{said}: little is left for what the estimate does not count (allocator "
+                f"fragmentation). {change}"]
 
 
 def biggest(est: Estimate) -> str:
-    name, size = max(est.parts.items(), key=lambda item: item[1])
+    """The largest part the run's settings size: the runtime's follow them (its scratchpad is the
+    activations again), so naming them would point away from what to change."""
+    name, size = max(((n, s) for n, s in est.parts.items() if not n.startswith("runtime ")), key=lambda item: item[1])
     return f"most of it {name}, {gib(size)}"
 
 

@@ -158,7 +158,8 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> str | None:
             step_cpu_ms = (last - first) / (steps - 1) * 1000 if steps > 1 and first is not None else None
             events.append(log, events.studio_cost(steps, self.cost.parts(), step_cpu_ms=step_cpu_ms))
             device = trainer.accelerator.device.type
-            events.append(log, events.peak_memory(*peak.measured(device), device=device))
+            events.append(log, events.peak_memory(*peak.measured(device), device=device,
+                                                  allocator=peak.allocator(device)))
 
     peak = PeakMemory()  # before the model loads
     cost = StepCost()  # rank 0 reports it; every other rank makes the same stop check
