@@ -83,7 +83,8 @@ class ChatHolder:
                 return f"**Not served:** {error}", ""
             names = [label, *also]
             how = (f"{len(names)} runs on one base, each its own model name, decoded together on core "
-                   f"{format_cores(self.served.cores)}") if also else "requests take turns with this tab's chat"
+                   f"{format_cores(self.served.cores)}: {self.served.info['engine']['says']}") if also else (
+                "requests take turns with this tab's chat")
             return (f"Serving {', '.join(f'`{name}`' for name in names)} at **{self.server.url}** (OpenAI's API, this "
                     f"machine only; {how}). To serve to other hosts, with a key: "
                     f"`launch.py serve {' '.join(names)} --host 0.0.0.0 --api-key-file FILE`."), \

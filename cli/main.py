@@ -19,7 +19,7 @@ from cli.sweep import cmd_sweep
 from cli.train import cmd_plan, cmd_queue, cmd_runs, cmd_stop, cmd_train
 from studio_core.backends import EXPORT, StopError, with_options
 from studio_core.machine import compile_cache
-from studio_core.serve.chat import BATCH_BUCKETS, MAX_CACHE_LEN
+from studio_core.serve.chat import BATCH_BUCKETS, MAX_CACHE_LEN, SMALLEST_LENGTH
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
 from studio_core.runs.manager import DamagedRun, RunNotFound, default_runs_dir, run_id_given
 from studio_core.runs.queue import QueueError
@@ -136,6 +136,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-cache-len", type=whole_number(128, 16384), help="a model: its static cache's length "
                        f"in tokens, prompt and answer (default {MAX_CACHE_LEN}); a prompt may fill the largest bucket "
                        "(64, 128, 256... tokens) that leaves room for an answer")
+    serve.add_argument("--compile", action="store_true", help="a model: compile the batched engine's graphs at "
+                       "start on the CPU too (on Neuron and CUDA they always are: a graph per bucket, none after)")
+    serve.add_argument("--plan", action="store_true", help="a model: say how it would be served (engine, graphs to "
+                       "compile at start, buckets) and exit, loading nothing")
     serve.add_argument("--cores", help="a model: the core to load it on (default: the first free one)")
     serve.add_argument("--backend", choices=("cpu",), help="a model: serve it on the CPU even if a device is present")
 
@@ -234,7 +238,7 @@ def parser() -> argparse.ArgumentParser:
                       "sees the whole conversation; /clear starts over)")
     chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--max-new-tokens", type=whole_number(1, MAX_CACHE_LEN - 1), default=128,
+    chat.add_argument("--max-new-tokens", type=whole_number(1, MAX_CACHE_LEN - SMALLEST_LENGTH), default=128,
                       help=f"the answer's length limit (the chat's cache holds {MAX_CACHE_LEN} tokens in all)")
     chat.add_argument("--cores", help="the core to chat on (default: the first free one)")
     chat.add_argument("--backend", choices=("cpu",), help="chat on the CPU even if a device is present")

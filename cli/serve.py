@@ -17,7 +17,8 @@ def cmd_serve(args) -> int:
     if args.target:
         return serve_model(args)
     given = [flag for flag, value in (("--api-key-file", args.api_key_file), ("--cores", args.cores),
-                                      ("--backend", args.backend), ("--max-cache-len", args.max_cache_len)) if value]
+                                      ("--backend", args.backend), ("--max-cache-len", args.max_cache_len),
+                                      ("--compile", args.compile), ("--plan", args.plan)) if value]
     if given:
         raise CommandLineError(f"{', '.join(given)}: these go with a model to serve (launch.py serve RUN_OR_MODEL)")
     args.port = args.port or 7860
@@ -84,13 +85,16 @@ def serve_model(args) -> int:
         print(f"Refusing to serve on {args.host} without a key: anyone who can reach it could use the model. Add "
               "--api-key-file FILE (a file holding the key), or keep the default 127.0.0.1.", file=sys.stderr)
         return 2
-    runs_dir = runs_folder(args, write=True)  # the chat process holds a core there
+    runs_dir = runs_folder(args, write=not args.plan)  # the chat process holds a core there
     hardware = hardware_for(args)
     check_one_core(args.cores, hardware)
+    max_cache_len = args.max_cache_len or MAX_CACHE_LEN
+    if args.plan:
+        return print_plan(args, runs_dir, hardware, max_cache_len)
     try:
-        chat = ChatProcess.start(args.target[0], runs_dir, hardware, cores=args.cores,
-                                 max_cache_len=args.max_cache_len or MAX_CACHE_LEN, max_batch=args.max_batch,
-                                 also=tuple(args.target[1:]))
+        chat = ChatProcess.start(args.target[0], runs_dir, hardware, cores=args.cores, max_cache_len=max_cache_len,
+                                 max_batch=args.max_batch, also=tuple(args.target[1:]), compiled=args.compile,
+                                 on_warmup=say_warmup)
     except ChatError as error:
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
@@ -101,12 +105,15 @@ def serve_model(args) -> int:
         chat.unload()
         print(f"Cannot serve: {error}", file=sys.stderr)
         return 2
-    batching = (f"up to {args.max_batch} requests decoded together, a static KV cache of {args.max_batch} rows x "
-                f"{chat.info['max_cache_len']} tokens: {chat.info['cache_mib']:.0f} MiB" if args.max_batch > 1
+    engine = chat.info["engine"]
+    batching = (f"up to {chat.max_batch} requests decoded together, a static KV cache of {chat.max_batch} rows x "
+                f"{chat.info['max_cache_len']} tokens: {chat.info['cache_mib']:.0f} MiB" if chat.max_batch > 1
                 else "one request at a time")
     needs_key = "required" if key else "not required"
     print(f"Serving {', '.join(args.target)} at {server.url} (OpenAI's API; key {needs_key}; {batching}); Ctrl-C "
           "ends it", flush=True)
+    warmed = f"; compiled in {engine['warmup_s']:.1f} s" if "warmup_s" in engine else ""
+    print(f"Engine: {engine['says']}{warmed}", file=sys.stderr, flush=True)
     # SIGTERM only sets a flag: the ending below (requests cut, server, chat process) runs once, whole
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
@@ -125,6 +132,27 @@ def serve_model(args) -> int:
     finally:
         server.stop()  # every request ends first (the one answering after its current token): nothing to wait for
         chat.unload(timeout=10)
+    return 0
+
+
+def say_warmup(event: dict) -> None:
+    """A line per graph compiled at start (on Neuron each takes minutes)."""
+    print(f"Compiling the server's graphs before the first request: {event['done']} of {event['total']}",
+          file=sys.stderr, flush=True)
+
+
+def print_plan(args, runs_dir, hardware, max_cache_len: int) -> int:
+    """How the runs would be served (serve/batching.py's plan), from their folders: nothing loaded."""
+    from studio_core.serve.chat import ChatError, serve_plan
+
+    try:
+        plan = serve_plan(args.target[0], runs_dir, hardware.backend, max_cache_len, args.max_batch,
+                          tuple(args.target[1:]), args.compile)
+    except ChatError as error:
+        print(f"Cannot serve: {error}", file=sys.stderr)
+        return 2
+    print(f"Serving {', '.join(args.target)} on {hardware.backend} with a {max_cache_len}-token cache per request: "
+          f"{plan.describe()}")
     return 0
 
 

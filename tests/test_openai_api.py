@@ -186,11 +186,12 @@ def test_twenty_clients_at_once_are_all_answered_within_bounded_shapes(server):
     assert all(text == QA[i][1]["content"] and finish == "stop" for i, text, finish in replies)  # each whole
     after = stats(server)
     assert after["completed"] - before["completed"] == 100 and after["queued"] == 0
-    # prefills of a batch and a length bucket, decodes of a batch bucket: however many clients come
+    # a prefill of one prompt per length bucket, decodes of a batch bucket: however many clients come
     shapes, widths = {tuple(shape) for shape in after["shapes"]}, after["batch_buckets"]
-    assert shapes <= {(w, b) for w in widths for b in after["buckets"]} | {(w, 1) for w in widths}, shapes
-    assert len(shapes) <= len(widths) * len(after["buckets"]) + 2
+    assert shapes <= {(1, b) for b in after["buckets"]} | {(w, 1) for w in widths}, shapes
     assert (8, 1) in shapes  # twenty at once: decoded eight together
+    assert after["engine"]["mode"] == "eager" and after["engine"]["graphs"] == 0  # the CPU: nothing compiled
+    assert "--compile" in after["engine"]["says"]
 
 
 def test_a_client_that_leaves_mid_stream_stops_its_generation_and_frees_its_turn(server):

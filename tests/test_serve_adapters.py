@@ -1,11 +1,14 @@
 """`launch.py serve RUN1 RUN2`: several LoRA runs on one base served by one process, the base
 loaded once, each run its own model name; requests for different runs decoded in the same
-batches (PEFT's mixed-adapter batches) answer as each run does alone. The second run here is a
-copy of the tiny LoRA SFT run with its adapter's B matrices zeroed: it answers as the base model
-does, so the two runs' answers differ and a mix-up would show."""
+batches (each row gathering its own adapter) answer as each run does alone. The second run here
+is a copy of the tiny LoRA SFT run with its adapter's B matrices zeroed: it answers as the base
+model does, so the two runs' answers differ and a mix-up would show. `--plan` says how runs would
+be served, loading nothing; an adapter the batched engine cannot gather (DoRA) is served one
+request at a time, each request switching to its run's adapter."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -80,3 +83,44 @@ def test_runs_that_cannot_share_a_base_are_refused_before_loading(two_adapters, 
     proc = serve(manager, lora, {"full": full, "blank": blank}[which], extra=extra)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and says in err and "Traceback" not in err, err
+
+
+def dora_copy(runs_dir, lora: str) -> str:
+    """A copy of the LoRA run `lora` (its id + "-dora") whose adapter says use_dora: PEFT loads it as
+    DoRA (its magnitudes, missing from the file, taken from the base weights), which the batched
+    engine cannot gather per row."""
+    dora = f"{lora}-dora"
+    shutil.copytree(runs_dir / lora, runs_dir / dora)
+    config = runs_dir / dora / "output" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_dora": True}))
+    return dora
+
+
+def test_the_plan_says_how_runs_would_be_served_and_a_dora_adapter_is_served_one_request_at_a_time(
+        two_adapters, tmp_path):
+    manager, lora, blank, _ = two_adapters
+    dora = dora_copy(manager.runs_dir, lora)
+
+    def plan(*names: str, extra: tuple[str, ...] = ()) -> str:
+        done = subprocess.run([sys.executable, "launch.py", "serve", *names, "--plan", "--runs-dir",
+                               str(manager.runs_dir), *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "batched, not compiled" in plan(lora, blank)
+    assert "29 graphs compiled at start by inductor" in plan(lora, blank, extra=("--compile",))
+    assert "one request at a time" in plan(lora, dora) and "DoRA" in plan(lora, dora)
+    proc = serve(manager, lora, dora)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"Serving {lora}, {dora} at ") and "one request at a time" in line, line
+        engine = next(line for line in proc.stderr if line.startswith("Engine: "))
+        assert "one request at a time (transformers' generate)" in engine and "DoRA" in engine, engine
+        api = client({"url": line.split(" at ")[1].split(" ")[0]}, key="none", timeout=300)
+        reply = api.chat.completions.create(model=lora, messages=question(0), max_tokens=32, temperature=0)
+        assert reply.choices[0].message.content == QA[0][1]["content"]  # its own adapter, switched to per request
+        other = api.chat.completions.create(model=dora, messages=question(0), max_tokens=32, temperature=0)
+        assert other.choices[0].message.content != reply.choices[0].message.content
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0

@@ -1,42 +1,53 @@
-"""Batched decoding at fixed shapes: requests answered together, joining and leaving a running
-batch at step boundaries (continuous batching), while the model sees only a few input shapes (on
-Neuron each new shape is a compilation). Imports torch: child processes only.
+"""Batched decoding at fixed, compiled shapes: requests answered together, joining and leaving a
+running batch at step boundaries (continuous batching), each step one whole graph of a bucket.
+The plan (`engine_plan`, `BATCH_BUCKETS`, `length_buckets`) is pure; the engine imports torch:
+child processes only.
 
-The cache: one static KV cache of `rows` rows (the largest batch bucket, 16 by default) by
-`max_cache_len` cells (SlotCache); each row holds one request, from cell 0. A request joins at a
-step boundary when a row is free: its prompt, left-padded to its length bucket Lb, is prefilled
-into its row's cells [0, Lb), together with the others joining in the same bucket (a (b, Lb)
-input, b a batch bucket but the widest, so 16 joining at once take two prefills of 8), and its
-first token is sampled from that pass. A prefill attends to the cells it writes only, so its
-cost and shape are the bucket's. Each step then decodes the active rows together: a (b, 1)
-input, b the smallest batch bucket that holds them, each row writing its token at its own next
-cell, with its own position and a mask of its own cells (a 4D mask: the model attends to
-nothing else). Active rows are kept in rows 0..n-1 (a finished row's place is taken by the last
-one, its cells copied), so rows n..b-1 only pad the batch. So the model sees at most a prefill
-shape per batch bucket (but the widest) and length bucket, and a decode shape per batch bucket,
-however many requests come: 4 x 4 + 5 = 21 with the defaults (a 1024-token cache: prompt buckets
-64 to 512), within batch buckets x length buckets + 2.
+Why: on Neuron a forward called op by op runs every ATen op as a NEFF of its own, and every new
+input shape of a compiled graph is a compilation of minutes. So the model runs only inside
+`torch.compile(..., fullgraph=True, dynamic=False)` graphs (backend "neuron" on Neuron, Inductor on
+CUDA), one per bucket, all compiled before the first request (`warm_up`: their count and time are
+said), and after that a new shape is an error, never a silent compilation
+(`torch.compiler.set_stance("fail_on_recompile")`). On the CPU nothing is compiled unless asked
+(`compiled=True`): an eager op costs nothing more there, and the shapes are the same.
 
-Who joins when: waiting requests join in arrival order, as rows free up (a later one never passes
-an earlier one). Every request fits a row (its bucket and max_new_tokens fit the cache: `submit`
-refuses one that does not), so none waits for the others to drain.
+The cache (serve/slots.py): `rows` rows (the largest batch bucket) of `cells` cells; a request
+holds one row from cell 0 for its life. Its prompt of n tokens is prefilled alone, right-padded:
+its first n-1 tokens, padded to a length bucket, written at cells [0, L) of its row (the padding's
+cells are masked and written over later). Each step then decodes every active row together: a
+(b, 1) input, b the smallest batch bucket that holds them, each row feeding its next token (at
+first its prompt's last) at its own next cell and attending to its own cells of the first K, K
+the smallest length bucket past every row's cell. Rows past the active ones only pad the batch:
+they read and write a scratch row. So the graphs are one prefill per length bucket below the
+cache's length and one decode per batch bucket and length bucket; 4 + 5 x 5 = 29 with the
+defaults (16 rows, a 1024-token cache: lengths 64 to 1024), whatever the requests.
 
-Each request keeps its own sampling (temperature, top_p, a seeded generator), max_new_tokens and
-end-of-sequence; `cancel` ends one at the next step boundary and frees its row. Greedy decoding
-gives a request the same tokens alone or in a batch: its row sees its own cells only (the tests
-compare them token for token; a float sum over a longer batch could in principle order its terms
-otherwise, which they would catch).
+Several LoRA adapters (runs on one base) are gathered per row at a fixed shape (serve/
+row_adapters.py): a batch has one shape whatever its mix of adapters. What cannot be served that
+way (a LoRA variant such as DoRA, say) is served one request at a time by transformers' compiled
+single-request generate instead (`engine_plan`'s "single" mode), and the server says why.
+
+Who joins when: waiting requests join in arrival order as rows free up (a later one never passes
+an earlier one). `submit` refuses a request whose prompt and answer do not fit a row. Each request
+keeps its own sampling (temperature, top_p, a seeded generator), max_new_tokens and end of
+sequence; `cancel` ends one at the next step boundary and frees its row. Greedy decoding gives a
+request the same tokens alone or in a batch: its row sees its own cells only (the tests compare
+them token for token with the chat's own generate()).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
+SMALLEST_LENGTH = 64  # the smallest length bucket; the others double up to the cache's length
+COMPILERS = {"neuron": "neuron", "cuda": "inductor", "cpu": "inductor"}  # torch.compile's backend per device
 
 
 def batch_bucket(active: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
@@ -44,13 +55,64 @@ def batch_bucket(active: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
     return next(b for b in buckets if b >= active)
 
 
+def length_buckets(cells: int) -> tuple[int, ...]:
+    """The lengths a decode step attends to: powers of two from SMALLEST_LENGTH below the cache's
+    length, then the cache's length."""
+    lengths = []
+    while (SMALLEST_LENGTH << len(lengths)) < cells:
+        lengths.append(SMALLEST_LENGTH << len(lengths))
+    return (*lengths, cells)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """How a server's model will answer: "compiled" (a graph per bucket, all compiled at start by
+    `compiler`), "eager" (batched, op by op: the CPU only) or "single" (one request at a time,
+    through transformers' generate, compiled per prompt bucket on Neuron); why, when not compiled."""
+    mode: str
+    compiler: str | None
+    prefill: tuple[int, ...] = ()  # one prompt per prefill, padded to one of these lengths
+    decode: tuple[tuple[int, int], ...] = ()  # (batch bucket, length bucket)
+    why: str = ""
+
+    @property
+    def graphs(self) -> int:
+        return len(self.prefill) + len(self.decode) if self.mode == "compiled" else 0
+
+    def describe(self) -> str:
+        if self.mode == "single":
+            return f"one request at a time (transformers' generate): {self.why}"
+        batches = sorted({b for b, _ in self.decode})
+        shapes = (f"prefills of one prompt at {', '.join(map(str, self.prefill))} tokens, decodes of "
+                  f"{', '.join(map(str, batches))} rows x {', '.join(map(str, sorted({k for _, k in self.decode})))} cells")
+        if self.mode == "compiled":
+            return f"{self.graphs} graphs compiled at start by {self.compiler} ({shapes}); none after"
+        return f"batched, not compiled ({self.why}): {shapes}"
+
+
+def engine_plan(backend: str, max_batch: int, cells: int, compiled: bool = False,
+                unsupported: str | None = None) -> EnginePlan:
+    """The plan for a server of up to `max_batch` requests at once over a `cells`-token cache on
+    `backend`; `compiled`: compile on the CPU too; `unsupported`: why the model's adapters cannot be
+    gathered per row (row_adapters.unsupported), which leaves one request at a time."""
+    if max_batch == 1:
+        return EnginePlan("single", None, why="--max-batch 1")
+    if unsupported:
+        return EnginePlan("single", None, why=f"{unsupported}, which the batched engine cannot gather per row")
+    lengths = length_buckets(cells)
+    buckets = tuple(b for b in BATCH_BUCKETS if b <= max_batch)
+    shapes = {"prefill": lengths[:-1] or lengths, "decode": tuple((b, k) for b in buckets for k in lengths)}
+    if backend == "cpu" and not compiled:
+        return EnginePlan("eager", None, **shapes, why="on the CPU an op costs no compilation; --compile compiles")
+    return EnginePlan("compiled", COMPILERS[backend], **shapes)
+
+
 @dataclass
 class Request:
-    """One request: its prompt's token ids, bucket and settings; `on_token(id)` gets each new
-    token as it comes, `on_done(reason)` once at its end ("stop": end of sequence, "length":
-    max_new_tokens, "cancelled", or "error: ..." when the model failed)."""
+    """One request: its prompt's token ids and settings; `on_token(id)` gets each new token as it
+    comes, `on_done(reason)` once at its end ("stop": end of sequence, "length": max_new_tokens,
+    "cancelled", or "error: ..." when the model failed)."""
     ids: list[int]
-    bucket: int
     max_new_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
@@ -59,106 +121,79 @@ class Request:
     on_done: Callable[[str], None] = lambda reason: None
     adapter: str | None = None  # the LoRA adapter its row is decoded with (several runs on one base)
     id: int = 0
+    bucket: int = 0  # its prefill's length bucket (set by submit)
     tokens: list[int] = field(default_factory=list)  # generated so far
-    start: int = 0  # the cell of its first real token
-    length: int = 0  # its tokens in the cache (prompt and generated)
+    row: int = -1  # its row of the cache, while it is active
+    cell: int = 0  # the cell its next input token is written at (= that token's position)
+    next: int = 0  # its next input token
     generator: object = None  # its torch.Generator when it samples
     cancelled: bool = False
 
 
-def cache_mib(model, rows: int, max_cache_len: int) -> float:
-    """The static KV cache's size in MiB: keys and values, every layer, rows x cells."""
-    config = model.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_cell = 2 * config.num_hidden_layers * heads * head_dim * model.dtype.itemsize
-    return rows * max_cache_len * per_cell / 2 ** 20
-
-
-def slot_cache(model, rows: int, max_cache_len: int):
-    """A static cache of `rows` rows for `model` (see the module's doc): `prefill_at(row)` or
-    `decode_at(cells)` sets where the next forward writes."""
-    import torch
-    from transformers.cache_utils import Cache, StaticLayer
-
-    class SlotLayer(StaticLayer):
-        """Transformers' static layer with a fixed number of rows. A prefill of b rows (`cells`
-        None) writes rows [row, row + b) at cells [0, q) and attends to those cells only; a decode
-        step writes row i at its own cell cells[i] and attends to rows [0, b), every cell (the
-        mask says which)."""
-
-        row, cells = 0, None
-
-        def lazy_initialization(self, key_states, value_states) -> None:
-            shape = key_states.shape
-            super().lazy_initialization(key_states.new_zeros((rows, *shape[1:])),
-                                        value_states.new_zeros((rows, *value_states.shape[1:])))
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            b, length = key_states.shape[0], key_states.shape[-2]
-            if self.cells is None:
-                self.keys[self.row:self.row + b, :, :length] = key_states
-                self.values[self.row:self.row + b, :, :length] = value_states
-                return key_states, value_states
-            batch = torch.arange(b, device=self.device)
-            self.keys[batch, :, self.cells] = key_states[:, :, 0]
-            self.values[batch, :, self.cells] = value_states[:, :, 0]
-            return self.keys[:b], self.values[:b]
-
-    class SlotCache(Cache):
-        def __init__(self):
-            layers = model.config.get_text_config().num_hidden_layers
-            super().__init__(layers=[SlotLayer(max_cache_len=max_cache_len) for _ in range(layers)])
-
-        def prefill_at(self, row: int) -> None:
-            for layer in self.layers:
-                layer.row, layer.cells = row, None
-
-        def decode_at(self, cells) -> None:
-            """Row i of the next forward writes at cells[i] (a (b,) tensor on the model's device)."""
-            for layer in self.layers:
-                layer.cells = cells
-
-        def move(self, source: int, target: int) -> None:
-            """Row `source`'s cells copied into row `target`."""
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.keys[target].copy_(layer.keys[source])
-                    layer.values[target].copy_(layer.values[source])
-
-    return SlotCache()
+def _forward(model, cache, rows, ids, positions, masks, write, read, length: int, adapters):
+    """One step of the model: what each bucket's graph is compiled from (see the module's doc)."""
+    cache.at(write, read, length)
+    if rows is not None:
+        rows.ids = adapters
+    out = model(input_ids=ids, position_ids=positions, attention_mask=masks, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1].float()
 
 
 class BatchEngine:
-    """Answers requests in batches (see the module's doc). `submit` from any thread; one thread
-    runs `run()` (or the caller steps it with `step()`)."""
+    """Answers requests in batches (see the module's doc). `model`: a transformers causal LM (its
+    LoRA layers gathered per row by row_adapters.install, with `rows` and the adapters' `names` in
+    order); `compiler`: torch.compile's backend, or None to run eagerly. `submit` from any thread;
+    one thread runs `run()` (or the caller steps it with `step()`), after `warm_up()` when compiled."""
 
-    def __init__(self, model, pad: int, eos: set[int], max_cache_len: int,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, forward_kwargs: Callable[[list], dict] | None = None,
+    def __init__(self, model, pad: int, eos: set[int], cells: int, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 compiler: str | None = None, rows=None, names: list[str] = (),
                  after_step: Callable[[], None] = lambda: None):
         import torch
 
-        self.model, self.pad, self.eos, self.max_cache_len = model, pad, set(eos), max_cache_len
-        self.cells = torch.arange(max_cache_len)  # the cache's cell numbers, for each step's masks
+        from studio_core.serve.slots import slot_cache
+
+        self.model, self.pad, self.eos, self.cells = model, pad, set(eos), cells
         self.buckets = tuple(sorted(batch_buckets))
         self.rows = self.buckets[-1]
-        self.cache = slot_cache(model, self.rows, max_cache_len)
-        self.active: list[Request] = []  # row i holds active[i]
+        self.scratch = self.rows  # the cache's extra row, which padding rows read and write
+        self.lengths = length_buckets(cells)
+        self.prefills = self.lengths[:-1] or self.lengths
+        self.adapter_rows, self.adapters = rows, {name: number for number, name in enumerate(names)}
+        with torch.no_grad():
+            self.cache = slot_cache(model, self.rows, cells)
+        self.compiler, self.strict = compiler, False
+        self.forward = _forward
+        if compiler:
+            limit = len(self.prefills) + len(self.buckets) * len(self.lengths)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit + 8)
+            self.forward = torch.compile(_forward, backend=compiler, fullgraph=True, dynamic=False)
+        text = model.config.get_text_config()
+        self.mask_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+        self.window = getattr(text, "sliding_window", None)
+        self.free = list(range(self.rows))
+        self.ran: set[tuple[int, int, int]] = set()  # (rows, input length, cells attended) of each step run
+        self.active: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.lock = threading.Condition()
         self.closed = False
         self.ids = itertools.count(1)
-        # extra forward arguments for the rows in order (e.g. PEFT's adapter_names); None: none
-        self.forward_kwargs = forward_kwargs or (lambda requests: {})
         self.after_step = after_step  # called by run() after each step (a caller's batched output goes out)
+
+    @property
+    def shapes(self) -> set[tuple[int, int]]:
+        """The input shapes (rows, length) run so far."""
+        return {(b, q) for b, q, _ in self.ran}
 
     # --- from any thread ------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
-        if request.bucket + request.max_new_tokens > self.max_cache_len:
-            raise ValueError(f"a prompt bucket of {request.bucket} tokens and {request.max_new_tokens} new tokens do "
-                             f"not fit a cache of {self.max_cache_len}")
+        count = len(request.ids)
+        if not count or count - 1 > self.prefills[-1] or count + request.max_new_tokens - 1 > self.cells:
+            raise ValueError(f"a prompt of {count} tokens and {request.max_new_tokens} new tokens do not fit a row "
+                             f"of {self.cells} cells (prompts up to {self.prefills[-1] + 1} tokens)")
+        if request.adapter is not None and request.adapter not in self.adapters:
+            raise ValueError(f"no adapter {request.adapter!r} here; these are: {', '.join(self.adapters)}")
+        request.bucket = next(b for b in self.prefills if b >= count - 1)
         with self.lock:
             request.id = next(self.ids)
             self.waiting.append(request)
@@ -187,7 +222,7 @@ class BatchEngine:
             try:
                 self.step()
             except Exception as error:  # every request of the batch is told; the next ones start afresh
-                failed, self.active = self.active, []
+                failed, self.active, self.free = self.active, [], list(range(self.rows))
                 for request in failed:
                     request.on_done(f"error: {type(error).__name__}: {error}")
             self.after_step()
@@ -197,115 +232,124 @@ class BatchEngine:
         self.after_step()
 
     # --- the engine's thread --------------------------------------------------------------
-    def step(self) -> None:
-        """One step boundary: the cancelled leave, the waiting that fit join (each prefilled,
-        its first token out), then one decode step of every active row."""
+    def warm_up(self, on_graph: Callable[[int, int], None] = lambda done, total: None) -> dict:
+        """Run every bucket once (on the scratch row), so that a compiled engine compiles each graph
+        now; from here a new shape is an error. -> {"graphs": how many ran, "seconds"}."""
         import torch
 
-        with torch.inference_mode():  # the cache's tensors are made and changed in it
+        began = time.monotonic()
+        total = len(self.prefills) + len(self.buckets) * len(self.lengths)
+        with torch.no_grad():
+            for done, length in enumerate(self.prefills, 1):
+                self._run(torch.full((1, length), self.pad), torch.arange(length)[None], self._prefill_masks(length),
+                          self.scratch * self.cells + torch.arange(length), None, length, [0])
+                on_graph(done, total)
+            for done, (width, length) in enumerate(itertools.product(self.buckets, self.lengths), done + 1):
+                self._decode_at([], width, length)
+                on_graph(done, total)
+        self.strict = self.compiler is not None
+        self.ran.clear()  # what requests ran, from here
+        return {"graphs": total, "seconds": round(time.monotonic() - began, 2)}
+
+    def step(self) -> None:
+        """One step boundary: the cancelled leave, the waiting that fit join (each prefilled), then
+        one decode step of every active row (a joined one's first token comes from it)."""
+        import torch
+
+        with torch.no_grad():
             self._leave([r for r in self.active if r.cancelled], "cancelled")
-            joined = self._joining()
-            firsts = [pair for group in self._prefill_groups(joined) for pair in self._prefill(group)]
-            for request, logits in firsts:  # after every prefill: a first token may end a request and move rows
-                self._emit(request, logits)
+            for request in self._joining():
+                self._prefill(request)
             if self.active:
                 self._decode()
 
     def _joining(self) -> list[Request]:
-        """The waiting requests that join now, in arrival order, each given its row (the cancelled
-        ones end)."""
+        """The waiting requests that join now, in arrival order, each given a free row (the
+        cancelled ones end)."""
         joined = []
         with self.lock:
             for request in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(request)
                 request.on_done("cancelled")
-            while self.waiting and len(self.active) < self.rows:
+            while self.waiting and self.free:
                 request = self.waiting.popleft()
+                request.row = self.free.pop(0)
                 self.active.append(request)
                 joined.append(request)
         return joined
 
-    def _prefill_groups(self, joined: list[Request]) -> list[tuple[int, int, list[Request]]]:
-        """The joined requests (the last rows), put in order of their buckets and cut into
-        prefills: (first row, batch bucket, requests) of one bucket each, a batch bucket wide
-        (the rows past the requests pad it: free rows, or rows of later prefills, written again
-        by them)."""
-        if not joined:
-            return []
-        first = len(self.active) - len(joined)
-        self.active[first:] = sorted(joined, key=lambda r: r.bucket)  # stable: arrival order within a bucket
-        groups, row = [], first
-        widths = self.buckets[:-1] or self.buckets  # not the widest: a bound on the shapes (the module's doc)
-        for _, same in itertools.groupby(self.active[first:], key=lambda r: r.bucket):
-            same = list(same)
-            while same:
-                width = batch_bucket(min(len(same), widths[-1]), widths)
-                if row + width > self.rows:  # no rows left to pad with: the widest bucket the requests fill
-                    width = max(b for b in widths if b <= len(same))
-                groups.append((row, width, same[:width]))
-                row, same = row + min(width, len(same)), same[width:]
-        return groups
-
-    def _prefill(self, group: tuple[int, int, list[Request]]) -> list[tuple[Request, object]]:
-        """One prefill of a bucket's requests into rows [row, row + width): each prompt left-padded
-        to the bucket, written at cells [0, bucket), attending to those cells only.
-        -> each request with its last token's logits."""
+    def _prefill(self, request: Request) -> None:
+        """The request's prompt but its last token, right-padded to its bucket, into its row's
+        first cells; its last token is its first decode step's input."""
         import torch
 
-        row, width, requests = group
-        bucket = requests[0].bucket
-        keys = torch.arange(bucket)
-        ids, positions, seen = [], [], []
-        for request in requests:
-            count = len(request.ids)
-            request.start, request.length = bucket - count, count
-            ids.append([self.pad] * (bucket - count) + request.ids)
-            positions.append([0] * (bucket - count) + list(range(count)))
-            # query j sees the real cells up to its own (causal); a pad sees only itself
-            seen.append((keys[None, :] >= bucket - count) & (keys[None, :] <= keys[:, None]))
-        for _ in range(width - len(requests)):  # rows that only pad the batch: each query sees itself
-            ids.append([self.pad] * bucket)
-            positions.append([0] * bucket)
-            seen.append(torch.zeros(bucket, bucket, dtype=torch.bool))
-        seen = torch.stack(seen) | torch.eye(bucket, dtype=torch.bool)[None]
-        self.cache.prefill_at(row)
-        logits = self._forward(torch.tensor(ids), torch.tensor(positions), seen,
-                               requests + [None] * (width - len(requests)))[:, -1]  # the last (real) token's
-        return list(zip(requests, logits))
+        count = len(request.ids) - 1
+        request.cell, request.next = count, request.ids[-1]
+        if not count:
+            return
+        length = request.bucket
+        ids = torch.tensor([request.ids[:-1] + [self.pad] * (length - count)])
+        self._run(ids, torch.arange(length)[None], self._prefill_masks(length),
+                  request.row * self.cells + torch.arange(length), None, length, [self._adapter(request)])
+
+    def _prefill_masks(self, length: int) -> dict:
+        import torch
+
+        cells = torch.arange(length)
+        seen = cells[None, :] <= cells[:, None]  # causal: the padding at the end is seen by no real token
+        masks = {"full_attention": seen}
+        if "sliding_attention" in self.mask_types:
+            masks["sliding_attention"] = seen & (cells[None, :] > cells[:, None] - self.window)
+        return {kind: mask[None, None] for kind, mask in masks.items() if kind in self.mask_types}
 
     def _decode(self) -> None:
-        import torch
-
         n = len(self.active)
-        b = batch_bucket(n, self.buckets)
-        last = [r.tokens[-1] for r in self.active] + [self.pad] * (b - n)
-        positions = [r.length for r in self.active] + [0] * (b - n)
-        starts = torch.tensor([r.start for r in self.active] + [0] * (b - n))  # a padding row: cell 0 alone
-        cells = torch.tensor([r.start + r.length for r in self.active] + [0] * (b - n))  # where each row writes
-        seen = (self.cells[None, :] >= starts[:, None]) & (self.cells[None, :] <= cells[:, None])  # its own cells
-        self.cache.decode_at(cells.to(self.model.device))
-        logits = self._forward(torch.tensor(last)[:, None], torch.tensor(positions)[:, None], seen[:, None],
-                               self.active + [None] * (b - n))[:, -1]
-        for request, row_logits in zip(list(self.active), logits):
-            request.length += 1
+        length = next(k for k in self.lengths if k > max(r.cell for r in self.active))
+        logits = self._decode_at(self.active, batch_bucket(n, self.buckets), length)
+        for request, row_logits in zip(list(self.active), logits[:n]):
+            request.cell += 1
             self._emit(request, row_logits)
 
-    def _forward(self, ids, positions, seen, requests: list):
-        """The model on (b, q) ids; `seen` (b, q, cells): which cells each query attends to."""
+    def _decode_at(self, requests: list[Request], width: int, length: int):
+        """A decode step of `requests` in a batch of `width` rows attending to `length` cells."""
         import torch
 
-        mask = seen[:, None]  # (b, 1, q, cells), as Transformers' attention takes a prepared mask
-        if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
-            mask = torch.zeros(mask.shape, dtype=self.model.dtype).masked_fill(~mask, torch.finfo(self.model.dtype).min)
-        device = self.model.device
-        out = self.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
-                         cache=self.cache, use_cache=True, logits_to_keep=1, **self.forward_kwargs(requests))
-        return out.logits.float().cpu()
+        pad = width - len(requests)
+        cells = torch.tensor([r.cell for r in requests] + [0] * pad)
+        rows = torch.tensor([r.row for r in requests] + [self.scratch] * pad)
+        seen = torch.arange(length)[None, :] <= cells[:, None]  # each row: its own cells up to its new one
+        masks = {"full_attention": seen}
+        if "sliding_attention" in self.mask_types:
+            masks["sliding_attention"] = seen & (torch.arange(length)[None, :] > cells[:, None] - self.window)
+        masks = {kind: mask[:, None, None] for kind, mask in masks.items() if kind in self.mask_types}
+        ids = torch.tensor([[r.next] for r in requests] + [[self.pad]] * pad)
+        return self._run(ids, cells[:, None], masks, rows * self.cells + cells, rows, length,
+                         [self._adapter(r) for r in requests] + [0] * pad)
+
+    def _adapter(self, request: Request) -> int:
+        return self.adapters.get(request.adapter, 0)
+
+    def _run(self, ids, positions, masks, write, read, length: int, adapters: list[int]):
+        """The step's graph on the model's device (its inputs made on the CPU and moved whole);
+        its last position's logits back on the CPU."""
+        import torch
+
+        self.ran.add((*ids.shape, length))
+        device, dtype = self.model.device, self.model.dtype
+        if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":  # an additive mask
+            masks = {kind: torch.zeros(m.shape, dtype=dtype).masked_fill(~m, torch.finfo(dtype).min)
+                     for kind, m in masks.items()}
+        inputs = (ids.to(device), positions.to(device), {kind: m.to(device) for kind, m in masks.items()},
+                  write.to(device), None if read is None else read.to(device), length,
+                  torch.tensor(adapters).to(device))
+        with torch.compiler.set_stance("fail_on_recompile") if self.strict else contextlib.nullcontext():
+            return self.forward(self.model, self.cache, self.adapter_rows, *inputs).cpu()
 
     def _emit(self, request: Request, logits) -> None:
         """The request's next token from its logits, out; it leaves when it ends."""
         token = self._sample(request, logits)
         request.tokens.append(token)
+        request.next = token
         request.on_token(token)
         if token in self.eos:
             self._leave([request], "stop")
@@ -332,13 +376,12 @@ class BatchEngine:
         return int(torch.multinomial(probs, 1, generator=request.generator))
 
     def _leave(self, requests: list[Request], reason: str) -> None:
-        """The requests leave their rows; the last active row moves into each freed one."""
+        """The requests leave; their rows are free for the next to join."""
         for request in requests:
             if request not in self.active:
                 continue
-            row, last = self.active.index(request), len(self.active) - 1
-            if row != last:
-                self.cache.move(last, row)
-                self.active[row] = self.active[last]
-            self.active.pop()
+            self.active.remove(request)
+            self.free.append(request.row)
+            self.free.sort()
             request.on_done(reason)
+

@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Callable
 
 from studio_core.machine import children, leases
-from studio_core.serve.batching import BATCH_BUCKETS  # the batch sizes a server decodes at (--max-batch)
+# the batch sizes a server decodes at (--max-batch); the smallest prompt bucket
+from studio_core.serve.batching import BATCH_BUCKETS, SMALLEST_LENGTH, EnginePlan, engine_plan
+from studio_core.serve.row_adapters import config_problem
 from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.device_env import device_env, flags_problem
@@ -129,6 +131,16 @@ def adapters_of(first: ChatTarget, others: list[ChatTarget], max_batch: int) -> 
     return {target.label: target.adapter for target in targets}
 
 
+def serve_plan(name: str, runs_dir: str | Path, backend: str, max_cache_len: int, max_batch: int,
+               also: tuple[str, ...] = (), compiled: bool = False) -> EnginePlan:
+    """How `launch.py serve` would answer for these runs (serve/batching.py's plan), read from their
+    folders, nothing loaded; the loaded model's own check decides at start."""
+    first = resolve(name, runs_dir)
+    adapters = adapters_of(first, [resolve(other, runs_dir) for other in also], max_batch) if also else (
+        {first.label: first.adapter} if first.adapter else {})
+    return engine_plan(backend, max_batch, max_cache_len, compiled, config_problem(list(adapters.values())))
+
+
 def _model_path(name: str) -> str:
     if name == BUILTIN_MODEL:
         from studio_core.data.builtin import ensure_tiny_model
@@ -202,27 +214,35 @@ class ChatProcess:
 
     @classmethod
     def start(cls, name: str, runs_dir: str | Path, hardware: Hardware, cores: str | None = None,
-              max_cache_len: int = MAX_CACHE_LEN, max_batch: int = 1, also: tuple[str, ...] = ()) -> ChatProcess:
+              max_cache_len: int = MAX_CACHE_LEN, max_batch: int = 1, also: tuple[str, ...] = (),
+              compiled: bool = False, on_warmup: Callable[[dict], None] = lambda event: None) -> ChatProcess:
         """Resolve the target, take a free core (or the ones asked for), load the model. With
         `max_batch` above 1 the process answers up to that many requests together (the tuned
-        model only: a server's); `also`: more LoRA runs on the same base, each its own model
-        name, their requests decoded in the same batches (PEFT's mixed-adapter batches)."""
+        model only: a server's; serve/batching.py), its graphs compiled first where the device
+        compiles (`on_warmup` gets each {"done", "total"} as it comes; `compiled`: on the CPU too);
+        `also`: more LoRA runs on the same base, each its own model name, their requests decoded
+        in the same batches (each row its own adapter). `info["engine"]` says how it answers."""
         target = resolve(name, runs_dir)
-        setup = {"target": asdict(target), "max_cache_len": max_cache_len, "kind": "chat", "max_batch": max_batch}
+        setup = {"target": asdict(target), "max_cache_len": max_cache_len, "kind": "chat", "max_batch": max_batch,
+                 "compile": compiled}
         if also:
             setup["adapters"] = adapters_of(target, [resolve(other, runs_dir) for other in also], max_batch)
         proc, events, stderr_tail, _ = cls.spawn("studio_core.serve.chat_worker", setup, runs_dir, hardware, cores)
         try:
             first = events.get(timeout=LOAD_TIMEOUT_S)
+            while first.get("type") == "warmup":  # each graph compiled: the wait starts again
+                on_warmup(first)
+                first = events.get(timeout=LOAD_TIMEOUT_S)
         except queue.Empty:
             kill(proc)
-            raise ChatError(f"the chat process did not load {target.label} within {LOAD_TIMEOUT_S} s") from None
+            raise ChatError(f"the chat process did not load {target.label} (or compile its next graph) within "
+                            f"{LOAD_TIMEOUT_S} s") from None
         if first.get("type") != "ready":
             kill(proc)
             proc.wait()
             message = first.get("message") or "\n".join(stderr_tail[-8:]) or "it exited"
             raise ChatError(f"chat on {target.label}: {message}")
-        return cls(proc, target, first, events, max_batch)
+        return cls(proc, target, first, events, first.get("max_batch", max_batch))
 
     @staticmethod
     def spawn(module: str, setup: dict, runs_dir, hardware: Hardware, cores: str | None, without: tuple = ()):

@@ -9,16 +9,20 @@ shaped for Neuron) and says `ready` (with the chat template's arguments it rende
 with, the ones training rendered answers after, and whether answers start inside a <think>
 block, and the static KV cache's size in MiB). Then each stdin line is a request: {"op":
 "generate", "id", "which": "tuned"|"base", "messages" (or "text": a plain prompt, no chat
-template), "temperature", "top_p", "max_new_tokens", "seed", "whole" (a prompt that does not fit
-is an error with code context_length_exceeded, not cut)}, {"op": "stop"} (ends the running
-generation) or {"op": "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
+template), "temperature", "top_p", "max_new_tokens", "seed", "model" (which of several runs'
+adapters answers), "whole" (a prompt that does not fit is an error with code
+context_length_exceeded, not cut)}, {"op": "stop"} (ends the running generation) or {"op": "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
 {id, stopped, prompt_tokens, bucket, new_tokens, dropped_turns, ttft_s, seconds, text, shapes},
 error.
 
 With `max_batch` above 1 in its setup (`launch.py serve`), requests are answered together in
 batches (serve/batching.py: continuous batching at fixed shapes), by the tuned model only, and
 {"op": "cancel", "id"} ends one request. Each step's new text comes as one event, tokens
-{pieces: {id: text}}, then the done events of the requests that ended in it.
+{pieces: {id: text}}, then the done events of the requests that ended in it. Where the engine
+compiles (a device, or `compile` in the setup), each graph compiled before `ready` is said by a
+`warmup` event {done, total}; `ready` then says the engine ({mode, says, graphs, warmup_s}) and
+the batch it takes (`max_batch`: 1 when the model is served one request at a time after all,
+its adapters being of a kind the engine cannot gather per row, or a graph failing to compile).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import time
 import traceback
 
 from studio_core.machine import leases
-from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, Request, cache_mib
-from studio_core.serve.generation import Generator, TooLong, on_leased_cores
+from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, EnginePlan, Request, engine_plan
+from studio_core.serve.row_adapters import install, unsupported
+from studio_core.serve.slots import cache_mib
+from studio_core.serve.generation import Generator, NoRoom, TooLong, on_leased_cores
 
 
 EMITTING = threading.Lock()  # a batched server's events come from two threads: a line each, whole
@@ -64,9 +70,9 @@ def serve(chat: Generator) -> None:
                                      max_new_tokens=int(request.get("max_new_tokens") or 128),
                                      on_text=lambda piece: emit("token", id=rid, text=piece),
                                      text=request.get("text"), whole=bool(request.get("whole")),
-                                     seed=request.get("seed"))
+                                     seed=request.get("seed"), adapter=chat.adapter_names.get(request.get("model")))
                 emit("done", id=rid, **done, shapes=sorted(list(s) for s in chat.shapes))
-            except TooLong as error:
+            except (TooLong, NoRoom) as error:
                 emit("error", id=rid, message=str(error), code="context_length_exceeded")
             except Exception as error:
                 emit("error", id=rid, message=f"{type(error).__name__}: {error}",
@@ -91,17 +97,39 @@ def serve(chat: Generator) -> None:
     server.join(timeout=30)
 
 
-def serve_batched(chat: Generator, max_batch: int) -> None:
-    """Answer the requests on stdin together, in batches of up to `max_batch` (serve/batching.py),
-    until quit or EOF; {"op": "cancel", "id"} ends one (its row is free at the next step), a
-    {"op": "stop"} every one. The tuned model only (no side-by-side base here)."""
-    names = chat.adapter_names  # several runs' adapters: each row decoded with its request's
-    first = next(iter(names.values()), None)
-    out = StepOutput()
-    engine = BatchEngine(chat.model, chat.pad, eos_ids(chat), chat.max_cache_len,
-                         batch_buckets=tuple(b for b in BATCH_BUCKETS if b <= max_batch),
-                         forward_kwargs=(lambda rows: {"adapter_names": [r.adapter if r else first for r in rows]})
-                         if names else None, after_step=out.flush)
+def start_engine(chat: Generator, plan: EnginePlan, max_batch: int, out: StepOutput):
+    """The batched engine, warmed up when compiled (a `warmup` event per graph, with the count):
+    (engine, plan, {"warmup_s"}); when a graph cannot be compiled, (None, a "single" plan saying
+    why, {}): the model answers one request at a time, through transformers' generate, never op
+    by op on Neuron."""
+    engine, undo = batched_engine(chat, plan, max_batch, out)
+    if plan.mode != "compiled":
+        return engine, plan, {}
+    try:
+        warmup = engine.warm_up(lambda done, total: emit("warmup", done=done, total=total))
+    except Exception as error:  # a graph the compiler refused: served the compiled single-request way
+        undo()
+        why = f"compiling the batched graphs failed ({type(error).__name__}: {str(error)[:300]})"
+        return None, EnginePlan("single", None, why=why), {}
+    return engine, plan, {"warmup_s": warmup["seconds"]}
+
+
+def batched_engine(chat: Generator, plan: EnginePlan, max_batch: int, out: StepOutput):
+    """The batched engine over the chat's model: its LoRA adapters gathered per row (the run's own
+    adapter alone, or several runs'), compiled by the plan's compiler when it has one."""
+    names = list(chat.adapter_names.values()) or (["default"] if chat.has_adapters else [])
+    model, rows, undo = install(chat.model, names) if names else (chat.model, None, lambda: None)
+    chat.stop_counting()  # the engine counts its own shapes; a hook would be traced into its graphs
+    engine = BatchEngine(model, chat.pad, eos_ids(chat), chat.max_cache_len,
+                         batch_buckets=tuple(b for b in BATCH_BUCKETS if b <= max_batch), compiler=plan.compiler,
+                         rows=rows, names=names, after_step=out.flush)
+    return engine, undo
+
+
+def serve_batched(chat: Generator, engine: BatchEngine, out: StepOutput) -> None:
+    """Answer the requests on stdin together, in batches (serve/batching.py), until quit or EOF;
+    {"op": "cancel", "id"} ends one (its row is free at the next step), a {"op": "stop"} every
+    one. The tuned model only (no side-by-side base here)."""
     requests: dict[int, Request] = {}
     stepping = threading.Thread(target=engine.run, name="batch", daemon=True)
     stepping.start()
@@ -115,9 +143,13 @@ def serve_batched(chat: Generator, max_batch: int) -> None:
         elif order["op"] == "cancel" and order.get("id") in requests:
             engine.cancel(requests[order["id"]])
         elif order["op"] == "generate":
-            request = batched_request(chat, order, requests, out)
+            request = batched_request(chat, engine, order, requests, out)
             if request is not None:
-                engine.submit(request)
+                try:
+                    engine.submit(request)
+                except ValueError as error:
+                    requests.pop(order.get("id"), None)
+                    emit("error", id=order.get("id"), message=str(error), code="context_length_exceeded")
     engine.close()
     stepping.join(timeout=30)
 
@@ -138,7 +170,8 @@ class StepOutput:
         self.pieces, self.ends = {}, []
 
 
-def batched_request(chat: Generator, order: dict, requests: dict, out: StepOutput) -> Request | None:
+def batched_request(chat: Generator, engine: BatchEngine, order: dict, requests: dict,
+                    out: StepOutput) -> Request | None:
     """The engine's request for a generate order, its tokens streamed as text (a step's `tokens`
     event) and its end said (done) after them; None, with an error event, when it cannot be
     answered."""
@@ -146,9 +179,9 @@ def batched_request(chat: Generator, order: dict, requests: dict, out: StepOutpu
     try:
         if order.get("which", "tuned") != "tuned":
             raise ValueError("a batched server answers with the tuned model only")
-        adapter = chat.adapter_names.get(order.get("model"), next(iter(chat.adapter_names.values()), None))
+        adapter = chat.adapter_names.get(order.get("model"), next(iter(engine.adapters), None))
         max_new = int(order.get("max_new_tokens") or 128)
-        ids, bucket, dropped = chat.fitted(order.get("messages"), order.get("text"), max_new, bool(order.get("whole")))
+        ids, _, dropped = chat.fitted(order.get("messages"), order.get("text"), max_new, bool(order.get("whole")))
     except TooLong as error:
         emit("error", id=rid, message=str(error), code="context_length_exceeded")
         return None
@@ -175,12 +208,12 @@ def batched_request(chat: Generator, order: dict, requests: dict, out: StepOutpu
         if len(text) > len(said["text"]):
             out.pieces[rid] = out.pieces.get(rid, "") + text[len(said["text"]):]
         out.ends.append(("done", {
-            "id": rid, "text": text, "prompt_tokens": len(ids), "bucket": bucket, "dropped_turns": dropped,
+            "id": rid, "text": text, "prompt_tokens": len(ids), "bucket": request.bucket, "dropped_turns": dropped,
             "new_tokens": len(request.tokens), "finish": reason, "stopped": reason == "cancelled",
             "ttft_s": round((said["first"] or time.time()) - began, 4), "seconds": round(time.time() - began, 4),
-            "shapes": sorted(list(s) for s in chat.shapes)}))
+            "shapes": sorted(list(s) for s in engine.shapes)}))
 
-    request = Request(ids, bucket, max_new, temperature=float(order.get("temperature") or 0),
+    request = Request(ids, max_new, temperature=float(order.get("temperature") or 0),
                       top_p=float(order.get("top_p") or 1.0), seed=order.get("seed"), on_token=on_token,
                       on_done=on_done, adapter=adapter)
     requests[rid] = request
@@ -204,12 +237,21 @@ def main() -> int:
             except Exception as error:
                 emit("error", message=f"cannot load {target['label']}: {type(error).__name__}: {error}")
                 return 1
+            max_batch = setup.get("max_batch", 1)
+            plan = engine_plan(setup["backend"], max_batch, chat.max_cache_len, bool(setup.get("compile")),
+                               unsupported(chat.model, list(chat.adapter_names.values()) or ["default"])
+                               if chat.has_adapters else None)
+            engine, out, warmup = None, StepOutput(), {}
+            if plan.mode != "single":
+                engine, plan, warmup = start_engine(chat, plan, max_batch, out)
+            rows = engine.rows if engine else 1
             emit("ready", label=target["label"], cores=setup["cores"], backend=setup["backend"],
                  max_cache_len=chat.max_cache_len, has_base=chat.has_base, template_kwargs=chat.template_kwargs,
                  thinking=chat.thinking, models=list(chat.adapter_names) or [target["label"]],
-                 cache_mib=round(cache_mib(chat.model, setup.get("max_batch", 1), chat.max_cache_len), 1))
-            if setup.get("max_batch", 1) > 1:
-                serve_batched(chat, setup["max_batch"])
+                 cache_mib=round(cache_mib(chat.model, rows, chat.max_cache_len), 1), max_batch=rows,
+                 engine={"mode": plan.mode, "says": plan.describe(), "graphs": plan.graphs, **warmup})
+            if engine is not None:
+                serve_batched(chat, engine, out)
             else:
                 serve(chat)
     except leases.CoresBusy as error:

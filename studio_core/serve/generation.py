@@ -25,18 +25,33 @@ import threading
 import time
 
 from studio_core.machine import leases
+from studio_core.serve.batching import SMALLEST_LENGTH
 from studio_core.serve.chat import opens_thinking, template_kwargs
 from studio_core.machine.hardware import pin_to_cpu_cores
 from studio_core.machine.placement import on_model_device
 
-# Prompt lengths are left-padded up to the first bucket that holds them.
-BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Prompt lengths are left-padded up to the first bucket that holds them: 64, 128, ... 8192, the
+# batched engine's length buckets too.
+BUCKETS = tuple(SMALLEST_LENGTH << k for k in range(8))
+
+
+class NoRoom(ValueError):
+    """An answer so long that no prompt bucket is left beside it in the cache."""
+
+    def __init__(self, max_cache_len: int, max_new_tokens: int):
+        super().__init__(f"{max_new_tokens} new tokens leave no room for a prompt in the model's {max_cache_len}-token "
+                         f"cache (its smallest prompt bucket is {BUCKETS[0]} tokens): ask for at most "
+                         f"{max_cache_len - BUCKETS[0]} new tokens")
 
 
 def buckets_for(max_cache_len: int, max_new_tokens: int) -> list[int]:
-    """The prompt buckets that leave room for the answer in the cache (at least one)."""
-    room = max_cache_len - max_new_tokens
-    return [b for b in BUCKETS if b <= room] or [max(1, room)]
+    """The prompt buckets that leave room for the answer in the cache; NoRoom when none does
+    (a bucket cut to the room left would be a new shape, a compilation on Neuron, for every
+    such max_new_tokens)."""
+    fitting = [b for b in BUCKETS if b <= max_cache_len - max_new_tokens]
+    if not fitting:
+        raise NoRoom(max_cache_len, max_new_tokens)
+    return fitting
 
 
 def cache_for(prompt_tokens: int, max_new_tokens: int) -> int | None:
@@ -119,10 +134,16 @@ class Generator:
         self.thinking = opens_thinking(self.tokenizer, self.template_kwargs)
         self.base = None  # a full run's base model, loaded on first use
         self.shapes: set[tuple[int, ...]] = set()
+        self.counting = []  # the hooks that count them (a compiled engine takes them off: see stop_counting)
         self._count_shapes(self.model)
         self.stop = threading.Event()
         tokenizer = self.tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether the model is a PEFT model: a LoRA run's, or several runs' on one base."""
+        return bool(self.adapter_names or self.setup.get("adapter"))
 
     @property
     def has_base(self) -> bool:
@@ -132,7 +153,14 @@ class Generator:
         """Count the input shapes that reach `model`: on the Transformers model, which both
         generate() and a forward call reach, also under a PEFT wrapper (see the module's doc)."""
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        inner.register_forward_pre_hook(self._record_shape, with_kwargs=True)
+        self.counting.append(inner.register_forward_pre_hook(self._record_shape, with_kwargs=True))
+
+    def stop_counting(self) -> None:
+        """Take the shape-counting hooks off (a hook is traced into a compiled graph, and its set
+        of shapes would make every new shape a guard: the batched engine counts its own)."""
+        for hook in self.counting:
+            hook.remove()
+        self.counting = []
 
     def _record_shape(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -205,9 +233,10 @@ class Generator:
 
     def generate(self, messages: list[dict] | None, which: str = "tuned", temperature: float = 0.0,
                  top_p: float = 1.0, max_new_tokens: int = 128, on_text=None, text: str | None = None,
-                 whole: bool = False, seed: int | None = None) -> dict:
+                 whole: bool = False, seed: int | None = None, adapter: str | None = None) -> dict:
         """Answer the conversation (or continue a plain `text` prompt); `on_text(piece)` gets the
-        text as it comes; `seed` makes sampling repeatable. Returns the text, prompt_tokens,
+        text as it comes; `seed` makes sampling repeatable; `adapter`: which of several runs'
+        adapters answers (their adapter_names), when the model holds several. Returns the text, prompt_tokens,
         bucket, new_tokens, dropped_turns, ttft_s, seconds, stopped (by `stop`)."""
         import torch
         from transformers import StoppingCriteria, TextIteratorStreamer
@@ -222,6 +251,8 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         model, context = self.model_for(which)
+        if adapter is not None:
+            self.model.set_adapter(adapter)
         inputs = self._padded(ids, bucket, model, generate=True)
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {
             "do_sample": False}

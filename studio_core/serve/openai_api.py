@@ -4,14 +4,16 @@
     POST /v1/chat/completions   a conversation, rendered by the model's chat template as the chat
                                 renders it; streamed as server-sent events with "stream": true
     POST /v1/completions        a plain prompt, no template
-    GET  /v1/studio/stats       the studio's own figures: requests, answering, queue, the input shapes so far
+    GET  /v1/studio/stats       the studio's own figures: requests, answering, queue, the input shapes so far,
+                                the engine (batched and compiled per bucket, eager, or one at a time)
 
 It answers through a ChatProcess (studio_core/serve/chat.py): the same loading, static KV cache, prompt
 buckets and core lease as the Chat tab, so however many requests come, the model sees at most a
 prefill shape per bucket plus the one-token decode shape (on Neuron each is a compilation).
 Requests are answered in arrival order: with a batched chat process (`launch.py serve`, max_batch
-above 1) up to max_batch at once, decoded together at fixed shapes (serve/batching.py: at most a
-decode shape per batch bucket and a prefill shape per batch and length bucket); else one at a time. At most
+above 1) up to max_batch at once, decoded together at fixed shapes (serve/batching.py: a prefill per
+length bucket and a decode per batch and length bucket, compiled at start on a device); else one
+at a time. At most
 `max_queue` wait beyond those; one more gets 503 at once. A client that disconnects from a stream
 ends its generation after the current token (a batched one frees its row at the next step) and
 gives up its place.
@@ -313,7 +315,7 @@ def build_api(answering: Answering, api_key: str | None = None):
         return {**answering.counts, "queued": turns.queued, "answering": len(turns.waiting) - turns.queued,
                 "shapes": answering.shapes, "buckets": buckets_for(answering.max_cache_len, 1),
                 "batch_buckets": [b for b in BATCH_BUCKETS if b <= answering.chat.max_batch],
-                "max_cache_len": answering.max_cache_len}
+                "max_cache_len": answering.max_cache_len, "engine": answering.chat.info.get("engine")}
 
     async def answer(request: Request, kind: str):
         try:
