@@ -1,9 +1,12 @@
 """A real Ray cluster on this machine, for the tests and the bench: a head and a second node.
 
 `ray start --head --block` and `ray start --address HEAD --block` run here as two Ray nodes of one
-cluster, each offering one CPU (so a 2-node run has one bundle on each); every port is picked free
-when it starts and its session lives in a private temporary folder, so two clusters (two test
-sessions) do not meet. The studio reaches it through the head's dashboard (the Jobs API).
+cluster, each offering one CPU (so a 2-node run has one bundle on each). The second also declares
+4 NeuronCores (`--resources '{"neuron_cores": 4}'`: how `ray start` takes them where it finds none
+itself), which Ray assigns by id as on a trn node, so a run planned for Trainium goes there, its
+ranks computing on the CPU. Every port is picked free when it starts and its session lives in a
+private temporary folder, so two clusters (two test sessions) do not meet. The studio reaches it
+through the head's dashboard (the Jobs API).
 
     cluster = RayCluster.start()        # its Jobs API answers, both nodes alive, when this returns
     cluster.address                     # http://127.0.0.1:PORT: give it to --ray
@@ -12,6 +15,7 @@ sessions) do not meet. The studio reaches it through the head's dashboard (the J
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -30,6 +34,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 # restarted head does not wait a minute for the other node's raylet to end
 ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_gcs_rpc_server_reconnect_timeout_s": "15"}
 COMMON = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"]
+NEURON_CORES = 4  # the second node's (index 1): a CPU run asks for none, so the other tests are as before
 
 
 def free_port() -> int:
@@ -94,7 +99,8 @@ class RayCluster:
                 f"--temp-dir={self.folder}", *node_ports(self.named), *COMMON]
 
     def _worker_argv(self) -> list[str]:
-        return [RAY, "start", f"--address=127.0.0.1:{self.gcs_port}", *node_ports(self.named), *COMMON]
+        return [RAY, "start", f"--address=127.0.0.1:{self.gcs_port}", *node_ports(self.named),
+                f"--resources={json.dumps({'neuron_cores': NEURON_CORES})}", *COMMON]
 
     def kill_node(self, index: int) -> None:
         """A node goes down at once: SIGKILL to its `ray start` and everything it started (its raylet,

@@ -1,21 +1,28 @@
 """Runs on a real Ray cluster: a head and a second node on this machine (tests/ray_cluster.py),
 one CPU each, so a 2-node run's placement group puts one node's torchrun on each and their c10d
 rendezvous really happens between two Ray nodes. Submitted, followed, stopped and resumed through
-Ray's Jobs API, as `launch.py train --ray ADDRESS` does; a node killed mid-run, and last the head
-killed and started again."""
+Ray's Jobs API, as `launch.py train --ray ADDRESS` does; two runs planned for Trainium on the node
+that declares NeuronCores, each rank on a core Ray assigned; a node killed mid-run, and last the
+head killed and started again."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import launch_py, nothing_left
-from ray_cluster import RAY, RayCluster, free_port
+from ray_cluster import NEURON_CORES, RAY, RayCluster, free_port
 from studio_core.backends.ray.records import JOB
-from studio_core.machine.hardware import cpu_hardware
+from studio_core.machine.device_env import VISIBLE, use_rank_core
+from studio_core.machine.hardware import cpu_hardware, instance_hardware
+from studio_core.machine.procs import run_processes
+from studio_core.recipe.spec import RunSpec
+from studio_core.rundir.folder import EVENTS
 from studio_core.runs.manager import RunManager
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-sft.yaml"
@@ -107,6 +114,55 @@ def test_bad_ray_input_is_refused_before_anything_is_submitted(cluster, tmp_path
         done = cli("train", str(RECIPE), *args, runs_dir=runs, check=False)
         assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not runs.exists() or not [p for p in runs.iterdir() if not p.name.startswith(".")]
+
+
+def test_two_trainium_runs_on_one_node_each_get_their_own_cores_from_ray(cluster, tmp_path):
+    """Two runs planned for a trn2.3xlarge go to the one node with NeuronCores (ray_cluster: 4,
+    declared with `ray start --resources`), one of 2 processes and one of 1, both running at once.
+    Each rank's NeuronCore is read from the rank itself: the environment its process started with,
+    as the worker's first line reads it (`use_rank_core`, before torch loads); the ranks compute on
+    the CPU here, which changes nothing of that. They must be Ray's ids, one per rank, none shared."""
+    manager = RunManager(tmp_path / "runs")
+    recipe = RunSpec.load(RECIPE).with_overrides([  # the ranks compute on the CPU: Neuron's bf16 and torch.compile off
+        "studio.run_on=ray", f"studio.ray.address={cluster.address}", "max_steps=2000", "bf16=false",
+        "torch_compile=false"])
+    started = {manager.start(recipe.with_overrides([f"studio.nproc={nproc}"]), instance_hardware("trn2.3xlarge")).id:
+               nproc for nproc in (2, 1)}
+    try:
+        seen = {run_id: ranks_cores(manager, run_id, nproc) for run_id, nproc in started.items()}
+        for run_id in started:  # both still running: the ids of each were held while the other got its own
+            assert manager.view(run_id).active, manager.view(run_id).log_tail()
+        cores = [core for ranks in seen.values() for core in ranks.values()]
+        assert None not in cores, seen  # a rank that sees no core takes core LOCAL_RANK, whatever else runs there
+        assert len(set(cores)) == 3 and set(cores) <= {str(core) for core in range(NEURON_CORES)}, seen
+        for run_id, ranks in seen.items():  # and the run's log says the same ids
+            node = ",".join(ranks[rank] for rank in sorted(ranks))
+            assert f"node n0 has neuron_cores {node}" in (manager.view(run_id).dir / EVENTS).read_text(), seen
+    finally:
+        for run_id in started:
+            manager.stop(run_id)
+    for run_id in started:
+        nothing_left(run_id, timeout=30)
+
+
+def ranks_cores(manager, run_id: str, nproc: int, timeout: float = 180) -> dict[int, str | None]:
+    """Once every rank of the run is there: each local rank's NeuronCore, as that rank's worker sets
+    it before torch loads, from the environment its process started with (/proc/PID/environ)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ranks = {}
+        for proc in run_processes(run_id):
+            try:
+                env, argv = proc.environ(), proc.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if "LOCAL_RANK" in env and "studio_core.training.worker" in argv:
+                ranks[int(env["LOCAL_RANK"])] = use_rank_core(env) or env.get(VISIBLE)
+        if len(ranks) == nproc:
+            return ranks
+        view = manager.view(run_id)
+        assert view.active and time.monotonic() < deadline, view.log_tail()
+        time.sleep(0.5)
 
 
 def test_a_node_that_goes_down_mid_run_is_named_and_nothing_is_left(cluster, tmp_path):

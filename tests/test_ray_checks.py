@@ -9,6 +9,7 @@ from conftest import launch_py
 from studio_core.backends import get
 from studio_core.backends.ray.backend import ray_ending
 from studio_core.backends.ray.options import RayOptions
+from studio_core.machine.device_env import VISIBLE, use_rank_core
 from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast
@@ -49,6 +50,23 @@ def test_the_plan_shows_the_placement_group_and_the_job_without_asking_the_clust
     assert "Ray placement group = '2 x {CPU: 1}, STRICT_SPREAD'" in done.stdout
     assert "--rdzv-conf=is_host=$STUDIO_RAY_HOST" in done.stdout
     assert "-m studio_core.backends.ray.job" in done.stdout and "other nodes cannot see it" in done.stdout
+
+
+def test_the_cores_ray_assigns_a_node_reach_its_ranks_as_a_local_runs_leased_cores_do():
+    """The ids Ray assigned a node's actor become its ranks' cores, through the worker's own
+    `use_rank_core` (test_ray.py sees them in real ranks on the cluster, for Neuron)."""
+    from studio_core.backends.ray.job import claim, node_cores
+
+    block = node_cores("neuron", ["2", "3"], 2)
+    assert [use_rank_core({**block, "LOCAL_RANK": str(rank)}) for rank in (0, 1)] == ["2", "3"]
+    assert node_cores("neuron", ["5"], 1) == {VISIBLE: "5"}  # one process: the runtime's own variable
+    assert node_cores("cuda", ["0", "1"], 2) == {"CUDA_VISIBLE_DEVICES": "0,1"} and node_cores("cpu", [], 2) == {}
+    with pytest.raises(RuntimeError, match=r"assigned this node's actor neuron_cores \['0', '1', '2'\], not one per "
+                                           r"process \(2\)"):
+        node_cores("neuron", ["0", "1", "2"], 2)
+    # the actor asks for its bundle's devices itself (Ray assigns ids only then); CPUs have no ids
+    assert (claim("neuron", 2), claim("cuda", 2), claim("cpu", 2)) == ({"resources": {"neuron_cores": 2}},
+                                                                      {"num_gpus": 2}, {})
 
 
 def test_a_ray_jobs_end_reads_as_the_studios():  # which node failed first: backends.nodes, test_hardening_slurm

@@ -7,7 +7,8 @@ its node (node.py): that node's torchrun with a c10d rendezvous on the first nod
 first node, the run's final status. So a Ray run needs nothing of the app: the run folder, this
 repository and the compile cache must be on storage every node sees (as on Slurm).
 
-Ray owns the job's nodes: the studio leases no core of this machine for a Ray run. While the run
+Ray owns the job's nodes: the studio leases no core of this machine for a Ray run; on Neuron and
+CUDA a node's ranks get the cores Ray assigned that node (job.py). While the run
 waits or runs, its place is Ray's job status (PENDING, RUNNING, ...); when the job is over without
 a final status (stopped outside the studio with `ray job stop`, its driver or a node failed),
 Ray's own word on the job becomes the run's final status (`ending`, which only reads), written
@@ -35,6 +36,13 @@ from studio_core.rundir.folder import EVENTS
 
 STARTING_GRACE_S = 30
 STOP_WAIT_S = 60  # after Ray's stop: the supervisors end their torchrun (their own grace) and record it
+# How long Ray waits after its SIGTERM to a stopped job's driver before it SIGKILLs it (Ray 2.60
+# source, python/ray/dashboard/modules/job/job_supervisor.py: RAY_JOB_STOP_WAIT_TIME_S, default
+# 3 s, read from the job supervisor's environment, which has the job's runtime_env variables).
+# The driver ending kills the node actors and so their supervisors: 3 s cut off a supervisor still
+# ending its ranks (its grace is 10 s, then SIGKILL) before it recorded its end, on a busy node,
+# and the stop then waited for a record that never came.
+JOB_STOP_WAIT_S = 30
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
@@ -114,7 +122,9 @@ class RayBackend(RunBackend):
         applied = [("Ray job", self.options(layout).address, "submitted through the Jobs API of the cluster's head"),
                    ("Ray placement group", f"{layout.nodes} x {{{resource}: {layout.nproc}}}, STRICT_SPREAD",
                     f"one bundle per node ({layout.nproc} process(es) on {hardware.describe()}); Ray reserves "
-                    "them for the run, whose nodes then run one supervisor and torchrun each")]
+                    "them for the run, whose nodes then run one supervisor and torchrun each"
+                    + (f"; each node's ranks get the {resource} ids Ray assigned that node" if resource != "CPU"
+                       else ""))]
         return applied, unshared_warnings(run_dir, compile_cache) if layout.nodes > 1 else []
 
     def describe_launch(self, plan) -> list[str]:
@@ -174,7 +184,8 @@ class RayBackend(RunBackend):
         while True:
             try:
                 client(address).submit_job(entrypoint=shlex.join(entrypoint(launch.argv[0], str(run_dir), job_id)),
-                                           submission_id=job_id, runtime_env={"env_vars": dict(launch.env)},
+                                           submission_id=job_id, runtime_env={"env_vars": {
+                                               **launch.env, "RAY_JOB_STOP_WAIT_TIME_S": str(JOB_STOP_WAIT_S)}},
                                            metadata={"studio_run": run_dir.name})
                 break
             except (RayError, RuntimeError) as error:

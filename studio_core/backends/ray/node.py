@@ -1,10 +1,11 @@
 """A node of a Ray run, as its supervisor sees it: the job's driver (job.py) starts one supervisor
 per node of its placement group (studio_core.training.supervisor), with the node's place in the
 run in its environment (NODE_ENV); the supervisor asks the run's backend for its node
-(RayBackend.node). It holds no lease (Ray reserved the node's cores for the job), runs its
-torchrun with the c10d rendezvous on the first node, records its start and end (records.py), and
-only the first node writes the final status, and only when the run finished or stopped as asked;
-otherwise the backend records how Ray ended the job, once the job is over."""
+(RayBackend.node). It holds no lease (Ray assigned the node's cores to the job, and the driver
+put their ids in its environment for its ranks), runs its torchrun with the c10d rendezvous on the
+first node, records its start and end (records.py), and only the first node writes the final
+status, and only when the run finished or stopped as asked; otherwise the backend records how Ray
+ended the job, once the job is over."""
 
 from __future__ import annotations
 
