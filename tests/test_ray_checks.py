@@ -9,7 +9,7 @@ from conftest import launch_py
 from studio_core.backends import get
 from studio_core.backends.ray.backend import ray_ending
 from studio_core.backends.ray.options import RayOptions
-from studio_core.machine.device_env import VISIBLE, use_rank_core
+from studio_core.machine.device_env import VISIBLE, given_cores, use_rank_core
 from studio_core.recipe.spec import RunSpec
 
 pytestmark = pytest.mark.fast
@@ -64,6 +64,9 @@ def test_the_cores_ray_assigns_a_node_reach_its_ranks_as_a_local_runs_leased_cor
     with pytest.raises(RuntimeError, match=r"assigned this node's actor neuron_cores \['0', '1', '2'\], not one per "
                                            r"process \(2\)"):
         node_cores("neuron", ["0", "1", "2"], 2)
+    # the node's supervisor samples those cores for the run's plots (a Slurm node's: its first nproc)
+    assert given_cores("neuron", 2, block) == [2, 3] and given_cores("neuron", 1, {VISIBLE: "5"}) == [5]
+    assert given_cores("cuda", 2, {"CUDA_VISIBLE_DEVICES": "2,3"}) == [2, 3] and given_cores("neuron", 2, {}) == [0, 1]
     # the actor asks for its bundle's devices itself (Ray assigns ids only then); CPUs have no ids
     assert (claim("neuron", 2), claim("cuda", 2), claim("cpu", 2)) == ({"resources": {"neuron_cores": 2}},
                                                                       {"num_gpus": 2}, {})

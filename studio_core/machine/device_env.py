@@ -149,6 +149,15 @@ def rank_cores(env: dict[str, str]) -> list[str]:
     return [env[VISIBLE]] if VISIBLE in env else []
 
 
+def given_cores(backend: str, nproc: int, environ=os.environ) -> list[int]:
+    """The cores a cluster node's processes were given in `environ` (a Ray actor's ids, handed on
+    as a local run's leased cores are: STUDIO_NEURON_CORES, NEURON_RT_VISIBLE_CORES,
+    CUDA_VISIBLE_DEVICES), else the node's first `nproc` (a Slurm node is the job's alone)."""
+    named = {"neuron": environ.get(RANK_CORES) or environ.get(VISIBLE),
+             "cuda": environ.get("CUDA_VISIBLE_DEVICES")}.get(backend)
+    return parse_cores(named) if named else list(range(nproc))
+
+
 def describe_rank_cores(cores: list[str]) -> str:
     """"rank 0: 4, rank 1: 5, ..." (the first four and the last of a long list)."""
     shown = [f"rank {rank}: {core}" for rank, core in enumerate(cores)]

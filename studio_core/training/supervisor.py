@@ -53,6 +53,7 @@ from studio_core.rundir.checkpoints import (
     disk_full_text,
     remove_incomplete,
 )
+from studio_core.machine.device_env import given_cores
 from studio_core.machine.hardware import Hardware, pin_to_cpu_cores, studio_cpus
 from studio_core.training.precompile import WORKER_MODULE as PRECOMPILE_MODULE
 from studio_core.training.precompile import job_environment
@@ -127,7 +128,7 @@ def main(run_dir: Path) -> int:
         node.started()
         argv = node.prepare(argv)
         nproc = next(int(a.split("=", 1)[1]) for a in argv if a.startswith("--nproc-per-node="))
-        cores, lease = list(range(nproc)), None  # the node is the job's: its first nproc cores
+        cores, lease = given_cores(device, nproc), None  # what Ray assigned the node's actor, else its first
         if node.first:
             write(events, ev.log(node.describe()))
         restart_from = node.restart_from(launch["env"])
