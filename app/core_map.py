@@ -72,10 +72,14 @@ def memory_html(estimate, cores: int) -> str:
                             f"{gib(size)}' style='background:{colour};width:{size / whole * 100:.2f}%;height:16px'>"
                             "</div>")
     fraction = estimate.fraction
-    over, tight = fraction is not None and fraction > 1, fraction is not None and fraction > WARN_FRACTION
+    # at LNC=1 a core's share is half a bank it may use whole (estimate.limit): past the share, a warning
+    over = fraction is not None and estimate.total > (estimate.limit or estimate.available)
+    tight = fraction is not None and fraction > WARN_FRACTION
     colour = "#dc322f" if over else "#cb4b16" if tight else "#586e75"
     of = f" of {gib(estimate.available)} ({fraction:.0%})" if fraction is not None else \
         " (what a core has is not known)"
+    if not over and estimate.limit and fraction is not None and fraction > 1:
+        of += f"; fits only while the core sharing its memory bank uses less (up to {gib(estimate.limit)})"
     limit = (f"<div style='position:absolute;left:{estimate.available / whole * 100:.2f}%;top:-2px;bottom:-2px;"
              "border-left:2px solid #dc322f' title='what a core has'></div>" if estimate.available else "")
     legend = ", ".join(f"{name} {gib(size)}" for name, size in estimate.parts.items() if size)

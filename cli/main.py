@@ -21,7 +21,7 @@ from studio_core.backends import EXPORT, StopError, with_options
 from studio_core.machine import compile_cache
 from studio_core.serve.chat import BATCH_BUCKETS, MAX_CACHE_LEN, SMALLEST_LENGTH
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
-from studio_core.runs.manager import DamagedRun, RunNotFound, default_runs_dir, run_id_given
+from studio_core.runs.manager import DamagedRun, LeaseFolderError, RunNotFound, default_runs_dir, run_id_given
 from studio_core.runs.queue import QueueError
 from studio_core.runs.sweep import EVAL_LIMIT as DEFAULT_EVAL_LIMIT, MAX_RUNS
 from studio_core.recipe.spec import Layout, SpecError
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
     except StopError as error:
         print(f"Not stopped: {error}", file=sys.stderr)
         return 1
-    except (CommandLineError, CpuCoresError, QueueError) as error:
+    except (CommandLineError, CpuCoresError, QueueError, LeaseFolderError) as error:
         print(error, file=sys.stderr)
         return 2
 

@@ -252,6 +252,13 @@ def test_more_processes_than_cores_says_how_many_cores_there_are(places, capsys)
     assert "held" not in err and "wait for" not in err, f"no core is held, so waiting helps nothing:\n{err}"
 
 
+@pytest.mark.fast
+def test_a_lease_folder_that_cannot_be_made_says_what_to_set(places, monkeypatch, capsys):
+    monkeypatch.setenv("STUDIO_LEASES_DIR", "/proc/no-such-folder")  # not even root can make it
+    code, out, err = cli(["train", places["r"], "--backend", "cpu", "--runs-dir", places["d"]], capsys)
+    refused(code, out, err, 2, "set STUDIO_LEASES_DIR to a folder you can write to")
+
+
 def test_a_read_only_runs_folder_is_named_before_anything_runs(tmp_path):
     """A folder nobody may write to. Root writes anyway, so as root the command runs without the
     capability that lets it (setpriv drops CAP_DAC_OVERRIDE): then the folder's mode holds."""

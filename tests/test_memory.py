@@ -147,10 +147,16 @@ def test_at_lnc_1_a_cores_12_gib_are_a_fair_share_of_its_bank_and_the_bank_is_th
     assert "it fits only if the neighbouring core of the same 24.0 GiB HBM bank is idle or uses less than" in warning
     assert "up to 24.0 GiB: the whole HBM bank a core shares with its neighbouring core at LNC=1" in lnc1.describe()
 
+    from app.core_map import memory_html  # the Train tab's bar: a warning's colour, not an error's
+
+    bar = memory_html(lnc1.memory, 1)
+    assert "#cb4b16" in bar and "#dc322f'>" not in bar and "fits only while the core sharing its memory bank" in bar
+
     too_big = planned(QWEN3_06B, lnc=1, per_device_train_batch_size=8, gradient_checkpointing=False)
     assert 26 * GIB < too_big.memory.total < 34 * GIB, too_big.memory.describe()
     [error] = memory_errors(too_big)
     assert "of 24.0 GiB, the whole HBM bank a core shares at LNC=1" in error and "run out of memory" in error
+    assert "color:#dc322f'>" in memory_html(too_big.memory, 1)
 
     lnc2 = planned(QWEN3_06B, per_device_train_batch_size=16)
     assert 14 * GIB < lnc2.memory.total < 18 * GIB

@@ -21,6 +21,7 @@ from typing import Callable
 
 from studio_core import backends
 from studio_core.machine import leases
+from studio_core.machine.leases import LeaseFolderError  # for the CLI: a lease folder that cannot be made
 from studio_core.data import sources
 from studio_core.rundir.checkpoints import RESUME_ENV, clear_control, list_checkpoints, request_save_and_stop
 from studio_core.machine.compile_cache import compile_cache_root
