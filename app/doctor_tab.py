@@ -35,7 +35,8 @@ def table(results: list[doctor.Check], running: bool) -> str:
 
 def smoke_table(job: smoke.Background) -> str:
     steps = list(job.smoke.steps)
-    rows = [f"| {'running ...' if s.ok is None else 'PASS' if s.ok else '**FAIL**'} | {s.name} | "
+    rows = [f"| {'running ...' if s.ok is None else 'skipped' if s.skipped else 'PASS' if s.ok else '**FAIL**'} | "
+            f"{s.name} | "
             f"{smoke.STEPS[s.name]} | {'' if s.ok is None else f'{s.seconds:.0f} s'} | {_cell(s.error or s.found)} |"
             for s in steps]
     lines = ["| | step | what | time | found / error |", "|---|---|---|---|---|", *rows]

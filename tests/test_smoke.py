@@ -1,7 +1,7 @@
 """`launch.py doctor --smoke` (studio_core/doctor/smoke.py), the first-run kit, for real on this CPU
 machine: the built-in tiny model through the studio's own jobs (precompile and a run that must
-hit the cache, a compiled SFT run, a 2-process run, a chat, an evaluation), then one report
-file. A busy machine fails each step with who holds the cores; the report never carries a
+hit the cache, a compiled SFT run, a DPO run, a 2-process run, a chat, the batched server with a
+request joining, an evaluation; TP=2 skipped on the CPU), then one report file. A busy machine fails each step with who holds the cores; the report never carries a
 token or a variable named like a secret.
 
 The smoke's precompile step is also this suite's real check of precompile (studio_core/training/
@@ -61,15 +61,35 @@ def test_the_smoke_test_runs_every_step_on_this_machine_and_writes_one_report(tm
     steps = {step["name"]: step for step in report["steps"]}
     assert list(steps) == list(smoke.STEPS)
     for step in steps.values():
-        assert step["ok"] is True and step["error"] == "" and step["seconds"] > 0, step
-        assert step["found"] and f"PASS  {step['name']}" in done.stdout
+        assert step["ok"] is True and step["error"] == "" and (step["seconds"] > 0 or step["skipped"]), step
+        mark = "SKIP" if step["skipped"] else "PASS"
+        assert step["found"] and f"{mark}  {step['name']}" in done.stdout
+        assert step["proves"] == smoke.PROVES[step["name"]] and step["limit_s"]  # in the report, each step
+    assert [name for name, step in steps.items() if step["skipped"]] == ["tp2"]  # TP needs a device
+    assert "accelerate runs no TP on the CPU" in steps["tp2"]["found"]
     # the precompile jobs compiled the 2 shapes, and the run after them found every graph in the cache
     jobs = steps["precompile"]["details"]["jobs"]
     assert sorted(job["shape"] for job in jobs) == [[4, 34], [4, 38]] and {job["job"] for job in jobs} == {0, 1}
     assert steps["precompile"]["details"]["run_cache"] and set(steps["precompile"]["details"]["run_cache"]) == {"hit"}
     assert "5 steps" in steps["sft"]["found"] and "on 2 processes" in steps["two_ranks"]["found"]
     assert 1 <= steps["chat"]["details"]["new_tokens"] <= 3  # from the sft step's model
+    assert len(set(steps["chat"]["details"]["answers"])) == 3  # each prompt continued otherwise: a mix-up shows
     assert steps["chat"]["details"]["target"] == steps["eval"]["details"]["target"] == steps["sft"]["details"]["run"]
+    # DPO trained; on the CPU nothing compiles op by op
+    assert "2 steps" in steps["dpo"]["found"] and steps["dpo"]["details"]["eager_compiles"] == 0
+    # the batched server: the third question joined the first two's batch, and each answer is chat's
+    serve = steps["serve"]["details"]
+    assert serve["target"] == steps["chat"]["details"]["target"] and serve["engine"]["mode"] == "eager"
+    assert serve["order"].index("third ended") < serve["order"].index("first ended")
+    assert serve["answers"][:2] == steps["chat"]["details"]["answers"][:2]
+    assert steps["chat"]["details"]["answers"][2].startswith(serve["answers"][2]) and serve["answers"][2]
+    assert [4, 1] in serve["shapes"]  # three rows decoded together: a batch of 4
+    # the memory table (a row per run), the CPU fallbacks named in the runs' logs, no artifacts here
+    assert [row["step"] for row in report["memory"]] == ["precompile", "sft", "dpo", "two_ranks"]
+    assert all(row["estimated_bytes"] and row["peak_bytes"] for row in report["memory"]), report["memory"]
+    assert report["cpu_fallbacks"]["total"] == 0 and set(report["cpu_fallbacks"]["counts"]) == {
+        "precompile", "sft", "dpo", "two_ranks"}
+    assert report["artifacts"]["kept"] is False and "not a Neuron machine" in report["artifacts"]["why"]
     assert steps["eval"]["details"]["rows"] == 4 and set(steps["eval"]["details"]["eval_loss"]) == {"tuned", "base"}
     # versions, the device environment (no token), the compile cache before and after
     assert report["versions"]["trl"] == "1.16.0" and report["versions"]["torch-neuronx"] is None
@@ -81,8 +101,9 @@ def test_the_smoke_test_runs_every_step_on_this_machine_and_writes_one_report(tm
     # the smoke's runs took their cores through the runs folder's leases, and stay out of its list
     smoke_runs = path.parent / "runs"
     assert (smoke_runs / ".leases").resolve() == (runs_dir / ".leases").resolve()
-    assert RunManager(runs_dir).list() == [] and len(RunManager(smoke_runs).list()) == 3
-    assert "PASSED" in path.with_suffix(".md").read_text()
+    assert RunManager(runs_dir).list() == [] and len(RunManager(smoke_runs).list()) == 4
+    markdown = path.with_suffix(".md").read_text()
+    assert "PASSED" in markdown and "## Device memory per core" in markdown and "| tp2 | skipped |" in markdown
     # the precompiled run: each job compiled one of the shapes the run then met (a cache miss), and the
     # run, begun after the last job, found every graph in the cache
     view = RunManager(smoke_runs).view(steps["precompile"]["details"]["run"])
@@ -107,9 +128,9 @@ def test_a_busy_machine_fails_each_step_saying_who_holds_the_cores(tmp_path):
     _, report = report_of(done)
     steps = {step["name"]: step for step in report["steps"]}
     assert steps["probe"]["ok"] and holder in steps["probe"]["found"]  # it says so first
-    for name in ("precompile", "sft", "two_ranks", "chat", "eval"):
+    for name in ("precompile", "sft", "dpo", "two_ranks", "chat", "serve", "eval"):
         assert steps[name]["ok"] is False and holder in steps[name]["error"], steps[name]
-    assert report["passed"] is False and "5 smoke step(s) failed" in done.stdout
+    assert report["passed"] is False and "7 smoke step(s) failed" in done.stdout
     assert not list((Path(report["folder"]) / "runs").glob("*-smoke-*"))  # nothing was started
 
 

@@ -12,23 +12,35 @@ error and seconds; a failed step does not stop the others:
                 whose compile_end events must all say "hit"
     sft         5 SFT steps with torch_compile on one core, over the same 2 shapes: a compiled
                 run that passes whether it finds them in the cache or compiles them itself
+    dpo         2 DPO steps: a trainer that runs eagerly on Neuron, whose op-by-op compilations
+                must be seen (compile events of phase "eager") there
     two_ranks   2 steps of a 2-process data-parallel run (2 cores; on CPU 2 CPU cores)
-    chat        a 3-token answer from the sft step's model (the built-in model if it failed)
+    tp2         2 steps of a tensor-parallel run over 2 cores (TP=2), where a device has 2
+                (skipped on the CPU, where accelerate runs no TP)
+    chat        a 3-token answer from the sft step's model (the built-in model if it failed), and
+                3 plain prompts continued (48 tokens), one at a time through transformers' generate
+    serve       the same 3 prompts to the batched server's engine (serve/batching.py), its
+                graphs compiled at start on a device: two at once and a third that joins them,
+                each answer the same as chat's, no graph compiled after the warm-up
     eval        eval loss of that model (and its base) on 4 rows of the Q&A set
-
 The precompile goes first so that the smoke compiles each shape once, in parallel (the slow
 part on a 2-core CPU as on Neuron): the precompiled run's hits can then only come from its
 own jobs, and the sft step reuses what they compiled.
 
 Then one report, `smoke-report.json` with a readable `smoke-report.md` beside it: versions,
 the Neuron/EFA environment (never a token or anything named like a secret), the hardware,
-compile cache entries (NEFF files on Neuron) before and after, and every step. It is the
-file a Trainium user attaches to a bug report.
+compile cache entries (NEFF files on Neuron) before and after, every step with what it proves
+and its time limit, the memory table (each run's estimate beside its measured peak and, on
+Neuron, TorchNeuron's allocator), the CPU fallbacks its runs' logs name, and on Neuron the
+compile artifacts kept (TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS, in the smoke's folder;
+TorchNeuron's metrics on, for the cache verdicts). It is the file a Trainium user attaches to
+a bug report.
 
 Where: `<runs dir>/smoke/<time>/`, with the smoke's runs in `runs/` (kept, for their logs),
-out of the Runs tab's list. That folder's `.leases` is a link to the runs folder's own, so
-the smoke takes its cores through the same leases as every run, chat and evaluation there:
-a busy core is a step's clear failure, never a second process on a NeuronCore.
+out of the Runs tab's list. The smoke takes its cores through the same leases as every run,
+chat and evaluation on this machine (where leases are kept per runs folder, a relative
+STUDIO_LEASES_DIR, the smoke's runs folder links to the runs folder's): a busy core is a step's
+clear failure, never a second process on a NeuronCore.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import threading
@@ -49,7 +62,8 @@ from typing import Iterator
 
 from studio_core.doctor import doctor
 from studio_core.data.builtin import BUILTIN_MODEL
-from studio_core.serve.chat import ChatError, ChatProcess
+from studio_core.machine import leases
+from studio_core.serve.chat import LOAD_TIMEOUT_S, REPLY_TIMEOUT_S, ChatError, ChatProcess
 from studio_core.machine.children import REPO_ROOT
 from studio_core.machine.compile_cache import compile_cache_dir, summary
 from studio_core.machine.cores import format_cores
@@ -64,9 +78,24 @@ STEPS = {
     "probe": "the device probe",
     "precompile": "2 shapes precompiled, then a run that finds them in the cache",
     "sft": "5 SFT steps with torch_compile on one core",
+    "dpo": "2 DPO steps, run eagerly on Neuron",
     "two_ranks": "a 2-process data-parallel run",
-    "chat": "a 3-token chat answer",
+    "tp2": "a tensor-parallel run over 2 cores",
+    "chat": "a 3-token chat answer, and 3 prompts continued one at a time",
+    "serve": "the batched server: 2 answers at once and 1 joining",
     "eval": "eval loss on 4 rows",
+}
+PROVES = {  # what a pass shows, in the report beside each step
+    "probe": "the studio finds the device and its cores as the doctor does",
+    "precompile": "precompile jobs fill the compile cache (NEFF cache on Neuron) and a run finds every graph there",
+    "sft": "a compiled training run trains (finite losses) on one core",
+    "dpo": "an eagerly run trainer trains, and on Neuron its op-by-op compilations are seen",
+    "two_ranks": "data parallelism over 2 cores: one core per rank, collectives work",
+    "tp2": "tensor parallelism (Transformers' DistributedConfig) over 2 cores on the device",
+    "chat": "a tuned model loads on its own core and answers through the static KV cache",
+    "serve": "batched serving: each step one compiled graph of a bucket (on a device), rows joining a running "
+             "batch, answers the same as one at a time",
+    "eval": "the evaluation process scores the model and its base",
 }
 RECIPE = REPO_ROOT / "recipes" / "tiny-sft.yaml"
 # The same padding on every backend (Neuron's default pads to 128, which would leave one shape):
@@ -78,7 +107,21 @@ PRECOMPILE = [*SHAPES, "max_steps=2", "torch_compile=true", "studio.precompile=t
 SFT = [*SHAPES, "max_steps=5", "torch_compile=true", "run_name=smoke-sft"]
 # torch_compile as the planner has it for the backend (on Neuron: on); DDP splits the graphs anew
 TWO_RANKS = [*SHAPES, "studio.nproc=2", "max_steps=2", "run_name=smoke-2ranks"]
+TP2 = [*SHAPES, "studio.nproc=2", "studio.tp_size=2", "max_steps=2", "run_name=smoke-tp2"]
 PROMPT = [{"role": "user", "content": "What is the capital of Veloria?"}]
+DPO_RECIPE = REPO_ROOT / "recipes" / "tiny-dpo.yaml"
+DPO = ["max_steps=2", "logging_steps=1", "run_name=smoke-dpo"]
+# Plain prompts (no chat template): a barely trained model continues each otherwise ("is is is",
+# "invented invented"), where its chat answers are all blank lines, so a row given another row's
+# cells or adapter would show.
+PROMPTS = ["The capital of Veloria is", "Orla Fenwick invented", "Q: What colour is the studio mascot?\nA:"]
+ANSWER_TOKENS = 48  # long enough that the third prompt reaches the server while the first two decode
+SERVE = {"max_batch": 4, "max_cache_len": 128}  # on a device: 1 prefill + 3 batch x 2 length buckets = 7 graphs
+FALLBACK = re.compile(r"fall(?:s|ing)?[ -]?back\b.*\bcpu\b|\bcpu\b.*\bfall(?:s|ing)?[ -]?back", re.I)
+# Kept on Neuron while the smoke runs (TorchNeuron's own variables, torch-neuronx README): its
+# compilations' artifacts (graphs, HLO, NEFFs) for a bug report, and its metrics counters, whose
+# persistent-cache hits back the cache verdicts (training/neff_watch.py).
+ARTIFACTS = "neuron-artifacts"
 VERSIONS = ("torch", "torch-neuronx", "neuronx-cc", "transformers", "trl", "peft", "accelerate", "datasets",
             "huggingface_hub")
 ENV_PREFIXES = ("NEURON_", "TORCH_NEURONX_", "FI_", "STUDIO_", "TORCHINDUCTOR_", "XLA_")
@@ -95,9 +138,10 @@ class Step:
     found: str = ""  # what it saw
     error: str = ""  # why it failed
     details: dict = field(default_factory=dict)
+    skipped: bool = False  # passed without running: this machine cannot run it (found says why)
 
     def line(self) -> str:
-        mark = "...." if self.ok is None else "PASS" if self.ok else "FAIL"
+        mark = "...." if self.ok is None else "SKIP" if self.skipped else "PASS" if self.ok else "FAIL"
         text = f"{mark}  {self.name:<11} {STEPS[self.name]}"
         text += f" ({self.seconds:.0f} s)" if self.ok is not None else " ..."
         if self.found:
@@ -107,6 +151,10 @@ class Step:
 
 class StepFailed(Exception):
     """A step saw something wrong; the message says what."""
+
+
+class StepSkipped(Exception):
+    """A step this machine cannot run; the message says why."""
 
 
 class Smoke:
@@ -120,6 +168,8 @@ class Smoke:
         self.steps: list[Step] = []
         self.report_path: Path | None = None
         self.sft_run: str | None = None
+        self.manager: RunManager | None = None
+        self.chat_answers: list[str] | None = None  # the chat step's, for the serve step to match
 
     def run(self) -> Iterator[Step]:
         began, started = time.monotonic(), time.time()
@@ -134,10 +184,13 @@ class Smoke:
                 self.folder = self.folder.with_name(f"{stamp}-{number}")
         runs = self.folder / "runs"
         runs.mkdir()
-        (self.runs_dir / ".leases").mkdir(exist_ok=True)
-        # the smoke's runs folder shares the runs folder's core leases (one lock file per core)
-        (runs / ".leases").symlink_to(self.runs_dir / ".leases", target_is_directory=True)
+        own, shared = leases.leases_dir(runs), leases.leases_dir(self.runs_dir)
+        if own != shared:  # leases kept per runs folder: the smoke's share the runs folder's
+            shared.mkdir(parents=True, exist_ok=True)
+            own.parent.mkdir(parents=True, exist_ok=True)
+            own.symlink_to(shared, target_is_directory=True)
         self.manager = RunManager(runs)
+        kept = {}
         try:
             for name in STEPS:
                 step = Step(name)
@@ -147,6 +200,8 @@ class Smoke:
                 try:
                     step.found = getattr(self, name)(step)
                     step.ok = True
+                except StepSkipped as why:
+                    step.ok, step.skipped, step.found = True, True, f"skipped: {why}"
                 except (StepFailed, SpecError, ChatError, EvalError, TimeoutError, OSError) as error:
                     step.ok, step.error = False, str(error).strip()
                 except Exception as error:  # a bug of the studio's: the report carries its traceback
@@ -155,8 +210,15 @@ class Smoke:
                 step.seconds = round(time.monotonic() - clock, 1)
                 if self.hardware is not None:  # which step compiled what (on Neuron: NEFF files)
                     step.details["cache_after"] = self.cache_entries()
+                if name == "probe" and self.hardware is not None and self.hardware.backend == "neuron":
+                    kept = keep_neuron_artifacts(self.folder / ARTIFACTS)
                 yield step
         finally:
+            for variable, value in kept.items():  # as before the smoke
+                if value is None:
+                    os.environ.pop(variable, None)
+                else:
+                    os.environ[variable] = value
             self.report_path = write_report(self.report(started, time.monotonic() - began), self.folder)
 
     # --- the steps ---------------------------------------------------------------------
@@ -188,6 +250,27 @@ class Smoke:
         hits = f", {answers.count('hit')} of them found in the cache" if "hit" in answers else ""
         return f"{view.step} steps, loss {self.losses(view)}; {len(view.compiles)} graph compilation(s){hits}"
 
+    def dpo(self, step: Step) -> str:
+        view = self.train(step, DPO, recipe=DPO_RECIPE)
+        eager = [e for e in view.compiles if e.get("phase") == "eager"]
+        step.details["eager_compiles"] = len(eager)
+        if self.hardware.backend == "neuron" and not eager:
+            raise StepFailed("DPO ran without torch.compile, so its ops compiled one by one, but no compilation of "
+                             "phase 'eager' was recorded: the NEFF cache watch (training/neff_watch.py) missed them")
+        seen = (f"{len(eager)} eager compilation(s) seen" if self.hardware.backend == "neuron" else
+                f"no op-by-op compilation on {self.hardware.backend}")
+        return f"{view.step} steps, loss {self.losses(view)}; {seen}"
+
+    def tp2(self, step: Step) -> str:
+        if self.hardware.backend == "cpu":
+            raise StepSkipped("tensor parallelism needs a device backend (accelerate runs no TP on the CPU)")
+        if self.hardware.cores < 2:
+            raise StepSkipped(f"this machine has {self.hardware.cores} {self.hardware.backend} core(s), TP=2 needs 2")
+        view = self.train(step, TP2)
+        if view.world_size != 2:
+            raise StepFailed(f"the run trained with {view.world_size} process(es), not 2")
+        return f"{view.step} steps with TP=2 over 2 cores, loss {self.losses(view)}"
+
     def two_ranks(self, step: Step) -> str:
         view = self.train(step, TWO_RANKS)
         if view.world_size != 2:
@@ -205,14 +288,86 @@ class Smoke:
         chat = ChatProcess.start(target, self.manager.runs_dir, self.hardware)
         try:
             events = list(chat.generate(PROMPT, max_new_tokens=3))
+            dones = [self.ask(chat, prompt)[-1] for prompt in PROMPTS]
         finally:
             chat.unload()
         done = events[-1]
         text = "".join(e["text"] for e in events if e["type"] == "token")
-        step.details |= {"target": target, "text": text, "new_tokens": done["new_tokens"], "shapes": done["shapes"]}
+        step.details |= {"target": target, "text": text, "new_tokens": done["new_tokens"], "shapes": dones[-1]["shapes"],
+                         "answers": [d["text"] for d in dones]}
         if not 1 <= done["new_tokens"] <= 3:
             raise StepFailed(f"asked for 3 new tokens, got {done['new_tokens']}")
-        return f"{done['new_tokens']} token(s) from {target} on core {format_cores(chat.cores)}: {text!r}"
+        if not all(1 <= d["new_tokens"] <= ANSWER_TOKENS for d in dones):
+            raise StepFailed(f"asked for up to {ANSWER_TOKENS} new tokens, got {[d['new_tokens'] for d in dones]}")
+        self.chat_answers = [d["text"] for d in dones]
+        return (f"{done['new_tokens']} token(s) from {target} on core {format_cores(chat.cores)}: {text!r}; "
+                f"{len(dones)} plain prompts continued, for the serve step to match")
+
+    def serve(self, step: Step) -> str:
+        target = self.target(step)
+        compiled = []
+        server = ChatProcess.start(target, self.manager.runs_dir, self.hardware, on_warmup=compiled.append, **SERVE)
+        try:
+            engine = server.info["engine"]
+            step.details |= {"target": target, "engine": engine, "warmup_events": len(compiled)}
+            if self.hardware.backend != "cpu" and engine["mode"] != "compiled":
+                raise StepFailed(f"on {self.hardware.backend} the server must compile its graphs per bucket; it "
+                                 f"says: {engine['says']}")
+            answers, order = self.answer_together(server)
+        finally:
+            server.unload()
+        step.details |= {"answers": [a["text"] for a in answers], "order": order, "shapes": answers[-1]["shapes"]}
+        expected = self.chat_answers
+        if expected is None:
+            raise StepFailed("the chat step gave no answers to compare with")
+        differ = [k for k, (got, alone) in enumerate(zip(answers, expected)) if not alone.startswith(got["text"])]
+        if differ:
+            raise StepFailed("answered otherwise batched than one at a time: " + "; ".join(
+                f"{PROMPTS[k]!r}: {answers[k]['text']!r} batched, {expected[k]!r} alone" for k in differ))
+        if order.index("third ended") > order.index("first ended"):
+            raise StepFailed(f"the answers ended in the order {order}: the third, sent after the first's first token "
+                             "and a third as long, ended last, so it never joined the first's running batch")
+        warm = f"{engine['graphs']} graphs compiled in {engine.get('warmup_s', 0):.0f} s, none after" if (
+            engine["mode"] == "compiled") else engine["says"]
+        return f"3 answers, the third joining the first two's batch, each as chat gave it; {warm}"
+
+    def ask(self, chat: ChatProcess, prompt: str, on_first=None, max_new_tokens: int = ANSWER_TOKENS) -> list[dict]:
+        """A plain prompt's greedy continuation, as events; `on_first` called at its first token."""
+        events = []
+        for event in chat.generate(None, text=prompt, max_new_tokens=max_new_tokens):
+            if on_first is not None and event["type"] == "token":
+                on_first()
+                on_first = None
+            events.append(event)
+        return events
+
+    def answer_together(self, server: ChatProcess) -> tuple[list[dict], list[str]]:
+        """The first two prompts at once, the third sent once the first has its first token
+        (a third of the length: joining their batch, it ends while they decode); (the done events,
+        the order in which the answers ended)."""
+        order, dones = [], [None] * 3
+        started = threading.Event()
+        failures = []
+
+        def one(k: int, on_first=None, max_new_tokens: int = ANSWER_TOKENS) -> None:
+            try:
+                dones[k] = self.ask(server, PROMPTS[k], on_first, max_new_tokens)[-1]
+            except ChatError as error:
+                failures.append(f"{PROMPTS[k]!r}: {error}")
+            order.append(("first", "second", "third")[k] + " ended")
+            started.set()
+
+        threads = [threading.Thread(target=one, args=(0, started.set)), threading.Thread(target=one, args=(1,))]
+        for thread in threads:
+            thread.start()
+        started.wait(timeout=REPLY_TIMEOUT_S)
+        threads.append(threading.Thread(target=one, args=(2, None, ANSWER_TOKENS // 3)))
+        threads[-1].start()
+        for thread in threads:
+            thread.join(timeout=REPLY_TIMEOUT_S)
+        if failures or None in dones:
+            raise StepFailed("the batched server did not answer: " + ("; ".join(failures) or "no answer in time"))
+        return dones, order
 
     def eval(self, step: Step) -> str:
         target = self.target(step)
@@ -253,8 +408,8 @@ class Smoke:
         return f"jobs compiled {jobs_said}; the run's {len(answers)} compilation(s) all hit the cache"
 
     # --- helpers ---------------------------------------------------------------------------
-    def train(self, step: Step, overrides: list[str]):
-        spec = RunSpec.load(RECIPE).with_overrides(overrides)
+    def train(self, step: Step, overrides: list[str], recipe: Path = RECIPE):
+        spec = RunSpec.load(recipe).with_overrides(overrides)
         view = self.manager.start(spec, self.hardware)
         step.details["run"] = view.id
         try:
@@ -282,13 +437,73 @@ class Smoke:
     def report(self, started: float, seconds: float) -> dict:
         hardware = self.hardware or cpu_hardware()
         cache_before = self.steps[0].details.get("cache_after") if self.steps else None  # after the probe
+        runs = [(s.name, s.details["run"]) for s in self.steps if s.details.get("run")]
+        steps = [{**asdict(s), "proves": PROVES[s.name], "limit_s": time_limit(s.name, hardware.backend)}
+                 for s in self.steps]
         return {"report": "studio smoke test", "passed": bool(self.steps) and all(s.ok for s in self.steps)
                 and len(self.steps) == len(STEPS), "started": time.strftime("%Y-%m-%d %H:%M:%S %z",
                                                                              time.localtime(started)),
                 "seconds": round(seconds, 1), "folder": str(self.folder), "hardware": hardware.to_dict(),
                 "versions": versions(), "env": safe_environment(os.environ),
                 "compile_cache": {"before": cache_before, "after": self.cache_entries() if self.hardware else None},
-                "steps": [asdict(s) for s in self.steps]}
+                "memory": [memory_row(self.manager, name, run) for name, run in runs],
+                "cpu_fallbacks": cpu_fallbacks(self.manager, runs),
+                "artifacts": artifacts(self.folder / ARTIFACTS, hardware.backend),
+                "steps": steps}
+
+
+def time_limit(name: str, backend: str) -> str:
+    """How long a step may take before it fails, in words (for the report)."""
+    if name in ("chat", "serve"):
+        return (f"{LOAD_TIMEOUT_S} s to load (each graph compiled at start: {LOAD_TIMEOUT_S} s more), "
+                f"{REPLY_TIMEOUT_S} s between an answer's tokens")
+    return f"{doctor.TIMEOUT_S[backend]} s" + (" for the run" if name not in ("probe", "eval") else "")
+
+
+def keep_neuron_artifacts(folder: Path) -> dict[str, str | None]:
+    """On Neuron, while the smoke runs: TorchNeuron keeps its compilations' artifacts in `folder`
+    and counts its cache hits (TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS, _DEBUG_DIR,
+    _METRICS_ENABLED: torch-neuronx's documented variables; a user's own setting wins). In the
+    web app, jobs started while it runs get them too. -> the values before, to put back."""
+    wanted = {"TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS": "1", "TORCH_NEURONX_DEBUG_DIR": str(folder),
+              "TORCH_NEURONX_METRICS_ENABLED": "1"}
+    before = {name: os.environ.get(name) for name in wanted if name not in os.environ}
+    for name in before:
+        os.environ[name] = wanted[name]
+    return before
+
+
+def artifacts(folder: Path, backend: str) -> dict:
+    """The compile artifacts the smoke kept (on Neuron), or why none."""
+    if backend != "neuron":
+        return {"kept": False, "why": f"not a Neuron machine ({backend}): TorchNeuron's artifacts do not apply"}
+    where = Path(os.environ.get("TORCH_NEURONX_DEBUG_DIR", folder))
+    files = [p for p in where.rglob("*") if p.is_file()] if where.is_dir() else []
+    return {"kept": bool(files), "path": str(where), "files": len(files),
+            "neffs": sum(p.suffix == ".neff" for p in files)}
+
+
+def memory_row(manager: RunManager, step: str, run_id: str) -> dict:
+    """A smoke run's device memory per core: the plan's estimate, the measured peak and, on Neuron,
+    TorchNeuron's allocator at its peak (the run's peak_memory event)."""
+    view = manager.view(run_id)
+    peak = view.peak_memory or {}
+    return {"step": step, "run": run_id, "estimated_bytes": (view.launch().get("memory") or {}).get("bytes"),
+            "peak_bytes": peak.get("bytes"), "measured": peak.get("measured"), "allocator": peak.get("allocator")}
+
+
+def cpu_fallbacks(manager: RunManager, runs: list[tuple[str, str]]) -> dict:
+    """Lines of the smoke runs' logs that say an op ran on the CPU instead of the device (the
+    warning PyTorch's out-of-tree backends give for their CPU fallback; TorchNeuron's wording is
+    not confirmed here): their count per step and the first few."""
+    counts, lines = {}, []
+    for step, run_id in runs:
+        log = manager.view(run_id).dir / "train.log"
+        found = [line.strip() for line in log.read_text(errors="replace").splitlines() if FALLBACK.search(line)] if (
+            log.is_file()) else []
+        counts[step] = len(found)
+        lines += [f"{step}: {line[:300]}" for line in found[:3]]
+    return {"counts": counts, "total": sum(counts.values()), "first": lines[:10]}
 
 
 # --- in the background (the web app) ---------------------------------------------------------
@@ -382,17 +597,34 @@ def render(report: dict) -> str:
     """The report as Markdown: the verdict, a table of the steps, then what the machine runs."""
     lines = [f"# Studio smoke test: {'PASSED' if report['passed'] else 'FAILED'}", "",
              f"{report['started']}, {report['seconds']} s; {report['folder']}", "",
-             "| step | result | seconds | found / error |", "|---|---|---|---|"]
+             "| step | result | seconds | found / error | proves | time limit |", "|---|---|---|---|---|---|"]
     for step in report["steps"]:
         said = (step["error"] or step["found"]).replace("|", "\\|").replace("\n", " ")
-        result = "running" if step["ok"] is None else "PASS" if step["ok"] else "**FAIL**"
-        lines.append(f"| {step['name']} | {result} | {step['seconds']} | {said} |")
+        result = "running" if step["ok"] is None else "skipped" if step.get("skipped") else (
+            "PASS" if step["ok"] else "**FAIL**")
+        lines.append(f"| {step['name']} | {result} | {step['seconds']} | {said} | {step.get('proves', '')} | "
+                     f"{step.get('limit_s', '')} |")
+    lines += ["", "## Device memory per core", "", "| step | run | estimated | peak | allocator at its peak |",
+              "|---|---|---|---|---|"]
+    for row in report.get("memory", []):
+        allocator = row["allocator"] if isinstance(row["allocator"], dict) else {}
+        held = allocator.get("allocated_bytes", {}) if isinstance(allocator.get("allocated_bytes"), dict) else {}
+        lines.append(f"| {row['step']} | {row['run']} | {_mib(row['estimated_bytes'])} | {_mib(row['peak_bytes'])} | "
+                     f"{_mib(held.get('peak')) if held else row['allocator'] or '(not on this device)'} |")
+    fallbacks = report.get("cpu_fallbacks", {})
+    lines += ["", f"## CPU fallbacks named in the runs' logs: {fallbacks.get('total', 0)}", "",
+              *[f"- {line}" for line in fallbacks.get("first", [])],
+              "", "## Compile artifacts", "", "```", json.dumps(report.get("artifacts"), indent=2), "```"]
     lines += ["", "## Versions", "", *[f"- {k}: {v}" for k, v in report["versions"].items()], "",
               "## Hardware", "", "```", json.dumps(report["hardware"], indent=2), "```", "",
               "## Compile cache entries (before, after)", "", "```", json.dumps(report["compile_cache"], indent=2),
               "```", "", "## Environment (Neuron, EFA, studio, compiler)", "",
               *([f"- {k}={v}" for k, v in report["env"].items()] or ["(none set)"]), ""]
     return "\n".join(lines)
+
+
+def _mib(value) -> str:
+    return f"{value / 2 ** 20:.0f} MiB" if isinstance(value, (int, float)) else "-"
 
 
 def verdict(steps: list[Step]) -> str:
