@@ -20,7 +20,7 @@ import pytest
 
 from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, Request, batch_bucket, engine_plan, length_buckets
 from studio_core.serve.chat import resolve
-from studio_core.serve.generation import Generator
+from studio_core.serve.generation import Generator, NoRoom, buckets_for
 from studio_core.serve.row_adapters import config_problem
 
 QA = Path(__file__).resolve().parent.parent / "studio_core" / "data" / "samples" / "qa.jsonl"
@@ -89,6 +89,16 @@ def test_the_plan_compiles_a_graph_per_bucket_on_a_device_and_says_why_when_it_d
     assert single.mode == "single" and single.graphs == 0 and "DoRA" in single.describe()
     assert engine_plan("neuron", 1, 1024).describe().startswith("one request at a time")
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+
+
+@pytest.mark.fast
+def test_an_answer_that_leaves_no_prompt_bucket_is_refused_not_given_a_bucket_of_its_own():
+    """A bucket cut to the room left would be a new prompt shape (a compilation on Neuron) for
+    every such max_new_tokens."""
+    assert buckets_for(1024, 960) == [64] and buckets_for(1024, 512) == [64, 128, 256, 512]
+    for max_new_tokens in (961, 1000, 1023):
+        with pytest.raises(NoRoom, match="ask for at most 960 new tokens"):
+            buckets_for(1024, max_new_tokens)
 
 
 @pytest.mark.fast
