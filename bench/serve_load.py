@@ -19,7 +19,8 @@ on the other CPUs, so no server is helped by another core and none competes with
   attention, shapes not bounded), with the chat template's arguments the studio renders with
   (`--chat-template-kwargs '{"enable_thinking": false}'` for the tiny Qwen3: without it, it
   renders another prompt and writes Qwen3's empty think block, 4 more tokens an answer).
-(The studio's two servers hold that CPU's lease each, so each has a copy of the runs folder.)
+(The studio's two servers hold that CPU's lease each, so each has a copy of the runs folder with
+leases of its own: STUDIO_LEASES_DIR=.leases.)
 The load: N concurrent streamed requests at a time, each client asking --requests built-in
 questions one after another (greedy, max_tokens 48), all starting together; the clients are
 asyncio tasks of one httpx client in the bench's process, reading the server-sent events as
@@ -128,14 +129,16 @@ def start_servers(work: Path, run_dir: Path, model_dir: Path, clients: int, cpu:
     `transformers serve` too (so both write the same answers from the same prompts)."""
     servers = {}
     for name, batch in (("one at a time", "1"), ("batched", "16")):
-        runs = work / f"runs-{batch}"  # each server holds the lease of its CPU: a runs folder of its own
+        # both servers hold the lease of the one CPU: each a runs folder, and leases, of its own
+        # (a relative STUDIO_LEASES_DIR keeps the leases in each runs folder, not machine-wide)
+        runs = work / f"runs-{batch}"
         shutil.copytree(run_dir, runs / run_dir.name)
         port = free_port()
         server = subprocess.Popen([sys.executable, "launch.py", "serve", run_dir.name, "--port", str(port),
                                    "--runs-dir", str(runs), "--api-key-file", str(work / "key"),
                                    "--max-queue", str(clients), "--max-batch", batch], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                  preexec_fn=on_one_cpu(cpu))
+                                  preexec_fn=on_one_cpu(cpu), env={**os.environ, "STUDIO_LEASES_DIR": ".leases"})
         PROCS.groups.append(server)
         line = server.stdout.readline()
         if not line.startswith("Serving "):

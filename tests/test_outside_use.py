@@ -72,12 +72,15 @@ def test_the_parser_counts_core_ids_when_an_older_neuron_ls_leaves_them_out_and_
             parse_neuron_ls(text)
 
 
-def stand_in(folder: Path, devices: list[dict] | None, exit_code: int = 0, stderr: str = "") -> None:
-    """A `neuron-ls` on PATH that prints `devices` as --json-output does (or fails as told)."""
+def stand_in(folder: Path, devices: list[dict] | None, exit_code: int = 0, stderr: str = "",
+             takes: tuple[str, ...] = ("--json-output",)) -> None:
+    """A `neuron-ls` on PATH that prints `devices` as --json-output does (or fails as told) when
+    called with `takes`, and refuses other arguments as a neuron-ls without them would."""
     folder.mkdir(exist_ok=True)
     script = folder / "neuron-ls"
     script.write_text(f"#!{sys.executable}\nimport sys\n"
-                      f"assert sys.argv[1:] == ['--json-output'], sys.argv\n"
+                      f"if sys.argv[1:] != {list(takes)!r}:\n"
+                      f"    sys.exit('error: unexpected argument ' + repr(sys.argv[1]) + ' found')\n"
                       f"print({json.dumps(json.dumps(devices, indent=4))})\n"
                       f"sys.stderr.write({stderr!r})\nsys.exit({exit_code})\n")
     script.chmod(0o755)
@@ -120,6 +123,10 @@ def test_a_start_on_neuron_skips_the_cores_other_programs_use_and_names_them(tmp
     check = doctor.other_programs(runs, TRN2)
     assert check.ok and f"pid {OTHER_PID}" in check.found and "device 1" not in check.found, check.found
     assert leases.choose(runs, Hardware("cpu", 2, cpu_count=2), 1, None) == [0]  # only Neuron asks neuron-ls
+    # a neuron-ls without --json-output (announced for Neuron 2.34): --output-format json instead
+    stand_in(tmp_path / "bin", [device(0, [proc(OTHER_PID, "python serve.py --port 9000")])],
+             takes=("--output-format", "json"))
+    assert leases.choose(runs, TRN2, 1, None, warnings) == [5] and warnings == []
 
 
 def test_without_neuron_ls_a_start_goes_on_and_the_plan_and_the_doctor_say_so(tmp_path, monkeypatch):
@@ -136,8 +143,9 @@ def test_without_neuron_ls_a_start_goes_on_and_the_plan_and_the_doctor_say_so(tm
     launch = RunManager(runs).plan(RunSpec.load(REPO / "recipes" / "tiny-sft.yaml"), TRN2, this_machine=True)
     assert not launch.errors and warnings[0] in launch.warnings
     assert not doctor.other_programs(runs, TRN2).ok
-    stand_in(tmp_path / "bin", None, exit_code=2, stderr="error: unexpected argument '--json-output' found")
+    stand_in(tmp_path / "bin", None, takes=("--no-json-at-all",))
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     check = doctor.other_programs(runs, TRN2)
-    assert not check.ok and "neuron-ls --json-output exited 2: error: unexpected argument" in check.found
+    assert not check.ok and "neuron-ls --json-output exited 1: error: unexpected argument" in check.found
+    assert "neuron-ls --output-format json exited 1" in check.found
     assert "aws-neuronx-tools" in check.fix and check.line().startswith("FAIL  neuron-ls")

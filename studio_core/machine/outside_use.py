@@ -28,8 +28,9 @@ a stream that must be started and stopped, too slow for a start. A process is th
 when it holds a lease or descends from a holder (a run's ranks under its supervisor).
 
 Written from the documentation, not from output captured on hardware. The docs announce that
-Neuron 2.34 drops --json-output for `--output-format json`; the studio then says neuron-ls
-failed (plan warning, doctor) rather than guess the new format.
+Neuron 2.34 drops --json-output for `--output-format json`: that is tried when the first is
+refused, its output read as the same list; when neither works the studio says neuron-ls failed
+(plan warning, doctor) rather than guess.
 """
 
 from __future__ import annotations
@@ -88,26 +89,33 @@ def outside(devices: list[dict], studio_pids: set[int]) -> dict[int, dict]:
     return busy
 
 
+# `--json-output` as documented; the docs announce `--output-format json` in its place from
+# Neuron 2.34: tried when the first is refused (its output assumed to be the same list).
+JSON_OPTIONS = (["--json-output"], ["--output-format", "json"])
+
+
 def read() -> tuple[list[dict], str | None]:
     """This machine's devices from neuron-ls, or ([], why not) when it is missing or fails."""
     exe = shutil.which(NEURON_LS)
     if exe is None:
         return [], f"{NEURON_LS} is not on PATH ({INSTALL})"
-    try:
-        done = subprocess.run([exe, "--json-output"], capture_output=True, text=True, timeout=TIMEOUT_S,
-                              check=False)
-    except subprocess.TimeoutExpired:
-        return [], f"{NEURON_LS} --json-output gave no answer in {TIMEOUT_S} s"
-    except OSError as error:
-        return [], f"{NEURON_LS} could not be run: {error}"
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip()[-300:]
-        return [], (f"{NEURON_LS} --json-output exited {done.returncode}: {tail} (Neuron 2.34 and later drop "
-                    "--json-output)")
-    try:
-        return parse_neuron_ls(done.stdout), None
-    except ValueError as error:
-        return [], str(error)
+    failures = []
+    for option in JSON_OPTIONS:
+        said = " ".join([NEURON_LS, *option])
+        try:
+            done = subprocess.run([exe, *option], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            return [], f"{said} gave no answer in {TIMEOUT_S} s"
+        except OSError as error:
+            return [], f"{NEURON_LS} could not be run: {error}"
+        if done.returncode != 0:
+            failures.append(f"{said} exited {done.returncode}: {(done.stderr or done.stdout).strip()[-200:]}")
+            continue
+        try:
+            return parse_neuron_ls(done.stdout), None
+        except ValueError as error:
+            return [], f"{said}: {error}"
+    return [], "; ".join(failures)
 
 
 def family(pids: set[int]) -> set[int]:
