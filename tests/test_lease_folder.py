@@ -50,6 +50,16 @@ time.sleep(120)
 """
 
 
+def assert_locked(path) -> None:
+    """Another open file of `path` cannot take its lock: someone holds it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def spawn():
     """Start a holder (`script` with runs folder, backend, core and holder); returns its process."""
@@ -100,20 +110,10 @@ def test_a_core_an_older_studio_holds_in_the_runs_folder_counts_as_held(tmp_path
     with leases.acquire(runs, "cuda", [1], RUN_B, "run") as lease:
         # held in this machine's folder, and in the old one too, where an older studio looks
         assert json.loads((tmp_path / "machine" / "cuda-core-1.lock").read_text())["holder"] == RUN_B
-        fd = os.open(runs / ".leases" / "cuda-core-1.lock", os.O_RDONLY)
-        try:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        finally:
-            os.close(fd)
+        assert_locked(runs / ".leases" / "cuda-core-1.lock")
         assert len(lease.descriptors()) == 2  # a run's torchrun gets both
     with leases.choosing(runs):  # the older studio's chooser lock is taken too
-        fd = os.open(runs / ".leases" / "choosing.lock", os.O_RDONLY)
-        try:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        finally:
-            os.close(fd)
+        assert_locked(runs / ".leases" / "choosing.lock")
     older.send_signal(signal.SIGKILL)
     older.wait(timeout=10)
     assert leases.free_cores(runs, "cuda", 2) == {0, 1}  # its core is free once it has ended
