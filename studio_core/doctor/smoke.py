@@ -73,6 +73,8 @@ from studio_core.recipe.rewards import HUB_TOKENS
 from studio_core.runs.manager import RunManager
 from studio_core.recipe.spec import RunSpec, SpecError
 from studio_core.recipe.validate import TOKEN_VALUE
+from studio_core.rundir.folder import LOG
+from studio_core.training.memory import gib
 
 STEPS = {
     "probe": "the device probe",
@@ -437,7 +439,7 @@ class Smoke:
     def report(self, started: float, seconds: float) -> dict:
         hardware = self.hardware or cpu_hardware()
         cache_before = self.steps[0].details.get("cache_after") if self.steps else None  # after the probe
-        runs = [(s.name, s.details["run"]) for s in self.steps if s.details.get("run")]
+        runs = [(s.name, self.manager.view(s.details["run"])) for s in self.steps if s.details.get("run")]
         steps = [{**asdict(s), "proves": PROVES[s.name], "limit_s": time_limit(s.name, hardware.backend)}
                  for s in self.steps]
         return {"report": "studio smoke test", "passed": bool(self.steps) and all(s.ok for s in self.steps)
@@ -446,8 +448,8 @@ class Smoke:
                 "seconds": round(seconds, 1), "folder": str(self.folder), "hardware": hardware.to_dict(),
                 "versions": versions(), "env": safe_environment(os.environ),
                 "compile_cache": {"before": cache_before, "after": self.cache_entries() if self.hardware else None},
-                "memory": [memory_row(self.manager, name, run) for name, run in runs],
-                "cpu_fallbacks": cpu_fallbacks(self.manager, runs),
+                "memory": [memory_row(name, view) for name, view in runs],
+                "cpu_fallbacks": cpu_fallbacks(runs),
                 "artifacts": artifacts(self.folder / ARTIFACTS, hardware.backend),
                 "steps": steps}
 
@@ -483,22 +485,21 @@ def artifacts(folder: Path, backend: str) -> dict:
             "neffs": sum(p.suffix == ".neff" for p in files)}
 
 
-def memory_row(manager: RunManager, step: str, run_id: str) -> dict:
+def memory_row(step: str, view) -> dict:
     """A smoke run's device memory per core: the plan's estimate, the measured peak and, on Neuron,
     TorchNeuron's allocator at its peak (the run's peak_memory event)."""
-    view = manager.view(run_id)
     peak = view.peak_memory or {}
-    return {"step": step, "run": run_id, "estimated_bytes": (view.launch().get("memory") or {}).get("bytes"),
+    return {"step": step, "run": view.id, "estimated_bytes": (view.launch().get("memory") or {}).get("bytes"),
             "peak_bytes": peak.get("bytes"), "measured": peak.get("measured"), "allocator": peak.get("allocator")}
 
 
-def cpu_fallbacks(manager: RunManager, runs: list[tuple[str, str]]) -> dict:
+def cpu_fallbacks(runs: list[tuple[str, object]]) -> dict:
     """Lines of the smoke runs' logs that say an op ran on the CPU instead of the device (the
     warning PyTorch's out-of-tree backends give for their CPU fallback; TorchNeuron's wording is
     not confirmed here): their count per step and the first few."""
     counts, lines = {}, []
-    for step, run_id in runs:
-        log = manager.view(run_id).dir / "train.log"
+    for step, view in runs:
+        log = view.dir / LOG
         found = [line.strip() for line in log.read_text(errors="replace").splitlines() if FALLBACK.search(line)] if (
             log.is_file()) else []
         counts[step] = len(found)
@@ -609,8 +610,8 @@ def render(report: dict) -> str:
     for row in report.get("memory", []):
         allocator = row["allocator"] if isinstance(row["allocator"], dict) else {}
         held = allocator.get("allocated_bytes", {}) if isinstance(allocator.get("allocated_bytes"), dict) else {}
-        lines.append(f"| {row['step']} | {row['run']} | {_mib(row['estimated_bytes'])} | {_mib(row['peak_bytes'])} | "
-                     f"{_mib(held.get('peak')) if held else row['allocator'] or '(not on this device)'} |")
+        lines.append(f"| {row['step']} | {row['run']} | {_size(row['estimated_bytes'])} | {_size(row['peak_bytes'])} | "
+                     f"{_size(held.get('peak')) if held else row['allocator'] or '(not on this device)'} |")
     fallbacks = report.get("cpu_fallbacks", {})
     lines += ["", f"## CPU fallbacks named in the runs' logs: {fallbacks.get('total', 0)}", "",
               *[f"- {line}" for line in fallbacks.get("first", [])],
@@ -623,8 +624,8 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _mib(value) -> str:
-    return f"{value / 2 ** 20:.0f} MiB" if isinstance(value, (int, float)) else "-"
+def _size(value) -> str:
+    return gib(value) if isinstance(value, (int, float)) else "-"
 
 
 def verdict(steps: list[Step]) -> str:

@@ -162,11 +162,11 @@ class BatchEngine:
         self.adapter_rows, self.adapters = rows, {name: number for number, name in enumerate(names)}
         with torch.no_grad():
             self.cache = slot_cache(model, self.rows, cells)
+        self.graphs = len(self.prefills) + len(self.buckets) * len(self.lengths)  # a prefill or decode a bucket
         self.compiler, self.strict = compiler, False
         self.forward = _forward
         if compiler:
-            limit = len(self.prefills) + len(self.buckets) * len(self.lengths)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit + 8)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.graphs + 8)
             self.forward = torch.compile(_forward, backend=compiler, fullgraph=True, dynamic=False)
         text = model.config.get_text_config()
         self.mask_types = set(getattr(text, "layer_types", None) or ["full_attention"])
@@ -238,18 +238,16 @@ class BatchEngine:
         import torch
 
         began = time.monotonic()
-        total = len(self.prefills) + len(self.buckets) * len(self.lengths)
         with torch.no_grad():
             for done, length in enumerate(self.prefills, 1):
-                self._run(torch.full((1, length), self.pad), torch.arange(length)[None], self._prefill_masks(length),
-                          self.scratch * self.cells + torch.arange(length), None, length, [0])
-                on_graph(done, total)
+                self._prefill_at([], self.scratch, length, 0)
+                on_graph(done, self.graphs)
             for done, (width, length) in enumerate(itertools.product(self.buckets, self.lengths), done + 1):
                 self._decode_at([], width, length)
-                on_graph(done, total)
+                on_graph(done, self.graphs)
         self.strict = self.compiler is not None
         self.ran.clear()  # what requests ran, from here
-        return {"graphs": total, "seconds": round(time.monotonic() - began, 2)}
+        return {"graphs": self.graphs, "seconds": round(time.monotonic() - began, 2)}
 
     def step(self) -> None:
         """One step boundary: the cancelled leave, the waiting that fit join (each prefilled), then
@@ -281,26 +279,27 @@ class BatchEngine:
     def _prefill(self, request: Request) -> None:
         """The request's prompt but its last token, right-padded to its bucket, into its row's
         first cells; its last token is its first decode step's input."""
-        import torch
+        request.cell, request.next = len(request.ids) - 1, request.ids[-1]
+        if request.cell:
+            self._prefill_at(request.ids[:-1], request.row, request.bucket, self._adapter(request))
 
-        count = len(request.ids) - 1
-        request.cell, request.next = count, request.ids[-1]
-        if not count:
-            return
-        length = request.bucket
-        ids = torch.tensor([request.ids[:-1] + [self.pad] * (length - count)])
-        self._run(ids, torch.arange(length)[None], self._prefill_masks(length),
-                  request.row * self.cells + torch.arange(length), None, length, [self._adapter(request)])
-
-    def _prefill_masks(self, length: int) -> dict:
+    def _prefill_at(self, ids: list[int], row: int, length: int, adapter: int) -> None:
+        """A prefill of `ids`, right-padded to `length`, into `row`'s first cells."""
         import torch
 
         cells = torch.arange(length)
-        seen = cells[None, :] <= cells[:, None]  # causal: the padding at the end is seen by no real token
+        self._run(torch.tensor([ids + [self.pad] * (length - len(ids))]), cells[None],
+                  self._masks(cells[None, :], cells[:, None], (1, 1, length, length)),  # causal: padding unseen
+                  row * self.cells + cells, None, length, [adapter])
+
+    def _masks(self, keys, queries, shape: tuple[int, ...]) -> dict:
+        """Each attention kind's mask of the model (a bool per query and key cell: the key at or
+        before the query, and within the window for sliding layers), in `shape`."""
+        seen = keys <= queries
         masks = {"full_attention": seen}
         if "sliding_attention" in self.mask_types:
-            masks["sliding_attention"] = seen & (cells[None, :] > cells[:, None] - self.window)
-        return {kind: mask[None, None] for kind, mask in masks.items() if kind in self.mask_types}
+            masks["sliding_attention"] = seen & (keys > queries - self.window)
+        return {kind: mask.reshape(shape) for kind, mask in masks.items() if kind in self.mask_types}
 
     def _decode(self) -> None:
         n = len(self.active)
@@ -317,11 +316,7 @@ class BatchEngine:
         pad = width - len(requests)
         cells = torch.tensor([r.cell for r in requests] + [0] * pad)
         rows = torch.tensor([r.row for r in requests] + [self.scratch] * pad)
-        seen = torch.arange(length)[None, :] <= cells[:, None]  # each row: its own cells up to its new one
-        masks = {"full_attention": seen}
-        if "sliding_attention" in self.mask_types:
-            masks["sliding_attention"] = seen & (torch.arange(length)[None, :] > cells[:, None] - self.window)
-        masks = {kind: mask[:, None, None] for kind, mask in masks.items() if kind in self.mask_types}
+        masks = self._masks(torch.arange(length)[None, :], cells[:, None], (width, 1, 1, length))  # its own cells
         ids = torch.tensor([[r.next] for r in requests] + [[self.pad]] * pad)
         return self._run(ids, cells[:, None], masks, rows * self.cells + cells, rows, length,
                          [self._adapter(r) for r in requests] + [0] * pad)

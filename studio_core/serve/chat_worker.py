@@ -11,7 +11,8 @@ block, and the static KV cache's size in MiB). Then each stdin line is a request
 "generate", "id", "which": "tuned"|"base", "messages" (or "text": a plain prompt, no chat
 template), "temperature", "top_p", "max_new_tokens", "seed", "model" (which of several runs'
 adapters answers), "whole" (a prompt that does not fit is an error with code
-context_length_exceeded, not cut)}, {"op": "stop"} (ends the running generation) or {"op": "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
+context_length_exceeded, not cut)}, {"op": "stop"} (ends the running generation) or {"op":
+"quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
 {id, stopped, prompt_tokens, bucket, new_tokens, dropped_turns, ttft_s, seconds, text, shapes},
 error.
 
@@ -117,7 +118,7 @@ def start_engine(chat: Generator, plan: EnginePlan, max_batch: int, out: StepOut
 def batched_engine(chat: Generator, plan: EnginePlan, max_batch: int, out: StepOutput):
     """The batched engine over the chat's model: its LoRA adapters gathered per row (the run's own
     adapter alone, or several runs'), compiled by the plan's compiler when it has one."""
-    names = list(chat.adapter_names.values()) or (["default"] if chat.has_adapters else [])
+    names = chat.peft_adapters
     model, rows, undo = install(chat.model, names) if names else (chat.model, None, lambda: None)
     chat.stop_counting()  # the engine counts its own shapes; a hook would be traced into its graphs
     engine = BatchEngine(model, chat.pad, eos_ids(chat), chat.max_cache_len,
@@ -239,8 +240,7 @@ def main() -> int:
                 return 1
             max_batch = setup.get("max_batch", 1)
             plan = engine_plan(setup["backend"], max_batch, chat.max_cache_len, bool(setup.get("compile")),
-                               unsupported(chat.model, list(chat.adapter_names.values()) or ["default"])
-                               if chat.has_adapters else None)
+                               unsupported(chat.model, chat.peft_adapters) if chat.peft_adapters else None)
             engine, out, warmup = None, StepOutput(), {}
             if plan.mode != "single":
                 engine, plan, warmup = start_engine(chat, plan, max_batch, out)

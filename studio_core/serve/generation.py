@@ -141,9 +141,10 @@ class Generator:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @property
-    def has_adapters(self) -> bool:
-        """Whether the model is a PEFT model: a LoRA run's, or several runs' on one base."""
-        return bool(self.adapter_names or self.setup.get("adapter"))
+    def peft_adapters(self) -> list[str]:
+        """The PEFT adapter names the model holds: several runs' (adapter0, ...), a LoRA run's own
+        ("default", PEFT's name for it), or none."""
+        return list(self.adapter_names.values()) or (["default"] if self.setup.get("adapter") else [])
 
     @property
     def has_base(self) -> bool:
