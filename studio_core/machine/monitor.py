@@ -57,8 +57,11 @@ class ProcessSampler:
             try:
                 if proc.status() == psutil.STATUS_ZOMBIE:
                     continue
+                memory = proc.memory_info().rss
+                if memory == 0:  # exiting: its memory is already released, though not yet a zombie
+                    continue
                 cpu += proc.cpu_percent(interval=None)
-                rss += proc.memory_info().rss
+                rss += memory
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 continue  # ended while we looked (or, never expected, not ours to read)
             seen[proc.pid] = proc
