@@ -3,7 +3,7 @@
 The studio must be usable (and testable) without access to the Hugging Face Hub.
 This module provides:
 
-* ``BUILTIN_MODEL`` - the id of a tiny Qwen3-architecture causal LM (~0.1M
+* ``BUILTIN_MODEL`` - the id of a tiny Qwen3-architecture causal LM (~0.2M
   parameters) whose folder :func:`ensure_tiny_model` builds locally from
   scratch: a byte-level BPE tokenizer trained on the sample datasets, the Qwen3
   chat template that ships with ``trl``, and deterministically initialised
@@ -41,7 +41,7 @@ from studio_core.machine.cache import cache_dir
 
 BUILTIN_MODEL = "builtin:tiny-qwen3"
 # Bump when the recipe below changes, so a cached folder from an older recipe is not reused.
-TINY_MODEL_FOLDER = "tiny-qwen3-v1"
+TINY_MODEL_FOLDER = "tiny-qwen3-v2"
 
 _DATA_DIR = Path(__file__).parent / "samples"
 _SAMPLE_FILES: dict[str, Path] = {
@@ -81,8 +81,9 @@ BUILTIN_DATASETS: Mapping[str, Path] = _BuiltinDatasets()
 CORPUS_DATASETS = ("builtin:chat", "builtin:qa")
 _SEED = 0
 # The tiny model's shape, known without building it (the layout check reads its heads)
+# head_dim 64, not hidden_size / heads (16): vLLM's CPU attention serves head sizes of 32 and up only
 TINY_ARCHITECTURE = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 TINY_VOCAB = 1002  # its tokenizer's: the 1000 of _VOCAB_SIZE, and the added tokens that are not special
 # Serialises builds within one process: seeding torch's global RNG is not thread-safe.
 _BUILD_LOCK = threading.Lock()
