@@ -18,11 +18,12 @@ from typing import Callable
 import gradio as gr
 
 from studio_core.data.builtin import BUILTIN_MODEL
-from studio_core.serve.chat import (BATCH_BUCKETS, EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown,
-                                    split_reasoning)
+from studio_core.serve.chat import (BATCH_BUCKETS, EMPTY_ANSWER, MAX_CACHE_LEN, UNTRAINED, ChatError, ChatProcess,
+                                    shown, split_reasoning)
 from studio_core.machine.cores import format_cores
 from studio_core.machine.hardware import Hardware
 from studio_core.serve.openai_api import ApiServer
+from studio_core.serve.vllm_server import VllmServer, decide
 from studio_core.runs.history import runs_with_a_model
 from studio_core.runs.manager import RunManager
 
@@ -34,6 +35,7 @@ class ChatHolder:
         self.chat: ChatProcess | None = None
         self.server: ApiServer | None = None  # the loaded model behind OpenAI's API, when served
         self.served: ChatProcess | None = None  # a batched process of its own, when other runs are served with it
+        self.vllm: VllmServer | None = None  # vLLM's server, when it serves them
         self.lock = threading.Lock()
 
     def load(self, name: str, manager: RunManager, hardware: Hardware) -> str:
@@ -62,10 +64,11 @@ class ChatHolder:
             self.chat = None
 
     def serve(self, on: bool, port: int, also: list[str] | None = None, manager: RunManager | None = None,
-              hardware: Hardware | None = None) -> tuple[str, str]:
+              hardware: Hardware | None = None, engine: str = "auto") -> tuple[str, str]:
         """Serve the loaded model at http://127.0.0.1:PORT/v1 (on), or stop; (status, client snippet).
         With `also` (other LoRA runs of its base), the runs are served together by a batched chat
-        process of their own, on another core (this tab's chat keeps its own)."""
+        process of their own, on another core (this tab's chat keeps its own). `engine`: auto,
+        studio or vllm (serve/vllm_server.py's `decide`); vLLM loads its own copy on a core of its own."""
         with self.lock:
             self._stop_serving()
             if not on:
@@ -73,6 +76,20 @@ class ChatHolder:
             if self.chat is None or not self.chat.alive:
                 return "**Load a run or a model first**, then serve it.", ""
             label, also = self.chat.target.label, [name for name in also or [] if name != self.chat.target.label]
+            names = [label, *also]
+            try:
+                chosen, why, env = decide(None if engine == "auto" else engine, names, manager.runs_dir,
+                                          hardware.backend, BATCH_BUCKETS[-1])
+                if chosen == "vllm":
+                    self.vllm = VllmServer.start(names, manager.runs_dir, hardware, env, "127.0.0.1", int(port), None,
+                                                 MAX_CACHE_LEN, BATCH_BUCKETS[-1])
+            except ChatError as error:
+                self._stop_serving()
+                return f"**Not served:** {error}", ""
+            if self.vllm is not None:
+                return (f"Serving {', '.join(f'`{name}`' for name in names)} at **{self.vllm.url}** (OpenAI's API, this "
+                        f"machine only) through **vLLM** {env.version}: {why}. Its log: `{self.vllm.log}`."), \
+                    client_snippet(self.vllm.url, label)
             try:  # this machine only, and no key: another host goes through `launch.py serve --api-key-file`
                 if also:
                     self.served = ChatProcess.start(label, manager.runs_dir, hardware, max_batch=BATCH_BUCKETS[-1],
@@ -81,16 +98,18 @@ class ChatHolder:
             except (ChatError, OSError) as error:
                 self._stop_serving()
                 return f"**Not served:** {error}", ""
-            names = [label, *also]
             how = (f"{len(names)} runs on one base, each its own model name, decoded together on core "
                    f"{format_cores(self.served.cores)}: {self.served.info['engine']['says']}") if also else (
                 "requests take turns with this tab's chat")
             return (f"Serving {', '.join(f'`{name}`' for name in names)} at **{self.server.url}** (OpenAI's API, this "
-                    f"machine only; {how}). To serve to other hosts, with a key: "
+                    f"machine only; the studio's engine, {why}; {how}). To serve to other hosts, with a key: "
                     f"`launch.py serve {' '.join(names)} --host 0.0.0.0 --api-key-file FILE`."), \
                 client_snippet(self.server.url, label)
 
     def _stop_serving(self) -> None:
+        if self.vllm is not None:
+            self.vllm.stop()
+            self.vllm = None
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -192,6 +211,9 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
             serving = gr.Checkbox(False, label="Serve at http://127.0.0.1:PORT/v1 (this machine only)",
                                   elem_id="serve-on")
             port = gr.Number(8000, label="Port", precision=0, minimum=1, maximum=65535, elem_id="serve-port")
+        engine = gr.Radio([("Auto: vLLM when it is set up and can serve the runs, else the studio's", "auto"),
+                           ("The studio's engine", "studio"), ("vLLM", "vllm")], value="auto", label="Engine",
+                          elem_id="serve-engine")
         also = gr.Dropdown([], value=[], multiselect=True, elem_id="serve-also",
                            label="With other LoRA runs of its base (optional): each its own model name, served "
                                  "together in batches by a process of their own")
@@ -246,8 +268,8 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
                                                       [serving, served, snippet])
     unload.click(holder.unload, None, status).then(lambda: (False, "Not served.", ""), None,
                                                    [serving, served, snippet])
-    serving.input(lambda on, port, others: holder.serve(on, port, others, manager, hardware), [serving, port, also],
-                  [served, snippet])
+    serving.input(lambda on, port, others, which: holder.serve(on, port, others, manager, hardware, which),
+                  [serving, port, also, engine], [served, snippet])
     also.focus(lambda: gr.update(choices=runs_with_a_model(manager, chats=True)), None, also)
     send.click(on_send, inputs, outputs)
     message.submit(on_send, inputs, outputs)

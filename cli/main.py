@@ -140,7 +140,13 @@ def parser() -> argparse.ArgumentParser:
                        "start on the CPU too (on Neuron and CUDA they always are: a graph per bucket, none after)")
     serve.add_argument("--plan", action="store_true", help="a model: say how it would be served (engine, graphs to "
                        "compile at start, buckets) and exit, loading nothing")
-    serve.add_argument("--cores", help="a model: the core to load it on (default: the first free one)")
+    serve.add_argument("--cores", help="a model: the core to load it on (default: the first free one); with vLLM "
+                       "on a device, several (e.g. 0-3: tensor parallel over them)")
+    serve.add_argument("--engine", choices=("studio", "vllm"), help="a model: who serves it: the studio's own "
+                       "batched engine, or vLLM from its own environment (default: vLLM when it is set up and can "
+                       "serve the runs, else the studio's; the choice and why are printed)")
+    serve.add_argument("--setup-vllm", action="store_true", help="make vLLM's own environment (.venv-vllm) for this "
+                       "machine's device from requirements-vllm-<device>.txt, check it and exit")
     serve.add_argument("--backend", choices=("cpu",), help="a model: serve it on the CPU even if a device is present")
 
     def run_flags(sub, name: str) -> None:

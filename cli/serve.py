@@ -4,6 +4,8 @@ OpenAI-compatible endpoint for it (studio_core/serve/openai_api.py), local-only 
 from __future__ import annotations
 
 import ipaddress
+import os
+import shlex
 import signal
 import stat
 import sys
@@ -11,14 +13,18 @@ import threading
 from pathlib import Path
 
 from cli.options import CommandLineError, runs_folder
+from studio_core.machine.cores import parse_cores
 
 
 def cmd_serve(args) -> int:
+    if args.setup_vllm:
+        return setup_vllm(args)
     if args.target:
         return serve_model(args)
     given = [flag for flag, value in (("--api-key-file", args.api_key_file), ("--cores", args.cores),
                                       ("--backend", args.backend), ("--max-cache-len", args.max_cache_len),
-                                      ("--compile", args.compile), ("--plan", args.plan)) if value]
+                                      ("--compile", args.compile), ("--plan", args.plan), ("--engine", args.engine))
+             if value]
     if given:
         raise CommandLineError(f"{', '.join(given)}: these go with a model to serve (launch.py serve RUN_OR_MODEL)")
     args.port = args.port or 7860
@@ -76,6 +82,7 @@ def serve_model(args) -> int:
     from cli.options import check_one_core, hardware_for
     from studio_core.serve.chat import MAX_CACHE_LEN, ChatError, ChatProcess
     from studio_core.serve.openai_api import ApiServer
+    from studio_core.serve.vllm_server import decide
 
     if args.auth or args.auth_file:
         raise CommandLineError("--auth / --auth-file are the web app's logins; a model's endpoint takes "
@@ -87,8 +94,16 @@ def serve_model(args) -> int:
         return 2
     runs_dir = runs_folder(args, write=not args.plan)  # the chat process holds a core there
     hardware = hardware_for(args)
-    check_one_core(args.cores, hardware)
     max_cache_len = args.max_cache_len or MAX_CACHE_LEN
+    try:
+        engine, why, env = decide(args.engine, args.target, runs_dir, hardware.backend, args.max_batch)
+    except ChatError as error:
+        print(f"Cannot serve: {error}", file=sys.stderr)
+        return 2
+    print(f"Engine chosen: {'vLLM' if engine == 'vllm' else 'the studio engine'}: {why}", file=sys.stderr, flush=True)
+    if engine == "vllm":
+        return serve_with_vllm(args, runs_dir, hardware, env, key, max_cache_len)
+    check_one_core(args.cores, hardware)
     if args.plan:
         return print_plan(args, runs_dir, hardware, max_cache_len)
     try:
@@ -172,3 +187,80 @@ def read_api_key(path: str) -> str:
         print(f"Warning: --api-key-file {path} is open to other users of this machine (mode {mode:04o}): they can "
               f"read the key (or change it). Run chmod 600 {path}", file=sys.stderr)
     return key
+
+
+def serve_with_vllm(args, runs_dir, hardware, env, key: str | None, max_cache_len: int) -> int:
+    """The runs behind vLLM's own OpenAI server (serve/vllm_server.py), until Ctrl-C or SIGTERM."""
+    from studio_core.serve.chat import ChatError
+    from studio_core.serve.vllm_server import START_TIMEOUT_S, VllmServer, arguments, plan
+
+    port = args.port or 8000
+    if args.plan:
+        try:
+            serving = plan(args.target, runs_dir, args.max_batch)
+        except ChatError as error:
+            print(f"Cannot serve: {error}", file=sys.stderr)
+            return 2
+        cores = len(parse_cores(args.cores)) if args.cores else 1
+        argv = arguments(serving, hardware.backend, args.host, port, max_cache_len, args.max_batch, cores, args.compile)
+        print(f"Serving {', '.join(serving.names)} with {env.describe()}: {env.python} -m "
+              f"vllm.entrypoints.openai.api_server {shlex.join(argv)}")
+        return 0
+    said = [0.0]
+
+    def waiting(waited: float) -> None:
+        if waited - said[0] >= 30:
+            said[0] = waited
+            print(f"Waiting for vLLM to start: {waited:.0f} s (at most {START_TIMEOUT_S} s)", file=sys.stderr,
+                  flush=True)
+
+    try:
+        server = VllmServer.start(args.target, runs_dir, hardware, env, args.host, port, key, max_cache_len,
+                                  args.max_batch, cores=args.cores, compiled=args.compile, on_wait=waiting)
+    except ChatError as error:
+        print(f"Cannot serve: {error}", file=sys.stderr)
+        return 2
+    needs_key = "required" if key else "not required"
+    print(f"Serving {', '.join(server.plan.names)} at {server.url} (OpenAI's API through vLLM {env.version}; key "
+          f"{needs_key}; up to {args.max_batch} requests together; its log: {server.log}); Ctrl-C ends it", flush=True)
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
+    try:
+        while not terminated.wait(0.5) and server.alive:
+            continue
+        if not server.alive:
+            print(f"vLLM ended (exit code {server.proc.returncode}); its log ends:\n{server.log_tail()}",
+                  file=sys.stderr)
+            return 1
+        print("Stopped (SIGTERM): vLLM and its workers end, the cores are freed.", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("Stopped (Ctrl-C): vLLM and its workers end, the cores are freed.", file=sys.stderr)
+    finally:
+        left = server.stop()
+        if left:
+            print(f"Warning: vLLM processes {left} outlived SIGKILL", file=sys.stderr)
+    return 0
+
+
+def setup_vllm(args) -> int:
+    """Make .venv-vllm for this machine's device, then check it."""
+    from cli.options import hardware_for
+    from studio_core.serve import vllm_env
+
+    if args.target:
+        raise CommandLineError("--setup-vllm takes no run: run it alone, then serve")
+    backend = hardware_for(args).backend
+    print(f"Making vLLM's environment for {backend} in {vllm_env.VENV} from {vllm_env.REQUIREMENTS[backend]} "
+          "(a few minutes; several GB)", flush=True)
+    try:
+        env = vllm_env.setup(backend)
+    except RuntimeError as error:
+        print(f"vLLM setup failed: {error}", file=sys.stderr)
+        return 1
+    print(env.describe())
+    if not env.usable:
+        return 1
+    if os.environ.get(vllm_env.PYTHON_VARIABLE):
+        print(f"Note: {vllm_env.PYTHON_VARIABLE} is set and names another vLLM; unset it to serve with this one",
+              file=sys.stderr)
+    return 0

@@ -196,7 +196,7 @@ def test_lease_descriptors_are_not_inheritable(tmp_path):
 
 @pytest.mark.parametrize("backend, cores, kind, fix", [
     ("tpu", [0], "run", "use one of neuron, cuda, cpu"),
-    ("neuron", [0], "train", "use one of run, chat, eval, export"),
+    ("neuron", [0], "train", "use one of run, chat, serve, eval, export"),
     ("neuron", [-1], "run", "whole numbers from 0 up"),
     ("neuron", [], "run", "at least one core"),
 ])

@@ -42,6 +42,7 @@ from studio_core.machine.compile_cache import compile_cache_dir, compile_cache_r
 from studio_core.machine.device_env import CC_FLAGS, CompilerFlagsError, device_env, flags_problem
 from studio_core.machine.hardware import TORCH_XLA_PROBLEM, Hardware, detect_hardware, instance_type
 from studio_core.machine.outside_use import KIND as OUTSIDE
+from studio_core.serve import vllm_env
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "huggingface_hub", "gradio")
 TIMEOUT_S = {"cpu": 300, "cuda": 300, "neuron": 1800}  # a first Neuron compile takes minutes
@@ -84,9 +85,27 @@ def checks(runs_dir: str | Path, hardware: Hardware | None = None) -> Iterator[C
     yield folder_writable("runs folder", runs_dir, "choose a runs folder you can write to: --runs-dir or "
                           "$STUDIO_RUNS_DIR")
     yield hub()
+    yield vllm(hardware.backend)
 
 
 # --- software -----------------------------------------------------------------------------
+def vllm(backend: str) -> Check:
+    """vLLM's own environment (serve/vllm_env.py), optional: importable, its version, its device and plugin."""
+    env = vllm_env.find()
+    if env.python is None:
+        return Check("vllm", True, "not set up (optional: `launch.py serve` uses the studio's engine; "
+                                   "`launch.py serve --setup-vllm` makes vLLM's environment)")
+    if env.problem:
+        return Check("vllm", False, env.describe(), vllm_env.SETUP_HINT)
+    if env.device != backend:
+        return Check("vllm", False, f"{env.describe()}: vLLM sees {env.device}, the studio {backend}",
+                     "make the environment on this machine: `launch.py serve --setup-vllm`")
+    if backend == "neuron" and not env.plugin:
+        return Check("vllm", False, f"{env.describe()}, without the Neuron plugin", "install vllm-neuron there: "
+                     "`launch.py serve --setup-vllm` (requirements-vllm-neuron.txt)")
+    return Check("vllm", True, env.describe())
+
+
 def built_for() -> dict[str, str]:
     """{package: specifier} from requirements.txt, the versions the studio is built and tested with."""
     from packaging.requirements import InvalidRequirement, Requirement

@@ -48,7 +48,7 @@ from studio_core.machine.cores import parse_cores
 from studio_core.machine.hardware import DEVICES
 from studio_core.machine.layout import pick_cores
 
-KINDS = ("run", "chat", "eval", "export", "doctor", "precompile")
+KINDS = ("run", "chat", "serve", "eval", "export", "doctor", "precompile")  # serve: a vLLM server
 LEASES_ENV = "STUDIO_LEASES_DIR"
 OLD_FOLDER = ".leases"  # where a runs folder kept its leases before they were machine-wide
 # A probe (holders) holds a shared lock for microseconds; acquire retries this long
