@@ -87,8 +87,9 @@ class ChatHolder:
                 self._stop_serving()
                 return f"**Not served:** {error}", ""
             if self.vllm is not None:
-                return (f"Serving {', '.join(f'`{name}`' for name in names)} at **{self.vllm.url}** (OpenAI's API, this "
-                        f"machine only) through **vLLM** {env.version}: {why}. Its log: `{self.vllm.log}`."), \
+                listed = ", ".join(f"`{name}`" for name in names)
+                return (f"Serving {listed} at **{self.vllm.url}** (OpenAI's API, this machine only) through "
+                        f"**vLLM** {env.version}: {why}. Its log: `{self.vllm.log}`."), \
                     client_snippet(self.vllm.url, label)
             try:  # this machine only, and no key: another host goes through `launch.py serve --api-key-file`
                 if also:

@@ -136,7 +136,7 @@ def start_servers(work: Path, run_dir: Path, model_dir: Path, clients: int, cpu:
         port = free_port()
         server = subprocess.Popen([sys.executable, "launch.py", "serve", run_dir.name, "--port", str(port),
                                    "--runs-dir", str(runs), "--api-key-file", str(work / "key"),
-                                   "--max-queue", str(clients), "--max-batch", batch], cwd=REPO,
+                                   "--max-queue", str(clients), "--max-batch", batch, "--engine", "studio"], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                   preexec_fn=on_one_cpu(cpu), env={**os.environ, "STUDIO_LEASES_DIR": ".leases"})
         PROCS.groups.append(server)

@@ -229,7 +229,7 @@ def serve_with_vllm(args, runs_dir, hardware, env, key: str | None, max_cache_le
         while not terminated.wait(0.5) and server.alive:
             continue
         if not server.alive:
-            print(f"vLLM ended (exit code {server.proc.returncode}); its log ends:\n{server.log_tail()}",
+            print(f"vLLM ended (exit code {server.proc.returncode}): {server.failure()} (its whole log: {server.log})",
                   file=sys.stderr)
             return 1
         print("Stopped (SIGTERM): vLLM and its workers end, the cores are freed.", file=sys.stderr)
@@ -257,7 +257,7 @@ def setup_vllm(args) -> int:
     except RuntimeError as error:
         print(f"vLLM setup failed: {error}", file=sys.stderr)
         return 1
-    print(env.describe())
+    print(env.describe(), file=sys.stdout if env.usable else sys.stderr)
     if not env.usable:
         return 1
     if os.environ.get(vllm_env.PYTHON_VARIABLE):

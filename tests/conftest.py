@@ -122,7 +122,7 @@ def _fast_tests_start_nothing_heavy(request, monkeypatch):
 # worker is busy with a long file, and test_history later finds them made.)
 SLOW_FILES_FIRST = [
     "test_smoke.py", "test_slurm.py", "test_slurm_array.py", "test_ray.py", "test_runs.py", "test_hardening_worker.py",
-    "test_forecast.py", "test_readme.py",
+    "test_forecast.py", "test_readme.py", "test_vllm.py",
     "test_browser_runs.py", "test_hardening_eval.py", "test_hardening_serve.py", "test_device_placement.py", "test_hardening_runs.py",
     "test_queue.py",
     "test_browser_train.py", "test_trainers.py", "test_browser_trainers.py", "test_resume.py", "test_precompile.py", "test_export.py",

@@ -86,6 +86,7 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
     # Serve: the loaded model behind OpenAI's API, asked by the real openai client
     page.locator("#serve-box").get_by_text("Serve: the loaded model").click()
     page.locator("#serve-port input").fill(str(free_port()))
+    page.locator("#serve-engine").get_by_text("The studio's engine").click()  # vLLM's: tests/test_vllm.py
     page.locator("#serve-on input").check()
     served = page.locator("#serve-status").get_by_text(re.compile(r"^Serving "))
     served.wait_for(timeout=30_000)
@@ -235,6 +236,7 @@ def test_the_chat_tab_serves_two_lora_runs_of_one_base_together(page, app, sft_r
     load_in_chat(page, lora)
     page.locator("#serve-box").get_by_text("Serve: the loaded model").click()
     page.locator("#serve-port input").fill(str(free_port()))
+    page.locator("#serve-engine").get_by_text("The studio's engine").click()  # vLLM's: tests/test_vllm.py
     also = page.locator("#serve-also input").first
     also.click()
     page.get_by_role("option", name=blank, exact=True).click(timeout=30_000)

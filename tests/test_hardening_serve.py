@@ -142,9 +142,8 @@ def free_port() -> int:
 def start_server(runs_dir: Path, max_queue: int, max_batch: int = 8) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "launch.py", "serve", BUILTIN_MODEL, "--port", str(port), "--runs-dir",
-                             str(runs_dir), "--max-queue", str(max_queue), "--max-batch", str(max_batch)], cwd=ROOT,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             str(runs_dir), "--max-queue", str(max_queue), "--max-batch", str(max_batch),
+                             "--engine", "studio"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line.startswith(f"Serving {BUILTIN_MODEL} at http://127.0.0.1:{port}/v1"), line + proc.stderr.read()
     return proc, f"http://127.0.0.1:{port}/v1"

@@ -110,7 +110,8 @@ def server(trained_runs, tmp_path_factory):
     key_file.write_text(KEY + "\n")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "launch.py", "serve", ids["full"], "--port", str(port), "--runs-dir",
-                             str(manager.runs_dir), "--api-key-file", str(key_file), "--max-queue", "24"],
+                             str(manager.runs_dir), "--api-key-file", str(key_file), "--max-queue", "24",
+                             "--engine", "studio"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line.startswith(f"Serving {ids['full']} at http://127.0.0.1:{port}/v1"), line + proc.stderr.read()

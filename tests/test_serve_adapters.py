@@ -41,7 +41,7 @@ def two_adapters(trained_runs):
 
 def serve(manager, *names: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "launch.py", "serve", *names, "--port", str(free_port()), "--runs-dir",
-                             str(manager.runs_dir), *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                             str(manager.runs_dir), "--engine", "studio", *extra], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -103,7 +103,8 @@ def test_the_plan_says_how_runs_would_be_served_and_a_dora_adapter_is_served_one
 
     def plan(*names: str, extra: tuple[str, ...] = ()) -> str:
         done = subprocess.run([sys.executable, "launch.py", "serve", *names, "--plan", "--runs-dir",
-                               str(manager.runs_dir), *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                               str(manager.runs_dir), "--engine", "studio", *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return done.stdout
 

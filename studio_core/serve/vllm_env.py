@@ -18,12 +18,15 @@ vllm.entrypoints.openai.api_server`, vLLM's documented entry point, which needs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from studio_core.machine.cache import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]  # the studio's folder: .venv-vllm and the requirements files
 VENV = ROOT / ".venv-vllm"
@@ -33,8 +36,17 @@ REQUIREMENTS = {"cpu": "requirements-vllm-cpu.txt", "cuda": "requirements-vllm-c
                 "neuron": "requirements-vllm-neuron.txt"}
 REMOVED_AFTER = {"cpu": ("torchvision", "torchaudio", "torchcodec")}
 INSPECT_TIMEOUT_S = 120
+CACHE_FILE = "vllm-env.json"  # in the studio's cache: the last inspection, by what it inspected
 SETUP_HINT = "make it with `launch.py serve --setup-vllm`, or set STUDIO_VLLM_PYTHON to a Python that has vLLM"
 
+# Run by the vLLM environment's Python, importing nothing: where vLLM and its plugin are and when they
+# were installed. An inspection is reused while this answer is the same (an import of vLLM takes seconds).
+_WHERE = """
+import importlib.util, json, os, sys
+found = [importlib.util.find_spec(name) for name in ("vllm", "vllm_neuron")]
+print(json.dumps([sys.executable] + [[s.origin, os.stat(s.origin).st_mtime_ns] if s and s.origin else None
+                                     for s in found]))
+"""
 # Run by the vLLM environment's Python: its version, device, plugin and the architectures it serves.
 _INSPECT = """
 import importlib.metadata as md, json
@@ -94,6 +106,23 @@ def find(environ=os.environ) -> VllmEnv:
         return VllmEnv(python, source, problem=f"{python} is not a program this user can run: fix "
                                                f"{PYTHON_VARIABLE}, or {SETUP_HINT}")
     try:
+        where = subprocess.run([python, "-c", _WHERE], capture_output=True, text=True, timeout=INSPECT_TIMEOUT_S)
+    except (subprocess.TimeoutExpired, OSError) as error:
+        return VllmEnv(python, source, problem=f"cannot run {python}: {getattr(error, 'strerror', None) or error}")
+    if where.returncode != 0 or not where.stdout.strip():
+        return VllmEnv(python, source, problem=f"{python} did not run ({where.stderr.strip()[-200:]}): {SETUP_HINT}")
+    key = json.loads(where.stdout)
+    if key[1] is None:
+        return VllmEnv(python, source, problem=f"vLLM is not installed there: {SETUP_HINT}")
+    cache = cache_dir() / CACHE_FILE
+    try:
+        kept = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if kept.get("key") == key:
+        info = kept["info"]
+        return VllmEnv(python, source, info["version"], info["device"], info["plugin"], tuple(info["architectures"]))
+    try:
         done = subprocess.run([python, "-c", _INSPECT], capture_output=True, text=True,
                               timeout=INSPECT_TIMEOUT_S, env={**environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     except subprocess.TimeoutExpired:
@@ -107,6 +136,9 @@ def find(environ=os.environ) -> VllmEnv:
         last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit {done.returncode}"]
         return VllmEnv(python, source, problem=f"vLLM does not import there ({last[0].strip()}): {SETUP_HINT}")
     info = json.loads(found)
+    with contextlib.suppress(OSError):  # a cache that cannot be written: the next start inspects again
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"key": key, "info": info}))
     return VllmEnv(python, source, info["version"], info["device"], info["plugin"], tuple(info["architectures"]))
 
 

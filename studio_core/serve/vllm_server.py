@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -58,7 +59,7 @@ START_TIMEOUT_S = 900  # a first start on Neuron compiles every bucket
 STOP_GRACE_S = 15
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention (cpu_attn.py)
-ENGINES = ("studio", "vllm")
+ERROR_LINE = re.compile(r"^(\S+ )?\w*(Error|Exception)\b(: |$)")  # "ValueError: ...", "(Worker) RuntimeError: ..."
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def plan(names: list[str], runs_dir: str | Path, max_batch: int) -> VllmPlan:
     return VllmPlan(first.model, _base_name(first), adapters, allowed, config, kwargs)
 
 
-def problem(serving: VllmPlan, env: VllmEnv, backend: str) -> str | None:
+def problem(serving: VllmPlan, env: VllmEnv, backend: str, max_cache_len: int | None = None) -> str | None:
     """Why this vLLM cannot serve the plan (None when it can), read from the configs: nothing loaded."""
     if not env.usable:
         return env.describe()
@@ -109,6 +110,10 @@ def problem(serving: VllmPlan, env: VllmEnv, backend: str) -> str | None:
     head_size = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else None)
     if backend == "cpu" and head_size and head_size not in CPU_HEAD_SIZES:
         return f"vLLM's CPU attention does not take the model's head size ({head_size})"
+    longest = text.get("max_position_embeddings")
+    if max_cache_len and isinstance(longest, int) and max_cache_len > longest:
+        return (f"the model takes at most {longest} tokens (max_position_embeddings); give --max-cache-len {longest} "
+                "or less")
     for run, folder in serving.adapters.items():
         config = _read_json(Path(folder) / "adapter_config.json")
         if config.get("use_dora"):
@@ -126,7 +131,7 @@ def decide(requested: str | None, names: list[str], runs_dir: str | Path, backen
     asked for, else vLLM when its environment is set up and can serve the runs, else the
     studio's. ChatError when vLLM is asked for and cannot serve them."""
     if requested == "studio":
-        return "studio", "asked for (--engine studio)", None
+        return "studio", "asked for", None
     env = find() if requested == "vllm" or configured_python()[0] else None
     if env is None:  # nothing to ask vLLM, nor a reason to read the runs for it
         return "studio", f"vLLM is not set up: {SETUP_HINT}", None
@@ -139,7 +144,7 @@ def decide(requested: str | None, names: list[str], runs_dir: str | Path, backen
     if requested == "vllm":
         if why_not:
             raise ChatError(f"vLLM cannot serve this: {why_not}. Serve it with --engine studio")
-        return "vllm", "asked for (--engine vllm)", env
+        return "vllm", "asked for", env
     if why_not is None:
         return "vllm", f"{env.describe()} can serve it; --engine studio for the studio's own", env
     return "studio", f"not vLLM: {why_not}", env
@@ -157,7 +162,7 @@ class VllmServer:
               api_key: str | None, max_cache_len: int, max_batch: int, cores: str | None = None,
               compiled: bool = False, timeout: float = START_TIMEOUT_S, on_wait=lambda waited: None) -> VllmServer:
         serving = plan(names, runs_dir, max_batch)
-        why_not = problem(serving, env, hardware.backend)
+        why_not = problem(serving, env, hardware.backend, max_cache_len)
         if why_not:
             raise ChatError(f"vLLM cannot serve this: {why_not}")
         runs_dir = Path(runs_dir).expanduser()
@@ -193,14 +198,14 @@ class VllmServer:
             waited = time.monotonic() - began
             if self.proc.poll() is not None:
                 self.stop()
-                raise ChatError(f"vLLM ended with exit code {self.proc.returncode} before it served. Its log "
-                                f"({self.log}) ends:\n{self.log_tail()}")
+                raise ChatError(f"vLLM ended with exit code {self.proc.returncode} before it served: "
+                                f"{self.failure()} (its whole log: {self.log})")
             if self.healthy():
                 return
             if waited > timeout:
                 self.stop()
-                raise ChatError(f"vLLM did not answer within {timeout:.0f} s; it was stopped. Its log ({self.log}) "
-                                f"ends:\n{self.log_tail()}")
+                raise ChatError(f"vLLM did not answer within {timeout:.0f} s, so it was stopped; its log ({self.log}) "
+                                f"ends: {self.failure()}")
             on_wait(waited)
             time.sleep(1)
 
@@ -215,12 +220,15 @@ class VllmServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def log_tail(self, lines: int = 15) -> str:
+    def failure(self) -> str:
+        """What went wrong, from the log: its last error line (vLLM's own message, not its traceback),
+        else its last line."""
         try:
-            text = self.log.read_text(errors="replace").splitlines()
+            lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return "(no log)"
-        return "\n".join(line[:400] for line in text[-lines:])
+        errors = [line for line in lines if ERROR_LINE.search(line)]
+        return ((errors or lines or ["(an empty log)"])[-1])[:600]
 
     def stop(self) -> list[int]:
         """End the server and every process it started; free its cores. Returns the pids of any
