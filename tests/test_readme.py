@@ -57,8 +57,11 @@ NOT_RUN = {
     "bash .ci/run": "CI itself: it installs Debian packages as root, then runs the whole test suite, this test "
                     "included",
     ".venv/bin/python launch.py serve RUN_ID --port 8000":
-        "serves until it is stopped: tests/test_openai_api.py starts it on a run with a key and asks it through "
-        "the openai client",
+        "serves until it is stopped: tests/test_openai_api.py (the studio's engine) and tests/test_vllm.py (vLLM) "
+        "start it on runs with a key and ask it through the openai client",
+    ".venv/bin/python launch.py serve --setup-vllm":
+        ".ci/run runs it before the tests, and tests/test_vllm.py serves with the .venv-vllm it made; here it "
+        "would reinstall vLLM",
     ".venv/bin/python launch.py doctor": "tests/test_doctor.py runs it (and checks its lines); its 2-process "
                                          "all-reduce and compiled steps would add a minute here",
 }
