@@ -106,9 +106,10 @@ def problem(serving: VllmPlan, env: VllmEnv, backend: str, max_cache_len: int | 
     if architectures and not set(architectures) & set(env.architectures):
         return f"vLLM {env.version} does not serve the {', '.join(map(str, architectures))} architecture"
     text = serving.config.get("text_config") or serving.config
-    heads = text.get("num_attention_heads")
-    head_size = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else None)
-    if backend == "cpu" and head_size and head_size not in CPU_HEAD_SIZES:
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    head_size = text.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                         and heads > 0 else None)
+    if backend == "cpu" and isinstance(head_size, int) and head_size not in CPU_HEAD_SIZES:
         return f"vLLM's CPU attention does not take the model's head size ({head_size})"
     longest = text.get("max_position_embeddings")
     if max_cache_len and isinstance(longest, int) and max_cache_len > longest:
@@ -288,12 +289,15 @@ def environment(serving: VllmPlan, hardware, cores: list[int], max_cache_len: in
 def kv_bytes_per_token(config: dict) -> int:
     """Keys and values of one token over every layer, in the model's dtype (4 bytes if unknown)."""
     text = config.get("text_config") or config
-    heads = int(text.get("num_attention_heads") or 1)
-    head_size = int(text.get("head_dim") or (int(text.get("hidden_size") or 64) // heads))
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    dtype = str(text.get("dtype") or text.get("torch_dtype") or "float32")
-    size = 2 if dtype in ("bfloat16", "float16") else 4
-    return 2 * int(text.get("num_hidden_layers") or 1) * kv_heads * head_size * size
+
+    def number(key: str, default: int) -> int:  # a size the config gives as a positive whole number, else `default`
+        value = text.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+    heads = number("num_attention_heads", 1)
+    head_size = number("head_dim", number("hidden_size", 64) // heads or 1)
+    size = 2 if str(text.get("dtype") or text.get("torch_dtype")) in ("bfloat16", "float16") else 4
+    return 2 * number("num_hidden_layers", 1) * number("num_key_value_heads", heads) * head_size * size
 
 
 def _start_watched(argv: list[str], **popen) -> subprocess.Popen:
