@@ -92,6 +92,20 @@ def test_the_table_ranks_by_the_evaluations_when_every_finished_run_has_one():
     assert sweep.scores_text({"eval_loss": 2.31234, "rouge_l": 0.2}) == "eval_loss 2.312 rouge_l 0.2"
 
 
+FAKE_TOKEN = "hf_FAKEabcdefghijklmnopqrstuvwxyz0123"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("key", ["run_name", "hub_model_id", "studio.slurm.account"])
+def test_a_token_in_a_grid_value_is_refused_without_repeating_it_and_nothing_is_written(tmp_path, key):
+    runs = tmp_path / "runs"
+    done = launch_py("sweep", TINY, "--grid", f"{key}=a,{FAKE_TOKEN}", "--runs-dir", str(runs))
+    assert done.returncode == 2 and f"--grid {key}: a secret does not belong in a recipe" in done.stderr
+    assert FAKE_TOKEN not in done.stdout + done.stderr and "Traceback" not in done.stderr
+    assert run_folders(runs) == [] or [p.name for p in run_folders(runs)] == ["sweeps"] and not any(
+        (runs / "sweeps").iterdir())
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("options, said", [
     (["--eval-limit", "5"], "--eval-limit and --eval-metrics go with --eval"),

@@ -27,8 +27,9 @@ STUDIO_OWNED = {
 SECRET_FIELDS = {"hub_token"}
 TOKEN_WAYS = ("log in once with `hf auth login`, or set HF_TOKEN in the environment the studio runs in; the "
               "studio reads it from there and never writes it down")
-# A value that looks like a Hugging Face access token, in whatever setting.
-TOKEN_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
+# A value that looks like a Hugging Face access token, in whatever setting, also inside a longer word
+# (a sweep names its runs after the grid's values: "tiny-sft-run_namehf_...").
+TOKEN_VALUE = re.compile(r"hf_[A-Za-z0-9]{20,}")
 MAX_PRECOMPILE_JOBS = 64
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -93,11 +94,11 @@ def secret_problems(spec: RunSpec) -> list[str]:
     every value of the spec: the run's and dataset's names, the studio block, TRL's settings."""
     data = spec.to_dict()
     named = {f"studio.{key}": value for key, value in data.pop("studio").items()} | data
-    return [_secret_message(key) for key, value in named.items()
+    return [secret_message(key) for key, value in named.items()
             if key.rpartition(".")[2] in SECRET_FIELDS or holds_token(value)]
 
 
-def _secret_message(key: str) -> str:
+def secret_message(key: str) -> str:
     return (f"{key}: a secret does not belong in a recipe or the form (it would be written to the run folder and "
             f"the model card); remove it and {TOKEN_WAYS}")
 
@@ -122,7 +123,7 @@ def check_args(trainer: str, args: dict) -> list[str]:
         if key in STUDIO_OWNED:
             problems.append(f"{key}: set by the studio ({STUDIO_OWNED[key]}); remove it")
         elif key in SECRET_FIELDS or holds_token(value):
-            problems.append(_secret_message(key))
+            problems.append(secret_message(key))
         elif key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
             config = trainers.get(trainer).config_class

@@ -38,6 +38,7 @@ from studio_core import backends
 from studio_core.backends.slurm import array as slurm_array
 from studio_core.machine.hardware import Hardware
 from studio_core.recipe.spec import RunSpec, SpecError
+from studio_core.recipe.validate import SECRET_FIELDS, holds_token, secret_message
 from studio_core.rundir import folder
 from studio_core.runs import queue, sweep_eval
 from studio_core.runs.sweep_eval import SWEEPS
@@ -125,6 +126,10 @@ def start(manager: RunManager, spec: RunSpec, grid: dict[str, list[str]], hardwa
     precompile on, runs whose graphs are the same (SAME_GRAPHS) share one: the first precompiles,
     the others wait in the queue until it has. `evaluate`: each run is evaluated when it has
     finished (runs/sweep_eval.py: {"limit": N, "metrics": [...]})."""
+    secrets = [secret_message(f"--grid {key}") for key, values in grid.items()
+               if key.rpartition(".")[2] in SECRET_FIELDS or holds_token(values)]
+    if secrets:  # before any name, plan or record is made of the values, and without repeating them
+        raise SpecError(secrets + ["nothing was started"])
     runs = run_specs(spec, grid)
     if len(runs) > MAX_RUNS and not yes:
         raise SpecError([f"the grid makes {len(runs)} runs, more than {MAX_RUNS}: give fewer values, or confirm "
