@@ -257,10 +257,11 @@ def cmd_queue(args) -> int:
         print(f"Run {args.run_id} is now {queue.ordinal(args.to)} in the queue")
     queue.ensure_runner(runs_dir)  # after a reboot: queued runs start again when their cores are free
     order, manager = queue.queued(runs_dir), RunManager(runs_dir)
-    if not order:
+    damaged = queue.unreadable(runs_dir)
+    if not order and not damaged:
         print("No run is queued.")
     names = [path.name for path in order]
-    for path in order:
+    for path in [*order, *damaged]:
         print(f"{path.name:48} {queue.describe(path, manager.view_or_none, names)}")
     return 0
 

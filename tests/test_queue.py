@@ -129,6 +129,24 @@ def test_a_killed_runner_leaves_the_queue_on_disk_and_the_next_look_starts_it_ag
     assert manager.wait(run.id).live_state == "finished"
 
 
+def test_a_damaged_place_in_the_queue_is_named_and_skipped_and_the_others_start(manager, held):
+    hardware = cpu_hardware()
+    damaged = manager.start(tiny("max_steps=3"), hardware, queue_if_busy=True)
+    good = manager.start(tiny("max_steps=3"), hardware, queue_if_busy=True)
+    (damaged.dir / queue.QUEUE).write_text('{"order": "x"}')
+    for command in ("runs", "queue"):
+        listed = launch_py(command, "--runs-dir", str(manager.runs_dir))
+        assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+        assert good.id in listed.stdout and "its place cannot be read (queue.json is damaged)" in listed.stdout
+        assert f"launch.py stop {damaged.id}" in listed.stdout
+    held.release()
+    assert manager.wait(good.id).live_state == "finished"  # the runner went past the damaged one
+    assert manager.view(damaged.id).live_state == "queued"  # never started by itself
+    stopped = launch_py("stop", damaged.id, "--runs-dir", str(manager.runs_dir))
+    assert stopped.returncode == 0 and "cancelled while queued" in stopped.stdout, stopped.stderr
+    wait_for(lambda: not runners(manager.runs_dir), "the runner to exit with the queue empty")
+
+
 def test_starters_racing_for_one_queued_run_start_it_once(manager, held):
     run = manager.start(tiny("max_steps=3"), cpu_hardware(), queue_if_busy=True)
     starter = [sys.executable, "-c", "import sys; from studio_core.runs.manager import RunManager; "

@@ -29,6 +29,7 @@ run queued starts it, and so do the app's start, `launch.py runs` and `launch.py
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import subprocess
 import threading
@@ -58,12 +59,27 @@ def is_queued(run_dir: Path) -> bool:
 
 
 def queued(runs_dir: Path) -> list[Path]:
-    """The queued runs' folders, first to start first."""
+    """The queued runs' folders, first to start first. A run whose place cannot be read (a damaged
+    queue.json) is left out: it never starts by itself, and `describe` says why; the others go on."""
     found = []
     for path in Path(runs_dir).iterdir():
-        if (path / QUEUE).exists() and folder.is_run(path) and is_queued(path):
-            found.append((float(folder.read_json(path / QUEUE).get("order", 0)), path.name, path))
+        if (path / QUEUE).exists() and folder.is_run(path) and is_queued(path) and order_of(path) is not None:
+            found.append((order_of(path), path.name, path))
     return [path for *_, path in sorted(found)]
+
+
+def unreadable(runs_dir: Path) -> list[Path]:
+    """The queued runs whose place cannot be read (left out of `queued`), by name."""
+    return sorted(path for path in Path(runs_dir).iterdir() if (path / QUEUE).exists() and folder.is_run(path)
+                  and is_queued(path) and order_of(path) is None)
+
+
+def order_of(run_dir: Path) -> float | None:
+    """A queued run's `order` (smallest first), None when its queue.json does not hold a number."""
+    order = folder.read_json(run_dir / QUEUE).get("order")
+    if isinstance(order, (int, float)) and not isinstance(order, bool) and math.isfinite(order):
+        return float(order)
+    return None
 
 
 def place(run_dir: Path) -> tuple[int, int]:
@@ -78,6 +94,9 @@ def describe(run_dir: Path, view_of: Callable, order: list[str] | None = None) -
     queued() gives them, when the caller lists many (read once, not once a run)."""
     names = [path.name for path in queued(run_dir.parent)] if order is None else order
     if run_dir.name not in names:
+        if (run_dir / QUEUE).exists() and order_of(run_dir) is None:
+            return (f"queued, but its place cannot be read ({QUEUE} is damaged): it will not start; cancel it "
+                    f"(`launch.py stop {run_dir.name}`) and start it again")
         return "queued"
     at = names.index(run_dir.name)
     resume = resume_of(run_dir)
@@ -181,7 +200,7 @@ def move(runs_dir: Path, run_id: str, to: int) -> int:
             raise QueueError(f"place {to} is out of the queue's 1 to {len(names)}")
         rest = [path for path in order if path.name != run_id]
         rest.insert(to - 1, order[names.index(run_id)])
-        base = min(float(folder.read_json(path / QUEUE).get("order", 0)) for path in order)
+        base = min(order_of(path) for path in order)
         for n, path in enumerate(rest):  # renumbered in their new order, each keeping its hold
             folder.write_json(path / QUEUE, {**folder.read_json(path / QUEUE), "order": base + n})
     return to
