@@ -107,6 +107,17 @@ def test_a_token_in_a_grid_value_is_refused_without_repeating_it_and_nothing_is_
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("runs_entries", ["[1, 2]", '[{"id": 7}]', '[{"id": "a", "params": "x"}]'])
+def test_a_sweep_record_with_damaged_run_entries_is_named_not_a_traceback(tmp_path, runs_entries):
+    runs = tmp_path / "runs"
+    (runs / "sweeps").mkdir(parents=True)
+    (runs / "sweeps" / "sweep-x.json").write_text(f'{{"grid": {{}}, "runs": {runs_entries}}}')
+    shown = launch_py("sweep", "--show", "sweep-x", "--runs-dir", str(runs))
+    assert shown.returncode == 2 and "its run 1 is not a run's id and values" in shown.stderr, shown.stderr
+    assert "Traceback" not in shown.stderr
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("options, said", [
     (["--eval-limit", "5"], "--eval-limit and --eval-metrics go with --eval"),
     (["--eval", "--eval-metrics", "bleu"], "bleu"),

@@ -209,6 +209,10 @@ def read(runs_dir: Path, sweep_id: str) -> dict:
         record = json.loads(path.read_text())
         if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
             raise ValueError("it holds no list of runs")
+        bad = next((n for n, entry in enumerate(record["runs"], 1) if not isinstance(entry, dict)
+                    or not isinstance(entry.get("id"), str) or not isinstance(entry.get("params", {}), dict)), None)
+        if bad is not None:
+            raise ValueError(f"its run {bad} is not a run's id and values")
         return record
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise RunNotFound(f"sweep record {path} cannot be read ({error}): its runs are still listed one by one "
