@@ -7,22 +7,24 @@ folder, backend, cores, cache length); it takes its cores through the same lease
 runs (kind "chat"), loads the model (studio_core.serve.generation, which says how generation is
 shaped for Neuron) and says `ready` (with the chat template's arguments it renders prompts
 with, the ones training rendered answers after, and whether answers start inside a <think>
-block, and the static KV cache's size in MiB). Then each stdin line is a request: {"op":
-"generate", "id", "which": "tuned"|"base", "messages" (or "text": a plain prompt, no chat
-template), "temperature", "top_p", "max_new_tokens", "seed", "model" (which of several runs'
-adapters answers), "whole" (a prompt that does not fit is an error with code
-context_length_exceeded, not cut)}, {"op": "stop"} (ends the running generation) or {"op":
+block, the static KV cache's size in MiB, and what its tokenizer says of a prompt's length in
+characters: `longest_token_chars`, `drops_characters`, see `tokenizer_reach`). Then each stdin
+line is a request: {"op": "generate", "id", "which": "tuned"|"base", "messages" (or "text": a
+plain prompt, no chat template), "temperature", "top_p", "max_new_tokens", "seed", "model"
+(which of several runs' adapters answers), "whole" (a prompt that does not fit is an error with
+code context_length_exceeded, not cut)}, {"op": "stop"} (ends the running generation) or {"op":
 "quit"}. Each stdout line is a JSON event: ready, token {id, text}, done
 {id, stopped, prompt_tokens, bucket, new_tokens, dropped_turns, ttft_s, seconds, text, shapes},
 error.
 
 With `max_batch` above 1 in its setup (`launch.py serve`), requests are answered together in
 batches (serve/batching.py: continuous batching at fixed shapes), by the tuned model only, and
-{"op": "cancel", "id"} ends one request. Each step's new text comes as one event, tokens
-{pieces: {id: text}}, then the done events of the requests that ended in it. Where the engine
-compiles (a device, or `compile` in the setup), each graph compiled before `ready` is said by a
-`warmup` event {done, total}; `ready` then says the engine ({mode, says, graphs, warmup_s}) and
-the batch it takes (`max_batch`: 1 when the model is served one request at a time after all,
+{"op": "cancel", "id"} ends one request; a long prompt is rendered and tokenized while the next
+requests are read and the others' steps go on (`Orders`). Each step's new text comes as one
+event, tokens {pieces: {id: text}}, then the done events of the requests that ended in it. Where
+the engine compiles (a device, or `compile` in the setup), each graph compiled before `ready` is
+said by a `warmup` event {done, total}; `ready` then says the engine ({mode, says, graphs,
+warmup_s}) and the batch it takes (`max_batch`: 1 when the model is served one request at a time after all,
 its adapters being of a kind the engine cannot gather per row, or a graph failing to compile).
 """
 
@@ -41,7 +43,14 @@ from studio_core.serve.slots import cache_mib
 from studio_core.serve.generation import Generator, NoRoom, TooLong, on_leased_cores
 
 
-EMITTING = threading.Lock()  # a batched server's events come from two threads: a line each, whole
+EMITTING = threading.Lock()  # a batched server's events come from several threads: a line each, whole
+# A batched server's prompt of up to this many characters is tokenized as its order is read (a few
+# ms); a longer one in a thread of its own, so that the requests after it need not wait for it.
+INLINE_PROMPT_CHARS = 4096
+# Runs of what a tokenizer might drop or fold into one token: whitespace, control and invisible
+# characters, a combining mark, characters beyond a vocabulary (see tokenizer_reach).
+FRAGILE = (" ", "\n", "\t", "\r", "\x00", "\x07", "\u00a0", "\u200b", "\ufeff", "\u0301", "\U0001f999", "\U000e0041",
+           "a")
 
 
 def emit(kind: str, **fields) -> None:
@@ -98,6 +107,25 @@ def serve(chat: Generator) -> None:
     server.join(timeout=30)
 
 
+def tokenizer_reach(tokenizer) -> dict:
+    """What a prompt's length in characters says of its tokens, for the server to refuse a prompt
+    that cannot fit before it is tokenized (openai_request.SizeLimits).
+
+    `longest_token_chars`: the longest entry of the vocabulary, its special tokens included. No
+    token covers more characters of a text than its entry has: a byte-level entry has a character
+    per byte of the text, a SentencePiece one a character per character (U+2581 for a space), a
+    byte-fallback or WordPiece one more ("<0xE2>", "##ing"); a normalizer that expands a character
+    (U+FB01 to "fi") only adds tokens. So a text of n characters takes at least n / longest tokens,
+    unless the tokenizer drops characters or folds several into one token (a WordPiece one drops
+    spaces, a fused unknown token takes a whole run).
+    `drops_characters`: a run of one of FRAGILE's characters takes fewer tokens than that, so the
+    characters of a prompt bound nothing (the server then checks its tokens only)."""
+    longest = max(len(token) for token in tokenizer.get_vocab())
+    run = 4 * longest
+    short = [c for c in FRAGILE if len(tokenizer(c * run, add_special_tokens=False)["input_ids"]) * longest < run]
+    return {"longest_token_chars": longest, "drops_characters": bool(short)}
+
+
 def start_engine(chat: Generator, plan: EnginePlan, max_batch: int, out: StepOutput):
     """The batched engine, warmed up when compiled (a `warmup` event per graph, with the count):
     (engine, plan, {"warmup_s"}); when a graph cannot be compiled, (None, a "single" plan saying
@@ -131,7 +159,7 @@ def serve_batched(chat: Generator, engine: BatchEngine, out: StepOutput) -> None
     """Answer the requests on stdin together, in batches (serve/batching.py), until quit or EOF;
     {"op": "cancel", "id"} ends one (its row is free at the next step), a {"op": "stop"} every
     one. The tuned model only (no side-by-side base here)."""
-    requests: dict[int, Request] = {}
+    orders = Orders(chat, engine, out)
     stepping = threading.Thread(target=engine.run, name="batch", daemon=True)
     stepping.start()
     for line in sys.stdin:
@@ -139,20 +167,73 @@ def serve_batched(chat: Generator, engine: BatchEngine, out: StepOutput) -> None
         if order["op"] == "quit":
             break
         if order["op"] == "stop":
-            for request in list(requests.values()):
-                engine.cancel(request)
-        elif order["op"] == "cancel" and order.get("id") in requests:
-            engine.cancel(requests[order["id"]])
+            orders.cancel_all()
+        elif order["op"] == "cancel":
+            orders.cancel(order.get("id"))
         elif order["op"] == "generate":
-            request = batched_request(chat, engine, order, requests, out)
-            if request is not None:
-                try:
-                    engine.submit(request)
-                except ValueError as error:
-                    requests.pop(order.get("id"), None)
-                    emit("error", id=order.get("id"), message=str(error), code="context_length_exceeded")
+            orders.take(order)
     engine.close()
     stepping.join(timeout=30)
+
+
+class Orders:
+    """The generate orders between stdin and the engine. A prompt of up to INLINE_PROMPT_CHARS
+    characters is rendered and tokenized as its order is read, so requests join in arrival order; a
+    longer one in a thread of its own, joining once ready, while the orders after it are read and
+    the engine steps (the tokenizer lets go of the GIL while it works): one long prompt never holds
+    up the others' answers. A cancel that comes while its prompt is tokenized ends it once ready."""
+
+    def __init__(self, chat: Generator, engine: BatchEngine, out: StepOutput):
+        self.chat, self.engine, self.out = chat, engine, out
+        self.requests: dict[int, Request] = {}  # submitted (or about to be), until they end
+        self.preparing: dict[int, bool] = {}  # tokenized aside now: whether cancelled meanwhile
+        self.lock = threading.Lock()
+
+    def take(self, order: dict) -> None:
+        if prompt_chars(order) <= INLINE_PROMPT_CHARS:
+            self.admit(order)
+            return
+        with self.lock:
+            self.preparing[order.get("id")] = False
+        threading.Thread(target=self.admit, args=(order,), name="prepare", daemon=True).start()
+
+    def admit(self, order: dict) -> None:
+        """Tokenize the order's prompt and hand its request to the engine (an error event if it
+        cannot be answered)."""
+        rid = order.get("id")
+        request = batched_request(self.chat, self.engine, order, self.requests, self.out)
+        with self.lock:
+            cancelled = self.preparing.pop(rid, False)
+        if request is None:
+            return
+        try:
+            self.engine.submit(request)
+        except ValueError as error:
+            self.requests.pop(rid, None)
+            emit("error", id=rid, message=str(error), code="context_length_exceeded")
+            return
+        if cancelled:
+            self.engine.cancel(request)  # its end (done, stopped) comes at the next step boundary
+
+    def cancel(self, rid) -> None:
+        with self.lock:
+            if rid in self.preparing:
+                self.preparing[rid] = True
+            elif (request := self.requests.get(rid)) is not None:  # else it has ended
+                self.engine.cancel(request)
+
+    def cancel_all(self) -> None:
+        with self.lock:
+            self.preparing = dict.fromkeys(self.preparing, True)
+            for request in list(self.requests.values()):
+                self.engine.cancel(request)
+
+
+def prompt_chars(order: dict) -> int:
+    """An order's prompt's length in characters: its plain text's, or its messages' together."""
+    if order.get("text") is not None:
+        return len(order["text"])
+    return sum(len(m.get("content") or "") for m in order.get("messages") or [])
 
 
 class StepOutput:
@@ -248,6 +329,7 @@ def main() -> int:
             emit("ready", label=target["label"], cores=setup["cores"], backend=setup["backend"],
                  max_cache_len=chat.max_cache_len, has_base=chat.has_base, template_kwargs=chat.template_kwargs,
                  thinking=chat.thinking, models=list(chat.adapter_names) or [target["label"]],
+                 **tokenizer_reach(chat.tokenizer),
                  cache_mib=round(cache_mib(chat.model, rows, chat.max_cache_len), 1), max_batch=rows,
                  engine={"mode": plan.mode, "says": plan.describe(), "graphs": plan.graphs, **warmup})
             if engine is not None:

@@ -5,7 +5,8 @@
                                 renders it; streamed as server-sent events with "stream": true
     POST /v1/completions        a plain prompt, no template
     GET  /v1/studio/stats       the studio's own figures: requests, answering, queue, the input shapes so far,
-                                the engine (batched and compiled per bucket, eager, or one at a time)
+                                the engine (batched and compiled per bucket, eager, or one at a time),
+                                the size limits (body bytes, prompt characters)
 
 It answers through a ChatProcess (studio_core/serve/chat.py): the same loading, static KV cache, prompt
 buckets and core lease as the Chat tab, so however many requests come, the model sees at most a
@@ -18,18 +19,23 @@ at a time. At most
 ends its generation after the current token (a batched one frees its row at the next step) and
 gives up its place.
 
-A request is checked whole before it takes its place (`parse`, in studio_core/serve/openai_request.py:
-a strict pydantic model of OpenAI's fields, then their ranges), so no bad field fails once it holds
-a turn, and a turn is given back however its answer ends. OpenAI's fields that this server does
-not implement (tools, logprobs, penalties, response_format...) are refused unless they hold their
-default: never ignored.
+A request is weighed before it is read whole: a body over `SizeLimits.max_body_bytes` (from the
+cache's length and the tokenizer's longest token: studio_core/serve/openai_request.py) is refused
+with 413 as soon as its Content-Length says so, or once that much has come. It is checked whole
+before it takes its place (`parse`: a strict pydantic model of OpenAI's fields, then their ranges;
+`check_size`: a prompt of more characters than the cache's longest prompt can hold is refused as
+too long without being tokenized), so no bad field fails once it holds a turn, and a turn is given
+back however its answer ends. A prompt that passes is tokenized in the chat process; a batched
+one tokenizes a long prompt beside the others' answers (chat_worker.Orders). OpenAI's fields that
+this server does not implement (tools, logprobs, penalties, response_format...) are refused unless
+they hold their default: never ignored.
 `Answering.close` (the server's stop: SIGTERM, Unload) ends every request at once: the one being
 answered after its current token, the waiting ones with 503.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a request the
 model cannot take (and what to change), 401 without the right key when one is set, 404 for another
-model's name, 503 when the queue is full or the server is ending. The key is compared in constant
-time and never logged.
+model's name, 413 for a body over the limit, 503 when the queue is full or the server is ending.
+The key is compared in constant time and never logged.
 
 Built on FastAPI and uvicorn, which Gradio brings. No torch here: this runs in the app's process.
 """
@@ -51,7 +57,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from studio_core.serve.chat import BATCH_BUCKETS, ChatError
 from studio_core.serve.generation import buckets_for
-from studio_core.serve.openai_request import CACHE_SETTING, ApiError, parse, too_long
+from studio_core.serve.openai_request import CACHE_SETTING, ApiError, SizeLimits, check_size, parse, too_long
 
 MAX_QUEUE = 32
 
@@ -117,6 +123,7 @@ class Answering:
         several = chat.info.get("models") or []  # several runs' adapters on one base: each its run's name
         self.models = several if len(several) > 1 else [model]
         self.max_cache_len = chat.info["max_cache_len"]
+        self.limits = SizeLimits(self.max_cache_len, chat.info["longest_token_chars"], chat.info["drops_characters"])
         self.shapes: list = []
         self.counts = {"requests": 0, "completed": 0, "stopped": 0, "failed": 0}
         self.cancels: set[threading.Event] = set()  # one per request in progress, set by close()
@@ -315,16 +322,20 @@ def build_api(answering: Answering, api_key: str | None = None):
         return {**answering.counts, "queued": turns.queued, "answering": len(turns.waiting) - turns.queued,
                 "shapes": answering.shapes, "buckets": buckets_for(answering.max_cache_len, 1),
                 "batch_buckets": [b for b in BATCH_BUCKETS if b <= answering.chat.max_batch],
-                "max_cache_len": answering.max_cache_len, "engine": answering.chat.info.get("engine")}
+                "max_cache_len": answering.max_cache_len, "engine": answering.chat.info.get("engine"),
+                "limits": {"max_body_bytes": answering.limits.max_body_bytes,
+                           "max_prompt_chars": answering.limits.max_prompt_chars,
+                           "longest_token_chars": answering.limits.longest_token_chars}}
 
     async def answer(request: Request, kind: str):
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await _read_body(request, answering.limits, answering.setting))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body must be JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         fields, stream, usage_wanted = parse(body, kind, answering.models, answering.max_cache_len)
+        check_size(fields, answering.limits, answering.setting)  # before it queues, and before any tokenizing
         ticket, cancel = answering.enter()
         made, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{server_id}{next(numbers):08x}"
         items = _answer_in_thread(answering, ticket, fields, cancel, stream)
@@ -344,6 +355,22 @@ def build_api(answering: Answering, api_key: str | None = None):
         return await answer(request, "text")
 
     return api
+
+
+async def _read_body(request: Request, limits: SizeLimits, setting: str) -> bytes:
+    """The request's body, refused (413) once it is over the limit: at once when its Content-Length
+    says so, else as soon as that much has come; nothing more of it is read."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise limits.too_large(setting)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise limits.too_large(setting)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _whole_response(kind: str, rid: str, made: int, model: str, result: dict) -> dict:

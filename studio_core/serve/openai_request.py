@@ -8,6 +8,11 @@ top_p, seed, stop, n, in their ranges), `chat_messages` or `completion_prompt`. 
 what to change for a prompt the model's cache cannot take. Every refusal is an ApiError in
 OpenAI's shape, naming the field and what to change.
 
+`SizeLimits`: what a request may weigh before its prompt is tokenized (issue 47: one huge prompt's
+tokenizing stalled every other request), from the cache's length and the chat process's tokenizer:
+the body's bytes (`max_body_bytes`, 413 while the body is read) and the prompt's characters
+(`check_size`, the `context_length_exceeded` 400 before anything reaches the chat process).
+
 Pure: no server, no torch, no model; the largest prompt follows from the cache's buckets
 (studio_core/serve/generation.py).
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -27,6 +33,11 @@ ROLES = ("system", "user", "assistant")
 MAX_STOP = 4  # as OpenAI allows
 SEEDS = (-2**63, 2**64 - 1)  # what torch.manual_seed takes
 CACHE_SETTING = "MAX_CACHE_LEN in studio_core/serve/chat.py"  # what sets the cache, hence the largest bucket
+# The most bytes JSON takes to write one character: one beyond the BMP escaped as a surrogate pair
+# ("\ud83e\udd99"), as clients that escape all but ASCII send it (raw UTF-8 takes at most 4).
+JSON_BYTES_PER_CHARACTER = 12
+REST_OF_REQUEST = 1 << 20  # a body's room beside its prompt: the other fields, each message's JSON, stop strings
+END_THINK = "</think>"
 
 
 class ApiError(Exception):
@@ -241,10 +252,14 @@ def too_long(message: str, max_cache_len: int, max_tokens: int, setting: str = C
     """What to change for a prompt that does not fit: fewer tokens only when that helps, else the
     largest prompt there is (the largest bucket the cache leaves room in) and the setting that
     raises it. `message`: the chat process's, which counts the prompt's tokens."""
-    longest = buckets_for(max_cache_len, 1)[-1]
     counted = re.search(r"the prompt is (\d+) tokens", message)
     tokens = int(counted.group(1)) if counted else None
     said = f"the prompt is {tokens} tokens" if tokens is not None else "the prompt does not fit"
+    return _too_long(said, tokens, max_cache_len, max_tokens, setting)
+
+
+def _too_long(said: str, tokens: int | None, max_cache_len: int, max_tokens: int, setting: str) -> str:
+    longest = buckets_for(max_cache_len, 1)[-1]
     if tokens is not None and tokens <= longest:
         bucket = next(b for b in buckets_for(max_cache_len, 1) if b >= tokens)
         return (f"{said}, padded to {bucket}; with the answer's max_tokens {max_tokens} they do not fit the "
@@ -256,3 +271,70 @@ def too_long(message: str, max_cache_len: int, max_tokens: int, setting: str = C
     return (f"{said}; the longest prompt this server takes is {longest} tokens, whatever max_tokens (its largest "
             f"prompt bucket that leaves room for an answer in its {max_cache_len}-token cache, set by {setting}): "
             f"shorten the prompt, {raise_it}")
+
+
+# --- a request's size, before its prompt is tokenized ------------------------------------------
+@dataclass(frozen=True)
+class SizeLimits:
+    """What a request may weigh before its prompt is tokenized. `longest_token_chars`: the most
+    characters of a text one token of the model's tokenizer covers (its longest vocabulary entry);
+    `drops_characters`: the tokenizer drops or folds characters (a prompt's length in characters
+    then bounds nothing). Both are the chat process's, measured on the tokenizer it loaded
+    (chat_worker.tokenizer_reach, said in its `ready` event)."""
+    max_cache_len: int
+    longest_token_chars: int
+    drops_characters: bool = False
+
+    @property
+    def longest_prompt(self) -> int:
+        """No prompt takes more tokens: the largest prompt bucket that leaves room for one new token."""
+        return buckets_for(self.max_cache_len, 1)[-1]
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """A prompt of more characters cannot fit, whatever max_tokens: each of its tokens covers
+        at most `longest_token_chars` of its characters, so it takes more than `longest_prompt`
+        tokens. None when the tokenizer drops characters."""
+        return None if self.drops_characters else self.longest_prompt * self.longest_token_chars
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The most a request's body may weigh: the longest prompt's characters, each in the most
+        bytes JSON writes one in, and room for the rest of the request."""
+        return self.longest_prompt * self.longest_token_chars * JSON_BYTES_PER_CHARACTER + REST_OF_REQUEST
+
+    def too_large(self, setting: str = CACHE_SETTING) -> ApiError:
+        """The 413 for a body over `max_body_bytes`."""
+        chars = self.longest_prompt * self.longest_token_chars
+        return ApiError(413, f"the request body is over {self.max_body_bytes:,} bytes, the most this server reads: "
+                        f"its prompts are at most {self.longest_prompt} tokens, {chars:,} characters with this "
+                        f"model's tokenizer, at most {JSON_BYTES_PER_CHARACTER} bytes each in "
+                        f"JSON, with {REST_OF_REQUEST / 2**20:g} MiB for the rest of the request. Shorten the prompt, or "
+                        f"serve with a longer cache ({setting})", code="request_too_large")
+
+
+def check_size(fields: dict, limits: SizeLimits, setting: str = CACHE_SETTING) -> None:
+    """A prompt of more characters than `limits.max_prompt_chars` is refused as too long (the
+    context_length_exceeded 400) without being tokenized."""
+    bound = limits.max_prompt_chars
+    chars = prompt_characters(fields)
+    if bound is None or chars <= bound:
+        return
+    tokens = -(-chars // limits.longest_token_chars)
+    said = (f"the prompt is {chars:,} characters, so at least {tokens:,} tokens (a token of this model covers at "
+            f"most {limits.longest_token_chars} characters)")
+    message = _too_long(said, tokens, limits.max_cache_len, fields["max_new_tokens"], setting)
+    raise ApiError(400, message, "messages" if fields.get("messages") is not None else "prompt",
+                   "context_length_exceeded")
+
+
+def prompt_characters(fields: dict) -> int:
+    """The fewest characters of a request's prompt the tokenizer sees: a plain prompt's, or what a
+    chat template keeps of each message at least: its text without the whitespace around it
+    (Llama 3's template trims each message), an assistant's without its reasoning up to the last
+    </think> (Qwen3's drops an earlier answer's)."""
+    if fields.get("messages") is None:
+        return len(fields["text"])
+    kept = (m["content"].rsplit(END_THINK, 1)[-1] if m["role"] == "assistant" else m["content"]
+            for m in fields["messages"])
+    return sum(len(text.strip()) for text in kept)
