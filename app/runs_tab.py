@@ -128,7 +128,7 @@ def build(manager: RunManager, page: gr.Blocks, hardware: Hardware, form: TrainF
         # Values are set only when theirs is gone (a deleted run, its model's last run): the
         # timer's request can carry a value from before the user's latest pick, and setting
         # that would undo the pick.
-        views = manager.list()
+        views = manager.list()  # also starts a queue runner where queued runs have none (one was killed)
         frame = runs_table(views, state_, trainer_, model_, sort_)
         ids = [v.id for v in views]
         models = [ALL, *sorted({v.model for v in views})]

@@ -4,6 +4,8 @@ one report file to attach to a bug report; exit 0 only when every step passed.""
 
 from __future__ import annotations
 
+import sys
+
 from cli.options import runs_folder
 from studio_core.doctor import doctor, smoke
 
@@ -34,6 +36,9 @@ def cmd_smoke(args) -> int:
             print(step.line(), flush=True)
     except KeyboardInterrupt:
         print("\nStopped; the steps so far are in the report.", flush=True)
+    except smoke.SmokeFolderError as error:  # before any step
+        print(f"Smoke test not started: {error}", file=sys.stderr)
+        return 2
     print(f"\n{smoke.verdict(steps)}")
     if steps and steps[0].details.get("held_at_start") and not all(s.ok for s in steps):
         print("Cores were held by other runs, chats or evaluations when it started: run it again when the "

@@ -45,8 +45,7 @@ def load_spec(args) -> RunSpec:
     if getattr(args, "precompile", False):
         layout += ["studio.precompile=true", *([f"studio.precompile_jobs={args.jobs}"] if args.jobs else [])]
     spec = read_recipe(args.recipe).with_overrides([*args.set, *layout])  # checked once, by plan or start
-    chosen = next((name for name in BACKENDS if picked(args, BACKENDS[name])), None)  # --slurm, --ray ADDRESS
-    spec.layout.run_on = chosen or spec.layout.run_on  # the flag, or a recipe written for that backend
+    spec.layout.run_on = chosen_backend(args) or spec.layout.run_on  # the flag, or a recipe written for that backend
     for backend in with_options():
         set_options(args, spec, backend)
     if args.nodes is not None and not getattr(args, "submit_script", None) and not BACKENDS[spec.layout.run_on].cluster:
@@ -54,6 +53,16 @@ def load_spec(args) -> RunSpec:
                             if b.cluster)
         raise SpecError([f"--nodes: a run on several machines goes to a cluster: add {picks}"])
     return spec
+
+
+def chosen_backend(args) -> str | None:
+    """The backend a flag picks (--slurm, --ray ADDRESS), None when none does; SpecError when two do:
+    a run goes to one place."""
+    chosen = [backend for backend in BACKENDS.values() if picked(args, backend)]
+    if len(chosen) > 1:
+        named = " and ".join(f"--{b.name}" + (" ADDRESS" if picked_by_option(b) else "") for b in chosen)
+        raise SpecError([f"{named} cannot go together: a run goes to one place, give only one of them"])
+    return chosen[0].name if chosen else None
 
 
 def picked_by_option(backend) -> bool:

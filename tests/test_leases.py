@@ -237,3 +237,19 @@ def test_a_preview_on_this_machine_shows_the_cores_start_would_take(tmp_path, sp
     elsewhere = manager.plan(spec, instance_hardware("trn2.3xlarge"))  # leases here say nothing there
     assert elsewhere.env["NEURON_RT_VISIBLE_CORES"] == "0" and "studio.cores" not in dict(
         (key, value) for key, value, _ in elsewhere.applied)
+
+
+def test_a_lease_folder_that_is_a_file_is_named_with_what_to_do(tmp_path):
+    """Issue 47: the runs folder's `.leases` (the lease folder here: conftest's relative
+    STUDIO_LEASES_DIR) is a file: a start's lease and a chooser each say which file is in the way and
+    what to do (they said only "File exists"); a probe finds nothing held, and the file is left as it is."""
+    from studio_core.machine.leases import LEASES_ENV, LeaseFolderError, choosing
+
+    (tmp_path / ".leases").write_text("not a folder")
+    fix = (f"the core lease folder {tmp_path / '.leases'} cannot be made: {tmp_path / '.leases'} is a file, not a "
+           f"folder: move it away, or set {LEASES_ENV} to a folder you can write to")
+    for attempt in (lambda: acquire(tmp_path, "cpu", [0], RUN_A, "run"), lambda: choosing(tmp_path).__enter__()):
+        with pytest.raises(LeaseFolderError) as refused:
+            attempt()
+        assert str(refused.value) == fix
+    assert holders(tmp_path, "cpu", 2) == {} and (tmp_path / ".leases").read_text() == "not a folder"

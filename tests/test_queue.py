@@ -129,6 +129,57 @@ def test_a_killed_runner_leaves_the_queue_on_disk_and_the_next_look_starts_it_ag
     assert manager.wait(run.id).live_state == "finished"
 
 
+def killed_runner_and_free_cores(manager, held) -> str:
+    """A run queued, its runner killed (as by SIGKILL or a reboot), then its cores freed: nothing
+    starts it until something looks. Its id."""
+    run = manager.start(tiny("max_steps=3"), cpu_hardware(), queue_if_busy=True)
+    (runner,) = runners(manager.runs_dir)
+    runner.kill()
+    runner.wait(10)
+    held.release()
+    time.sleep(3 * queue.QUEUE_POLL_S)
+    assert manager.view(run.id).live_state == "queued" and not runners(manager.runs_dir)  # no runner: it waits
+    return run.id
+
+
+def test_a_killed_runner_is_replaced_by_the_next_start(manager, held):
+    """Issue 47: a start on free cores looks after the queue too (only a queued start did)."""
+    waiting = killed_runner_and_free_cores(manager, held)
+    started = manager.start(tiny("max_steps=3"), cpu_hardware())  # its core is free: it starts at once
+    assert started.live_state != "queued" and len(runners(manager.runs_dir)) == 1  # and the queue has a runner
+    assert manager.wait(waiting).live_state == "finished"
+    assert manager.wait(started.id).live_state == "finished"
+
+
+def test_a_killed_runner_is_replaced_by_the_runs_tabs_refresh(manager, held):
+    """Issue 47: the Runs tab's refresh (its listing, also on the page's timer) looks after the queue
+    as `launch.py runs` does: both list the runs through RunManager.list."""
+    import gradio as gr
+
+    from app import runs_tab
+
+    with gr.Blocks() as page:
+        runs_tab.build(manager, page, cpu_hardware())
+    [refresh] = {f.fn for f in page.fns.values() if getattr(f.fn, "__name__", "") == "on_refresh"}  # one, wired often
+    waiting = killed_runner_and_free_cores(manager, held)
+    table = refresh(None, runs_tab.ALL, runs_tab.ALL, runs_tab.ALL, "newest first")[0]
+    assert list(table["run"]) == [waiting] and len(runners(manager.runs_dir)) == 1
+    assert manager.wait(waiting).live_state == "finished"
+
+
+def test_a_run_cancelled_while_queued_has_no_start_and_no_times(manager, held):
+    """Issue 47: its cancel is no start (the runs listing showed the cancel's time as its start)."""
+    run = manager.start(tiny("max_steps=3"), cpu_hardware(), queue_if_busy=True)
+    time.sleep(1.5)  # the cancel's time is not the time the run was queued
+    cancelled = manager.stop(run.id)
+    assert cancelled.live_state == "stopped" and cancelled.error_text == queue.CANCELLED
+    assert (cancelled.first_start, cancelled.training_seconds(), cancelled.wall_seconds()) == (None, None, None)
+    assert cancelled.created == cancelled.launch()["created"]  # listed by when it was made, as while it waited
+    (row,) = [line for line in launch_py("runs", "--runs-dir", str(manager.runs_dir)).stdout.splitlines()
+              if line.startswith(run.id)]
+    assert row.split()[1] == "stopped" and row.split()[3:6] == ["-", "-", "-"], row  # started, training, wall
+
+
 def test_a_damaged_place_in_the_queue_is_named_and_skipped_and_the_others_start(manager, held):
     hardware = cpu_hardware()
     damaged = manager.start(tiny("max_steps=3"), hardware, queue_if_busy=True)

@@ -159,6 +159,33 @@ class StepSkipped(Exception):
     """A step this machine cannot run; the message says why."""
 
 
+class SmokeFolderError(ValueError):
+    """The smoke's folder cannot be made in the runs folder; the message says what to change."""
+
+
+def new_folder(path: Path) -> Path:
+    """The folder `path`, made; `<name>-2`, `-3`... when that is taken (two smoke tests started in
+    the same second get a folder each)."""
+    stamp, number = path.name, 1
+    while True:
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            number += 1
+            path = path.with_name(f"{stamp}-{number}")
+
+
+def unmade(path: Path, error: OSError) -> str:
+    """Why the smoke's folder `path` cannot be made, and what to change."""
+    fix = "give --runs-dir (or $STUDIO_RUNS_DIR) a runs folder you can write to"
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # a file where the folder (or one above it) should be
+        return (f"the smoke test keeps its runs and report in {path}, and {blocking} is a file, not a folder: "
+                f"move it away, or {fix}")
+    return f"the smoke test's folder {path} cannot be made ({error.strerror or error}): {fix}"
+
+
 class Smoke:
     """One smoke test: `run()` yields each step as it starts and again when it ends; then
     `report_path` names the report."""
@@ -175,23 +202,7 @@ class Smoke:
 
     def run(self) -> Iterator[Step]:
         began, started = time.monotonic(), time.time()
-        self.folder.parent.mkdir(parents=True, exist_ok=True)
-        stamp, number = self.folder.name, 1
-        while True:  # two smoke tests started in the same second get a folder each
-            try:
-                self.folder.mkdir()
-                break
-            except FileExistsError:
-                number += 1
-                self.folder = self.folder.with_name(f"{stamp}-{number}")
-        runs = self.folder / "runs"
-        runs.mkdir()
-        own, shared = leases.leases_dir(runs), leases.leases_dir(self.runs_dir)
-        if own != shared:  # leases kept per runs folder: the smoke's share the runs folder's
-            shared.mkdir(parents=True, exist_ok=True)
-            own.parent.mkdir(parents=True, exist_ok=True)
-            own.symlink_to(shared, target_is_directory=True)
-        self.manager = RunManager(runs)
+        self.manager = RunManager(self.make_folder())
         kept = {}
         try:
             for name in STEPS:
@@ -222,6 +233,24 @@ class Smoke:
                 else:
                     os.environ[variable] = value
             self.report_path = write_report(self.report(started, time.monotonic() - began), self.folder)
+
+    def make_folder(self) -> Path:
+        """The smoke's own folder (a new one each time) and the runs folder in it, whose core leases
+        are the runs folder's; that runs folder. Where the runs folder cannot hold them,
+        LeaseFolderError (its lease folder) or SmokeFolderError, saying what to change."""
+        shared = leases.made_dir(self.runs_dir)
+        try:
+            self.folder.parent.mkdir(parents=True, exist_ok=True)
+            self.folder = new_folder(self.folder)
+            runs = self.folder / "runs"
+            runs.mkdir()
+            own = leases.leases_dir(runs)
+            if own != shared:  # leases kept per runs folder: the smoke's share the runs folder's
+                own.parent.mkdir(parents=True, exist_ok=True)
+                own.symlink_to(shared, target_is_directory=True)
+        except OSError as error:
+            raise SmokeFolderError(unmade(self.folder.parent, error)) from None
+        return runs
 
     # --- the steps ---------------------------------------------------------------------
     def probe(self, step: Step) -> str:

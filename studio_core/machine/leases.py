@@ -125,14 +125,25 @@ def _folders(runs_dir: str | Path) -> list[Path]:
     return [leases_dir(runs_dir)] + ([old] if old else [])
 
 
-def _made(folder: Path) -> Path:
-    """`folder`, made if missing; LeaseFolderError saying what to set when it cannot be."""
+def made_dir(runs_dir: str | Path) -> Path:
+    """This machine's lease folder (leases_dir), made if missing; LeaseFolderError saying what to
+    change when it cannot be."""
+    folder = leases_dir(runs_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise LeaseFolderError(f"the core lease folder {folder} cannot be made ({error.strerror or error}): set "
-                               f"{LEASES_ENV} to a folder you can write to") from None
+        raise LeaseFolderError(_unmade(folder, error)) from None
     return folder
+
+
+def _unmade(folder: Path, error: OSError) -> str:
+    """Why the lease folder `folder` cannot be made, and what to change."""
+    fix = f"set {LEASES_ENV} to a folder you can write to"
+    blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # a file where the folder (or one above it) should be
+        return (f"the core lease folder {folder} cannot be made: {blocking} is a file, not a folder: move it "
+                f"away, or {fix}")
+    return f"the core lease folder {folder} cannot be made ({error.strerror or error}): {fix}"
 
 
 def lock_path(runs_dir: str | Path, backend: str, core: int) -> Path:
@@ -150,7 +161,7 @@ def _open(path: Path) -> int:
 def acquire(runs_dir: str | Path, backend: str, cores: list[int], holder: str, kind: str) -> CoreLease:
     """Take every one of `cores` for `holder`, or none of them (raises CoresBusy)."""
     _check(backend, cores, kind)
-    _made(leases_dir(runs_dir))
+    made_dir(runs_dir)
     folders = _folders(runs_dir)
     lease, busy = CoreLease(backend, holder, kind, {}), {}
     identity = json.dumps({"holder": holder, "kind": kind, "pid": os.getpid(), "time": time.time()}).encode()
@@ -182,7 +193,7 @@ def choosing(runs_dir: str | Path):
     hold them, until that one holds them: two starts in the same moment never pick the same
     cores. Only choosers take it; acquire() does not. Where the runs folder has its old lease
     folder, its chooser lock is taken too (after this machine's), as an older studio takes it."""
-    _made(leases_dir(runs_dir))
+    made_dir(runs_dir)
     fds = []
     try:
         for folder in _folders(runs_dir):  # this machine's first, always in this order

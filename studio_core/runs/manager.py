@@ -161,7 +161,7 @@ class RunManager:
             except backends.SubmitError as error:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise SpecError([f"not submitted: {error}"]) from error
-            return self.view(run_id)
+            return self._started(run_id)
         with leases.choosing(self.runs_dir):  # until the run's process holds the cores chosen here
             cores = self.choose_cores(spec, hardware, queue_if_busy, data_warnings)  # None: busy, it waits
             if hold and queue.held_back(hold, self.view_or_none):
@@ -174,8 +174,12 @@ class RunManager:
             run_dir = self._create(run_id, launch, queued=cores is None, hold=hold)
             if cores is not None:
                 backend.submit(run_dir, launch, device=hardware.backend)
-        if cores is None:
-            queue.ensure_runner(self.runs_dir)
+        return self._started(run_id)
+
+    def _started(self, run_id: str) -> RunView:
+        """The run just started (or queued, or resumed); and a queue runner started when runs wait in
+        the queue and none looks after them (the last one was killed, as by a reboot)."""
+        queue.ensure_runner(self.runs_dir)
         return self.view(run_id)
 
     def start_queued(self) -> list[tuple[str, str | None]]:
@@ -280,7 +284,7 @@ class RunManager:
                 events.append(view.dir / folder.EVENTS, events.status("stopped", reason=f"resume not submitted: "
                                                                                      f"{error}"))
                 raise SpecError([f"not submitted: {error}"]) from error
-            return self.view(run_id)
+            return self._started(run_id)
         with leases.choosing(self.runs_dir):
             spec = self._spec_to_resume(spec, hardware)
             cores = self.choose_cores(spec, hardware, wait=queue_if_busy)  # None: none free, it waits
@@ -294,9 +298,7 @@ class RunManager:
             else:
                 self._restart(view.dir, launch, chosen)
                 backend.submit(view.dir, launch, device=hardware.backend)
-        if cores is None:
-            queue.ensure_runner(self.runs_dir)
-        return self.view(run_id)
+        return self._started(run_id)
 
     def _spec_to_resume(self, spec: RunSpec, hardware: Hardware) -> RunSpec:
         """The spec a local resume plans with: its own cores, or the next free block ("next
@@ -378,7 +380,10 @@ class RunManager:
         return view.refresh()
 
     def list(self) -> list[RunView]:
-        """Every run in the runs folder, newest first."""
+        """Every run in the runs folder, newest first. A look at the runs starts a queue runner too
+        when runs wait in the queue and none looks after them (queue.ensure_runner: the last one was
+        killed, as by a reboot): `launch.py runs` and the Runs tab's refresh list them through here."""
+        queue.ensure_runner(self.runs_dir)
         found = []
         for path in self.runs_dir.iterdir():
             if folder.is_run(path):

@@ -194,8 +194,7 @@ def move(runs_dir: Path, run_id: str, to: int) -> int:
         order = queued(runs_dir)
         names = [path.name for path in order]
         if run_id not in names:
-            raise QueueError(f"run {run_id} is not queued (it has started or ended): `launch.py queue` lists the "
-                             "queued runs")
+            raise QueueError(f"{not_queued(Path(runs_dir), run_id)}: `launch.py queue` lists the queued runs")
         if not 1 <= to <= len(names):
             raise QueueError(f"place {to} is out of the queue's 1 to {len(names)}")
         rest = [path for path in order if path.name != run_id]
@@ -204,6 +203,17 @@ def move(runs_dir: Path, run_id: str, to: int) -> int:
         for n, path in enumerate(rest):  # renumbered in their new order, each keeping its hold
             folder.write_json(path / QUEUE, {**folder.read_json(path / QUEUE), "order": base + n})
     return to
+
+
+def not_queued(runs_dir: Path, run_id: str) -> str:
+    """Why the run `run_id` has no place in the queue's order, in words."""
+    run_dir = runs_dir / run_id
+    if not (folder.is_run_id(run_id) and folder.is_run(run_dir)):
+        return f"there is no run {run_id!r} in {runs_dir}"
+    if is_queued(run_dir):  # queued, its place unreadable (a damaged queue.json)
+        return (f"run {run_id} is queued, but its place cannot be read ({QUEUE} is damaged): cancel it "
+                f"(`launch.py stop {run_id}`) and start it again")
+    return f"run {run_id} is not queued (it has started or ended)"
 
 
 def lock_queue(runs_dir: Path) -> int | None:
@@ -220,9 +230,11 @@ def lock_queue(runs_dir: Path) -> int | None:
 
 def ensure_runner(runs_dir: Path) -> bool:
     """Start the queue runner when runs are queued or a sweep's run waits to be evaluated, and none
-    runs; whether one was started. The lock
-    is taken here and handed to the runner (an inherited descriptor), so a second call in the same
-    moment sees it held, however long the runner takes to start."""
+    runs; whether one was started. Whatever starts or lists runs calls it (RunManager's start,
+    resume and list: the Runs tab's refresh, `launch.py runs`; `launch.py queue`), so a runner that
+    was killed (SIGKILL, a reboot) is replaced at the next look. The lock is taken here and handed
+    to the runner (an inherited descriptor), so a second call in the same moment sees it held,
+    however long the runner takes to start; a killed runner's lock the system has let go."""
     runs_dir = Path(runs_dir)
     try:
         if not queued(runs_dir) and not sweep_eval.waiting(runs_dir):

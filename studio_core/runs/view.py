@@ -52,6 +52,15 @@ class RunView(RunState):
                 self.apply(event)
         return self
 
+    def apply(self, event: dict) -> None:
+        """RunState's fold of one event, but a run that ends while it waits in the queue (cancelled
+        before it ever started) begins no attempt with that end: it has no start, no training time."""
+        cancelled = (self.state == "queued" and not self.spans and event.get("type") == "status"
+                     and event.get("state") in FINAL_STATES)
+        super().apply(event)
+        if cancelled:
+            self.spans.clear()
+
     @property
     def backend(self) -> backends.RunBackend:
         """The backend that started the run (launch.json says; older runs ran here)."""
@@ -175,15 +184,28 @@ class RunView(RunState):
     # --- its times: the same before and after a resume, and after the app restarts ---------
     @property
     def first_start(self) -> float | None:
-        """When the run was first started: its first event (written as its folder was made), else,
-        when its events lost their beginning, the time its launch record (launch.json's `created`)
-        or its run id gives; None when none is there. A resume does not change it."""
+        """When the run was first started: its first attempt's first event (written as its folder was
+        made, or as it left the queue), else, when its events lost their beginning, the time its
+        folder was made (`made`); None for a run that never left the queue (queued, or cancelled
+        there). A resume does not change it."""
         if self.spans and not self.events_lost():
             return self.spans[0].begin
+        if self.never_started():
+            return None
+        return self.made() or (self.spans[0].begin if self.spans else None)
+
+    def never_started(self) -> bool:
+        """Whether the run began in the queue and has begun no attempt since (it waits, or was
+        cancelled while it waited)."""
+        first = self.first_event or {}
+        return not self.spans and first.get("type") == "status" and first.get("state") == "queued"
+
+    def made(self) -> float | None:
+        """When the run's folder was made: its launch record's `created`, else the time its run id gives."""
         created = self.launch().get("created")
         if isinstance(created, (int, float)) and not isinstance(created, bool):
             return float(created)
-        return run_id_time(self.id) or (self.spans[0].begin if self.spans else None)
+        return run_id_time(self.id)
 
     def resumed_from(self) -> str | None:
         """The checkpoint folder the run's latest attempt loads (the launch record's resume
@@ -192,8 +214,9 @@ class RunView(RunState):
 
     @property
     def created(self) -> float:
-        """first_start, 0 when unknown: what listings sort by and backends measure a start's grace from."""
-        return self.first_start or 0.0
+        """first_start (the time its folder was made for a run that never left the queue), 0 when
+        unknown: what listings sort by and backends measure a start's grace from."""
+        return self.first_start or self.made() or 0.0
 
     def going(self) -> bool:
         """Whether an attempt goes on now (a queued resume's last attempt has ended: it waits)."""

@@ -18,6 +18,7 @@ once into its events by `record_ending`.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import time
@@ -84,13 +85,57 @@ def forgotten(job_id: str, address: str) -> str:
             "keeps its jobs in memory), which ended the job on every node; resume from the last checkpoint")
 
 
+# what to do when something other than a Ray head's dashboard answers at the address given
+NOT_RAY = ("give the address of the Ray head's dashboard (http://HEAD:8265), which must run with the full "
+           "dashboard (pip install 'ray[default]' on the head)")
+
+
 def cluster_version(address: str) -> str:
-    """The Ray version the cluster at `address` runs (its dashboard's /api/version)."""
+    """The Ray version the cluster at `address` runs (its dashboard's /api/version: a JSON object
+    with `ray_version`, Ray 2.60's job_head.py); RayError when nothing answers, or not as Ray does."""
     try:
         with urllib.request.urlopen(f"{address.rstrip('/')}/api/version", timeout=10) as answer:
-            return json.loads(answer.read())["ray_version"]
-    except (OSError, ValueError, KeyError) as error:
+            body = answer.read()
+    except (OSError, ValueError) as error:  # ValueError: an address urllib cannot use
         raise RayError(f"no Ray cluster answers at {address}: {error}") from error
+    try:
+        said = json.loads(body)
+    except ValueError:  # not JSON (nor UTF-8): shown as the text it is
+        said = body.decode(errors="replace")
+    version = said.get("ray_version") if isinstance(said, dict) else None
+    if not isinstance(version, str) or not version:
+        raise RayError(f"the server at {address} is not a Ray dashboard: its /api/version gave {_short(said)}, "
+                       f"where a Ray dashboard's names its ray_version: {NOT_RAY}")
+    return version
+
+
+def node_offers(address: str, resource: str) -> list[float]:
+    """How much of `resource` each live node of the cluster at `address` has in all, most first
+    (Ray's state API, /api/v0/nodes); RayError when its dashboard does not answer that API, or not
+    as Ray does."""
+    from ray.util.state import list_nodes
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        alive = [n for n in list_nodes(address=address, detail=True) if n.state == "ALIVE"]
+        return sorted((float((n.resources_total or {}).get(resource, 0)) for n in alive), reverse=True)
+    except RayStateApiException as error:
+        raise RayError(f"the server at {address} answers /api/version as a Ray dashboard does, but not Ray's "
+                       f"state API ({_state_api_said(error)}): {NOT_RAY}") from None
+    except (KeyError, TypeError, AttributeError, ValueError) as error:  # an answer not shaped as Ray's
+        raise RayError(f"the server at {address} answers Ray's state API (/api/v0/nodes) otherwise than Ray does "
+                       f"({type(error).__name__}: {error}): {NOT_RAY}") from None
+
+
+def _state_api_said(error: Exception) -> str:
+    """What Ray's state client said of the answer it could not use, short: its HTTP status when it names one."""
+    status = re.search(r"status=(\d+)", str(error))
+    return f"/api/v0/nodes answered HTTP {status[1]}" if status else str(error).splitlines()[0][:200]
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 NO_AGENT = "No available agent to submit job"  # Ray's 500 while the head's job agent starts: it says try again
@@ -154,17 +199,18 @@ class RayBackend(RunBackend):
         except RayError as error:
             return [f"{KEY}.address: {error}"]
         import ray
-        from ray.util.state import list_nodes
 
         if theirs != ray.__version__:
             return [f"{KEY}.address: the cluster runs Ray {theirs}, this studio Ray {ray.__version__}: install "
                     f"ray=={theirs} here (a job's driver must match its cluster)"]
-        alive = [n for n in list_nodes(address=address, detail=True) if n.state == "ALIVE"]
-        if layout.nodes > len(alive):
-            return [f"studio.nodes: the Ray cluster at {address} has {len(alive)} node(s); ask for at most "
-                    f"{len(alive)}"]
         resource = RESOURCES[device]
-        offers = sorted(((n.resources_total or {}).get(resource, 0) for n in alive), reverse=True)
+        try:
+            offers = node_offers(address, resource)
+        except RayError as error:
+            return [f"{KEY}.address: {error}"]
+        if layout.nodes > len(offers):
+            return [f"studio.nodes: the Ray cluster at {address} has {len(offers)} node(s); ask for at most "
+                    f"{len(offers)}"]
         if sum(offer >= layout.nproc for offer in offers) < layout.nodes:
             most = int(offers[layout.nodes - 1])
             change = (f"ask for at most {most} process(es) per node{' or fewer nodes' if layout.nodes > 1 else ''}"

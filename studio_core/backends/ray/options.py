@@ -10,8 +10,11 @@ from dataclasses import dataclass, fields
 from studio_core.backends.base import option, options_from_dict
 
 KEY = "studio.ray"  # the recipe key the options are read from
-# The address of a Ray cluster's Jobs API: its head's dashboard, http(s)://HOST:PORT (8265 by default).
-ADDRESS = re.compile(r"https?://[A-Za-z0-9_.\-\[\]:]+(:\d+)?/?")
+# The address of a Ray cluster's Jobs API: its head's dashboard, http(s)://HOST:PORT (8265 by default);
+# HOST a name, an IPv4 address or an IPv6 address in brackets.
+ADDRESS = re.compile(r"https?://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)(?::(?P<port>\d+))?/?")
+WRITE = ("write http://HOST:PORT, e.g. http://10.0.0.5:8265 (the head's dashboard, 8265 unless it was started "
+         "with --dashboard-port)")
 
 
 @dataclass
@@ -36,7 +39,12 @@ class RayOptions:
         label = (labels or {}).get("address", f"{KEY}.address")
         if self.address is None:
             return []  # said by the backend's layout check, which knows whether the run goes to Ray
-        if not isinstance(self.address, str) or not ADDRESS.fullmatch(self.address.strip()):
-            return [f"{label}: {self.address!r} is not a Ray dashboard address: write http://HOST:PORT, e.g. "
-                    "http://10.0.0.5:8265 (the head's dashboard, 8265 unless it was started with --dashboard-port)"]
+        matched = ADDRESS.fullmatch(self.address.strip()) if isinstance(self.address, str) else None
+        if matched is None:
+            ipv6 = " (an IPv6 host goes in brackets: http://[fd00::5]:8265)" if "[" in str(self.address) else ""
+            return [f"{label}: {self.address!r} is not a Ray dashboard address: {WRITE}{ipv6}"]
+        port = matched["port"]
+        if port is not None and not 1 <= int(port) <= 65535:
+            return [f"{label}: {self.address!r} is not a Ray dashboard address: port {port} is out of range (1 to "
+                    f"65535): {WRITE}"]
         return []
