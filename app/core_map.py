@@ -12,9 +12,11 @@ from studio_core.training.memory import WARN_FRACTION, gib
 GROUP_COLOURS = ("#268bd2", "#2aa198", "#6c71c4", "#b58900", "#cb4b16", "#859900", "#d33682", "#073642")
 
 
-def core_map_html(hardware: Hardware, cores: list[int], tp_size: int, held: dict[int, str], nodes: int = 0) -> str:
+def core_map_html(hardware: Hardware, cores: list[int], tp_size: int, held: dict[int, str], nodes: int = 0,
+                  place: str = "") -> str:
     """`cores`: the run's cores in rank order; `held`: core -> who holds it (RunManager.core_holders).
-    `nodes`: a Slurm run's node count (then the map is one node's, and no core here is held)."""
+    `nodes`: a cluster run's node count (then the map is one node's, and no core here is held), on
+    `place` (the cluster's run backend's label: Slurm, Ray), which picks the nodes."""
     count = hardware.cores
     per_chip = count // hardware.chips if hardware.backend == "neuron" and hardware.chips else count
     group_of = {}
@@ -42,8 +44,8 @@ def core_map_html(hardware: Hardware, cores: list[int], tp_size: int, held: dict
         name = f"chip {first // per_chip}" if hardware.backend == "neuron" else hardware.backend.upper()
         rows.append(f"<div style='margin:2px 0'><span style='display:inline-block;width:56px;"
                     f"font-size:0.8em'>{name}</span>{''.join(cells)}</div>")
-    where = (f" of each node, x {nodes} node{'s' if nodes > 1 else ''} (Slurm picks them; each node is the "
-             "job's alone)") if nodes else ""
+    where = f" of each node, x {nodes} node{'s' if nodes > 1 else ''} ({place or 'the cluster'} picks them)" \
+        if nodes else ""
     legend = (f"<div style='font-size:0.8em;margin-top:4px'>{len(cores)} of {count} {unit}s{where} for this run"
               + (f", TP groups of {tp_size} (one colour each)" if tp_size > 1 else "")
               + ("" if nodes else f"; {len(held)} held by others") + "</div>")

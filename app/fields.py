@@ -10,7 +10,7 @@ from dataclasses import Field, fields
 
 import gradio as gr
 
-from studio_core.recipe.spec import SpecError
+from studio_core.recipe.spec import Layout, SpecError
 
 ROW = 3  # widgets side by side
 
@@ -39,10 +39,11 @@ def widgets(options_type) -> dict[str, gr.Component]:
     return made
 
 
-def read(values: dict, options_type):
-    """The options the widgets hold (by field name), checked by the options' own rule, each problem
-    under its widget's label (SpecError)."""
-    given = {}
+def read(values: dict, backend, complete: bool = True):
+    """The options of `backend` (a run backend: its options_type) the widgets hold (by field name),
+    checked by the options' own rule and, with `complete`, a box left empty by the backend's need of
+    it (a Ray run needs its address), each problem under its widget's label (SpecError)."""
+    options_type, given = backend.options_type, {}
     for f in fields(options_type):
         value, meta = values.get(f.name), f.metadata
         if meta["kind"] == "bool":
@@ -56,9 +57,20 @@ def read(values: dict, options_type):
             given[f.name] = (value or "").strip() or None
     options = options_type(**given)
     problems = options.check(labels={f.name: f.metadata["label"] for f in fields(options_type)})
+    problems += needed(options, backend) if complete else []
     if problems:
         raise SpecError(problems)
     return options.settled()
+
+
+def needed(options, backend) -> list[str]:
+    """The boxes left empty that a run on `backend` cannot do without, said under their labels:
+    the backend's own layout rule (which says them under the recipe's key, studio.ray.address,
+    and the command line's flag) asked about these options."""
+    said = backend.layout_problems(Layout(run_on=backend.name, options=options))
+    return [f"{f.metadata['label']}: empty, and a run on {backend.label} needs it: write {f.metadata['recipe']}"
+            for f in fields(options) if getattr(options, f.name) is None
+            and any(p.startswith(f"studio.{backend.name}.{f.name}:") for p in said)]
 
 
 def shown(options, options_type) -> dict:

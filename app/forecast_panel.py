@@ -21,6 +21,10 @@ from studio_core.runs.manager import RunManager
 from studio_core.recipe.spec import SpecError
 
 
+STALE = ("**The form changed since this forecast:** press Forecast compilations for the run it holds now "
+         "(the one shown was for other settings).")
+
+
 def forecast_markdown(f: Forecast, backend: str) -> str:
     # the run page counts each piece Dynamo compiles (a forward, a backward, per graph break): more
     # than the shapes, which this must not seem to promise as the count
@@ -79,23 +83,36 @@ def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
                                     "shapes), each with what it costs the data", visible=False, elem_id="suggestions")
         apply = gr.Button("Apply suggestion", visible=False, elem_id="apply-suggestion")
         offered = gr.State({})
+        made_of = gr.State(None)  # the form's values (by name) the report shown was made from
     inputs, extra = form.components(), form.widgets["extra"]
 
+    def hidden() -> dict:
+        return {histogram: gr.update(visible=False), choice: gr.update(visible=False, choices=[]),
+                apply: gr.update(visible=False), offered: {}}
+
     def on_forecast(values):
-        hidden = {histogram: gr.update(visible=False), choice: gr.update(visible=False, choices=[]),
-                  apply: gr.update(visible=False), offered: {}}
+        v = form.named(values)
         try:
-            text, result = plan_and_forecast(form.named(values), manager, hardware)
+            text, result = plan_and_forecast(v, manager, hardware)
         except SpecError as error:
-            return {report: "**No forecast:**\n" + "\n".join(f"- {p}" for p in error.problems), **hidden}
+            return {report: "**No forecast:**\n" + "\n".join(f"- {p}" for p in error.problems), **hidden(),
+                    made_of: v}
         if result is None:
-            return {report: text, **hidden}
+            return {report: text, **hidden(), made_of: v}
         bars = pd.DataFrame(result.histogram(), columns=["tokens", "samples"])
         labels = {suggestion_label(s): s["set"] for s in result.suggestions}
         return {report: text,
                 histogram: gr.update(value=bars, visible=True, sort=list(bars["tokens"])),  # buckets in length order
                 choice: gr.update(choices=list(labels), value=next(iter(labels), None), visible=bool(labels)),
-                apply: gr.update(visible=bool(labels)), offered: labels}
+                apply: gr.update(visible=bool(labels)), offered: labels, made_of: v}
+
+    def on_form_change(values):
+        """A report of values the form no longer holds (another trainer, another Run on...) says so,
+        and its suggestions go: they were for those values."""
+        made = values[made_of]
+        if made is None or form.named(values) == made:
+            return {report: gr.update(), made_of: gr.update()}
+        return {report: STALE, **hidden(), made_of: None}
 
     def on_apply(label, labels, text):
         if label not in labels:
@@ -105,6 +122,10 @@ def build(form: TrainForm, manager: RunManager, hardware: Hardware) -> None:
             return gr.update()
         return yaml.safe_dump({**current, **labels[label]}, sort_keys=False)
 
-    outputs = [report, histogram, choice, apply, offered]
-    button.click(on_forecast, inputs, outputs)
-    apply.click(on_apply, [choice, offered, extra], extra).then(on_forecast, inputs, outputs)
+    outputs = [report, histogram, choice, apply, offered, made_of]
+    # one queue: a change made before a forecast is never marked after it
+    button.click(on_forecast, inputs, outputs, concurrency_id="forecast")
+    apply.click(on_apply, [choice, offered, extra], extra).then(on_forecast, inputs, outputs,
+                                                                concurrency_id="forecast")
+    gr.on([widget.change for widget in form.widgets.values()], on_form_change, inputs | {made_of}, outputs,
+          show_progress="hidden", concurrency_id="forecast", trigger_mode="always_last")

@@ -9,6 +9,7 @@ config classes (studio_core.recipe.trl_schema).
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 
 import gradio as gr
@@ -31,6 +32,88 @@ TARGET_LABELS = option_fields.labels(Target)  # Plan for and LNC, beside --insta
 # The form's starting values suit the built-in tiny model: from random weights, it learns its
 # facts in seconds at this rate. Any other model starts at TRL's default for the trainer.
 TINY_LEARNING_RATE = 2e-3
+# The number boxes whose label is not the setting's name (the others are labelled with TRL's name).
+WHOLE = re.compile(r"[+-]?[0-9]+")  # a whole number as typed (int() also reads 1_000)
+NUMBER_LABELS = {"eval_fraction": "Hold out for evaluation (fraction)", "precompile_jobs": "Precompile jobs",
+                 **{name: LAYOUT_LABELS[name] for name in ("nproc", "tp_size", "fsdp_size", "nodes")}}
+
+
+def number_box(start, **settings) -> gr.Textbox:
+    """A number's box, in the current Blocks context. A one-line text box, not gr.Number: the
+    browser's number input hands Gradio nothing for what is no number (`abc`, `1e999`), so the
+    box blanked and the form read 0; text reaches `read_number`, which says what was typed."""
+    return gr.Textbox(None if start is None else str(start), max_lines=1, **settings)
+
+
+def parse_number(value) -> float | int | None:
+    """A number box's value (its text, or a number a clone or a test put there) as a number;
+    None when it is none (empty, `abc`, `nan`). A whole number written whole stays an exact int."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = value
+    else:
+        number = _from_text(str(value or "").strip())
+    return None if number is None or number != number else number  # nan is no number
+
+
+def _from_text(text: str) -> float | int | None:
+    if WHOLE.fullmatch(text):
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _as_float(number: int | float) -> float:
+    """The number as a float, infinite where a whole number is too large for one."""
+    try:
+        return float(number)
+    except OverflowError:
+        return math.inf if number > 0 else -math.inf
+
+
+def read_number(value, label: str, whole: bool = False, blank: int | float | None = None) -> int | float:
+    """A number box's value as the recipe holds it: an int where the setting counts (`whole`),
+    else a float; `blank` for an empty box (None: a number is needed). SpecError naming the box,
+    what was typed and why it is refused, and what to write instead."""
+    text = "" if value is None else str(value).strip()
+    wanted = "a whole number, e.g. 4" if whole else "a number, e.g. 0.5 or 2e-5"
+    if not text:
+        if blank is None:
+            raise SpecError([f"{label}: empty; write {wanted}"])
+        return blank
+    number = parse_number(value)
+    if number is None:
+        raise SpecError([f"{label}: {text!r} is not a number; write {wanted}"])
+    if whole and isinstance(number, int):
+        return number
+    size = _as_float(number)
+    if math.isinf(size):
+        sign = "minus " if size < 0 else ""
+        raise SpecError([f"{label}: {text!r} reads as {sign}infinity (too large to hold); write {wanted}"])
+    if whole and not size.is_integer():
+        raise SpecError([f"{label}: {text!r} is not a whole number; write {wanted}"])
+    return int(size) if whole else size
+
+
+class FormNumbers:
+    """The form's number boxes read by name, every refusal kept (by setting) to be said at once."""
+
+    def __init__(self, values: dict):
+        self.values, self.problems = values, {}
+
+    def __call__(self, name: str, whole: bool = False, blank: int | float | None = None, label: str | None = None):
+        try:
+            return read_number(self.values.get(name), label or NUMBER_LABELS.get(name, name), whole, blank)
+        except SpecError as error:
+            self.problems[name] = error.problems[0]
+            return 0 if blank is None else blank
+
+    def check(self, overridden=()) -> None:
+        """SpecError with every box refused, but those whose setting "Other TRL settings" gives (applied last)."""
+        problems = [problem for name, problem in self.problems.items() if name not in overridden]
+        if problems:
+            raise SpecError(problems)
 
 
 def report_choices() -> list[str]:
@@ -93,7 +176,7 @@ def field_widget(trainer: str, field: FormField) -> gr.Component:
                        label="Reward functions (YAML list)")
     if field.kind == "choice":
         return gr.Dropdown(field_choices(trainer, field), value=field.start, **common)
-    return gr.Number(field.start, precision=0 if field.kind == "int" else None, **common)
+    return number_box(field.start, **common)
 
 
 class TrainForm:
@@ -133,25 +216,25 @@ class TrainForm:
                                                elem_id="keep_columns")
             self.fix_button = gr.Button("Apply the suggested fix", visible=False, elem_id="apply-fix")
             with gr.Row():  # studio_core.recipe.eval_data: the evaluation set, plotted during training
-                w["eval_fraction"] = gr.Number(0, label="Hold out for evaluation (fraction)", minimum=0, maximum=0.9,
-                                               info="e.g. 0.1: a tenth of the rows, the same ones for the same seed; "
-                                               "0: none", elem_id="eval_fraction")
+                w["eval_fraction"] = number_box(0, label=NUMBER_LABELS["eval_fraction"],
+                                                info="e.g. 0.1: a tenth of the rows, the same ones for the same seed; "
+                                                "0: none", elem_id="eval_fraction")
                 w["eval_dataset"] = gr.Textbox(label="Or evaluate on a separate dataset", placeholder="a file or Hub id",
                                                info="its loss is plotted beside the training loss",
                                                elem_id="eval_dataset")
         with gr.Row():
-            w["max_steps"] = gr.Number(300, label="max_steps", precision=0, info="0: train by epochs",
-                                       elem_id="max_steps")
-            w["num_train_epochs"] = gr.Number(3, label="num_train_epochs", info="used when max_steps is 0")
-            w["learning_rate"] = gr.Number(learning_rate_start(trainers.DEFAULT, BUILTIN_MODEL), label="learning_rate",
-                                           info=learning_rate_info(trainers.DEFAULT, BUILTIN_MODEL),
-                                           elem_id="learning_rate")
+            w["max_steps"] = number_box(300, label="max_steps", info="0: train by epochs",
+                                        elem_id="max_steps")
+            w["num_train_epochs"] = number_box(3, label="num_train_epochs", info="used when max_steps is 0")
+            w["learning_rate"] = number_box(learning_rate_start(trainers.DEFAULT, BUILTIN_MODEL), label="learning_rate",
+                                            info=learning_rate_info(trainers.DEFAULT, BUILTIN_MODEL),
+                                            elem_id="learning_rate")
         with gr.Row():
-            w["per_device_train_batch_size"] = gr.Number(4, label="per_device_train_batch_size", precision=0,
-                                                         elem_id="batch_size")
-            w["max_length"] = gr.Number(128, label="max_length", precision=0, elem_id="max_length",
-                                        info="tokens (not for the trainers that generate); 0: no truncation")
-            w["logging_steps"] = gr.Number(10, label="logging_steps", precision=0, elem_id="logging_steps")
+            w["per_device_train_batch_size"] = number_box(4, label="per_device_train_batch_size",
+                                                          elem_id="batch_size")
+            w["max_length"] = number_box(128, label="max_length", elem_id="max_length",
+                                         info="tokens (not for the trainers that generate); 0: no truncation")
+            w["logging_steps"] = number_box(10, label="logging_steps", elem_id="logging_steps")
         self.trainer_groups = {}  # trainer -> the group of its own settings, shown for it alone
         self.reward_checks = {}  # trainer -> (its "Check reward functions" button, the report)
         for key, entry in trainers.TRAINERS.items():
@@ -170,12 +253,12 @@ class TrainForm:
         with gr.Accordion("Layout: processes, parallelism, cores", open=False,
                           elem_id="layout-box") as self.layout_box:
             with gr.Row():
-                w["nproc"] = gr.Number(1, label=LAYOUT_LABELS["nproc"], precision=0, minimum=1,
-                                       info=f"one per core; up to {most} here", elem_id="nproc")
-                w["tp_size"] = gr.Number(1, label=LAYOUT_LABELS["tp_size"], precision=0, minimum=1, elem_id="tp_size",
-                                         info="tensor parallel (Neuron/CUDA)")
-                w["fsdp_size"] = gr.Number(1, label=LAYOUT_LABELS["fsdp_size"], precision=0, minimum=1,
-                                           elem_id="fsdp_size", info="TP x FSDP = processes")
+                w["nproc"] = number_box(1, label=NUMBER_LABELS["nproc"],
+                                        info=f"one per core; up to {most} here", elem_id="nproc")
+                w["tp_size"] = number_box(1, label=NUMBER_LABELS["tp_size"], elem_id="tp_size",
+                                          info="tensor parallel (Neuron/CUDA)")
+                w["fsdp_size"] = number_box(1, label=NUMBER_LABELS["fsdp_size"],
+                                            elem_id="fsdp_size", info="TP x FSDP = processes")
             with gr.Row():
                 w["cores"] = gr.Textbox(label=LAYOUT_LABELS["cores"], placeholder="next free", elem_id="cores",
                                         info="e.g. 0-3 or 0,1; empty: the first free valid block")
@@ -192,10 +275,10 @@ class TrainForm:
                                               "in parallel", elem_id="precompile",
                                               info="needs torch_compile (on by default on Neuron); one-process local "
                                               "runs; the run then finds its graphs in the compile cache")
-                w["precompile_jobs"] = gr.Number(0, label="Precompile jobs", precision=0, minimum=0,
-                                                 info="parallel compile processes, each on a free core; 0: one per "
-                                                 "core, at most 8 (on Neuron also within the host's vCPUs and "
-                                                 "memory)", elem_id="precompile_jobs")
+                w["precompile_jobs"] = number_box(0, label=NUMBER_LABELS["precompile_jobs"],
+                                                  info="parallel compile processes, each on a free core; 0: one per "
+                                                  "core, at most 8 (on Neuron also within the host's vCPUs and "
+                                                  "memory)", elem_id="precompile_jobs")
             elsewhere = backends.with_options()
             w["run_on"] = gr.Radio([(backend.label, name) for name, backend in BACKENDS.items()], value=DEFAULT,
                                    label="Run on", elem_id="run_on",
@@ -205,8 +288,8 @@ class TrainForm:
                                    + "; Processes is then per node, and Plan for is the nodes' type")
             # one Nodes for every engine that runs on several machines, shown when the run goes to one
             with gr.Row(visible=False, elem_id="nodes-box") as self.nodes_box:
-                w["nodes"] = gr.Number(1, label=LAYOUT_LABELS["nodes"], precision=0, minimum=1, elem_id="nodes",
-                                       info="each runs the processes above; HSDP replicates across nodes")
+                w["nodes"] = number_box(1, label=NUMBER_LABELS["nodes"], elem_id="nodes",
+                                        info="each runs the processes above; HSDP replicates across nodes")
             self.option_boxes = {}  # backend -> the box of its options, shown when the run goes there
             for backend in elsewhere:
                 # a Column, not a Group: Gradio 6 gives a Group's elem_id to two nested elements (two #slurm-box)
@@ -218,20 +301,20 @@ class TrainForm:
             w["use_peft"] = gr.Checkbox(False, label="Train a LoRA adapter instead of the full model",
                                         elem_id="use_peft")
             with gr.Row():
-                w["lora_r"] = gr.Number(16, label="lora_r", precision=0)
-                w["lora_alpha"] = gr.Number(32, label="lora_alpha")  # a float too, as PEFT takes it
-                w["lora_dropout"] = gr.Number(0.05, label="lora_dropout")
+                w["lora_r"] = number_box(16, label="lora_r")
+                w["lora_alpha"] = number_box(32, label="lora_alpha")  # a float too, as PEFT takes it
+                w["lora_dropout"] = number_box(0.05, label="lora_dropout")
                 w["lora_target_modules"] = gr.Textbox("all-linear", label="lora_target_modules",
                                                       info="all-linear, or names: q_proj, v_proj")
         with gr.Accordion("Advanced", open=False, elem_id="advanced-box") as self.advanced_box:
             with gr.Row():
-                w["gradient_accumulation_steps"] = gr.Number(1, label="gradient_accumulation_steps", precision=0)
-                w["warmup_steps"] = gr.Number(0, label="warmup_steps", precision=0)
+                w["gradient_accumulation_steps"] = number_box(1, label="gradient_accumulation_steps")
+                w["warmup_steps"] = number_box(0, label="warmup_steps")
                 w["lr_scheduler_type"] = gr.Dropdown(trainer_fields(trainers.DEFAULT)["lr_scheduler_type"]["choices"],
                                                      value="linear", label="lr_scheduler_type")
-                w["seed"] = gr.Number(42, label="seed", precision=0)
-                w["save_steps"] = gr.Number(0, label="save_steps", precision=0,
-                                            info="a checkpoint every N steps; 0: only the final model")
+                w["seed"] = number_box(42, label="seed")
+                w["save_steps"] = number_box(0, label="save_steps",
+                                             info="a checkpoint every N steps; 0: only the final model")
             trackers = report_choices()
             w["report_to"] = gr.Dropdown(trackers, value="none", label="report_to (experiment tracking)",
                                          info=report_info(trackers), elem_id="report_to")
@@ -271,65 +354,79 @@ def check_extra(trainer: str, text: str) -> str:
     return "TRL settings recognised." if (text or "").strip() else ""
 
 
-def _whole_if_whole(value) -> int | float:
-    """A number widget's value as the recipe writes it: 32 (not 32.0), or 16.5."""
-    number = float(value or 0)
+def _whole_if_whole(number: float) -> int | float:
+    """A number as the recipe writes it: 32 (not 32.0), or 16.5."""
     return int(number) if number.is_integer() else number
 
 
-def spec_from_form(v: dict) -> RunSpec:
-    """Widget values (by name) -> RunSpec. Raises SpecError for values that are not even well-formed."""
-    trainer = v["trainer"]
+def spec_from_form(v: dict, complete: bool = True) -> RunSpec:
+    """Widget values (by name) -> RunSpec. Raises SpecError for values that are not even well-formed
+    (a number box holding no number among them, each said with what was typed) and, with `complete`,
+    for a setting the run's place cannot do without left empty (a Ray run's address: the core map
+    is drawn before it is typed)."""
+    trainer, number = v["trainer"], FormNumbers(v)
+    # TRL takes a float below 1 for these step counts: a fraction of the run's steps
+    save_steps, logging_steps, warmup_steps = (_whole_if_whole(number(name, blank=blank)) for name, blank in
+                                               (("save_steps", 0.0), ("logging_steps", 1.0), ("warmup_steps", 0.0)))
     args = {
-        "max_steps": int(v["max_steps"]) if v["max_steps"] else -1,
-        "num_train_epochs": float(v["num_train_epochs"] or 0),
-        "learning_rate": float(v["learning_rate"] or 0),
-        "per_device_train_batch_size": int(v["per_device_train_batch_size"] or 0),
-        "logging_steps": int(v["logging_steps"] or 1),
-        "gradient_accumulation_steps": int(v["gradient_accumulation_steps"] or 1),
-        "warmup_steps": int(v["warmup_steps"] or 0),
+        "max_steps": number("max_steps", whole=True, blank=0) or -1,  # the form's 0: TRL's -1, train by epochs
+        "num_train_epochs": number("num_train_epochs", blank=0.0),
+        "learning_rate": number("learning_rate"),
+        "per_device_train_batch_size": number("per_device_train_batch_size", whole=True),
+        "logging_steps": logging_steps,
+        "gradient_accumulation_steps": number("gradient_accumulation_steps", whole=True, blank=1),
+        "warmup_steps": warmup_steps,
         "lr_scheduler_type": v["lr_scheduler_type"],
-        "seed": int(v["seed"] or 0),
-        **({"save_strategy": "steps", "save_steps": int(v["save_steps"])} if v["save_steps"]
-           else {"save_strategy": "no"}),
+        "seed": number("seed", whole=True, blank=0),
+        **({"save_strategy": "steps", "save_steps": save_steps} if save_steps else {"save_strategy": "no"}),
     }
     entry, rewards = trainers.get(trainer), []
     if entry.uses_max_length:
-        args["max_length"] = int(v["max_length"]) if v["max_length"] else None
+        args["max_length"] = number("max_length", whole=True, blank=0) or None
     for field in entry.fields:
         value = v[f"{trainer}.{field.name}"]
         if field.kind == "rewards":
             rewards = _yaml(value, "Reward functions", list)
         elif field.kind in ("int", "float"):
-            args[field.name] = (int if field.kind == "int" else float)(value or 0)
+            args[field.name] = number(f"{trainer}.{field.name}", whole=field.kind == "int", blank=0,
+                                      label=field.name)
         else:
             args[field.name] = [value] if field.as_list else value
     if v["use_peft"]:
         targets = [t.strip() for t in (v["lora_target_modules"] or "").split(",") if t.strip()]
-        args |= {"use_peft": True, "lora_r": int(v["lora_r"] or 0), "lora_alpha": _whole_if_whole(v["lora_alpha"]),
-                 "lora_dropout": float(v["lora_dropout"] or 0), "lora_target_modules": targets or None}
+        args |= {"use_peft": True, "lora_r": number("lora_r", whole=True, blank=0),
+                 "lora_alpha": _whole_if_whole(number("lora_alpha", blank=0.0)),
+                 "lora_dropout": number("lora_dropout", blank=0.0), "lora_target_modules": targets or None}
     if v["trust_remote_code"]:
         args["trust_remote_code"] = True
     if v.get("report_to") not in (None, "none"):
         args["report_to"] = v["report_to"]
-    args |= _yaml(v["extra"], "Other TRL settings", dict)
+    extra = _yaml(v["extra"], "Other TRL settings", dict)
+    args |= extra
     keep = [c.strip() for c in (v["keep_columns"] or "").split(",") if c.strip()]
     backend = run_backend(v)
     here = backend.local_cores  # a run on this machine's cores, else on nodes of its own
+    layout = Layout(nproc=number("nproc", whole=True, blank=1), tp_size=number("tp_size", whole=True, blank=1),
+                    fsdp_size=number("fsdp_size", whole=True, blank=1), run_on=backend.name,
+                    cores=(v["cores"] or "").strip() or None if here else None,
+                    nodes=1 if here else number("nodes", whole=True, blank=1),
+                    options=option_fields.read(v, backend, complete) if backend.options_type else None)
+    eval_fraction, jobs = number("eval_fraction", blank=0.0), number("precompile_jobs", whole=True, blank=0)
+    number.check(overridden=extra)
     return RunSpec(trainer=trainer, model_name_or_path=(v["model"] or "").strip(),
                    dataset_name=(v["dataset"] or "").strip(),
                    dataset_config=(v["dataset_config"] or "").strip() or None,
                    dataset_train_split=(v["dataset_split"] or "").strip() or "train",
-                   run_name=(v["run_name"] or "").strip() or None, args=args,
-                   layout=Layout(nproc=int(v["nproc"] or 1), tp_size=int(v["tp_size"] or 1),
-                                 fsdp_size=int(v["fsdp_size"] or 1), run_on=backend.name,
-                                 cores=(v["cores"] or "").strip() or None if here else None,
-                                 nodes=1 if here else int(v.get("nodes") or 1),
-                                 options=option_fields.read(v, backend.options_type) if backend.options_type else None),
+                   run_name=(v["run_name"] or "").strip() or None, args=args, layout=layout,
                    column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards,
-                   eval_fraction=float(v["eval_fraction"]) if v.get("eval_fraction") else None,
-                   eval_dataset=(v.get("eval_dataset") or "").strip() or None,
-                   precompile=bool(v.get("precompile")), precompile_jobs=int(v.get("precompile_jobs") or 0) or None)
+                   eval_fraction=eval_fraction or None, eval_dataset=(v.get("eval_dataset") or "").strip() or None,
+                   precompile=bool(v.get("precompile")), precompile_jobs=jobs or None)
+
+
+def export_spec(v: dict) -> RunSpec:
+    """The spec of the batch script Export writes (backends.EXPORT), whatever Run on says: the
+    form's own Nodes and the cluster's settings, as if the run went there."""
+    return spec_from_form(v | {"run_on": backends.EXPORT.name})
 
 
 def run_backend(v: dict):

@@ -17,8 +17,9 @@ import yaml
 from app import forecast_panel, run_panel, sweep_panel
 from studio_core.runs.sweep import EVAL_LIMIT as sweep_eval_limit
 from app.core_map import core_map_html, memory_html
-from app.train_form import (TARGET_LABELS, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, learning_rate_info,
-                            learning_rate_start, run_backend, spec_from_form, target_hardware, trainer_info)
+from app.train_form import (TARGET_LABELS, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, export_spec,
+                            learning_rate_info, learning_rate_start, parse_number, run_backend, spec_from_form,
+                            target_hardware, trainer_info)
 from studio_core.recipe import data_check, dataset_check, trainers
 from studio_core.data import sources
 from studio_core.data.builtin import BUILTIN_MODEL
@@ -32,6 +33,7 @@ from studio_core.recipe.spec import SpecError
 
 
 LAYOUT_PROBLEMS = "**This layout cannot run here; change it:**"
+START, STARTING = "Start", "Starting: checking ..."  # the Start button, and its words while a start is checked
 
 
 def problems_markdown(error: SpecError) -> str:
@@ -135,13 +137,14 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         with gr.Column(scale=2):
             with gr.Row():
                 preview_btn = gr.Button("Preview command", elem_id="preview")
-                start_btn = gr.Button("Start", variant="primary", elem_id="start")
+                start_btn = gr.Button(START, variant="primary", elem_id="start")
             controls = run_panel.RunControls()
             export_btn = gr.Button("Export launch script", elem_id="export")
             message = gr.Markdown("", elem_id="train-message")
             exports = gr.File(label="Launch scripts", file_count="multiple", visible=False, elem_id="exports")
             plan_box = gr.Code(label="Plan: command, environment, applied defaults", language="shell",
                                visible=False, lines=14, elem_id="plan")
+            plan_of = gr.State(None)  # the form's values (by name) the plan shown was made from
             forecast_panel.build(form, manager, hardware)
             with gr.Accordion("Sweep: a run for each combination of values", open=False, elem_id="sweep-box"):
                 sweep_grid = gr.Textbox(label="Grid: one KEY=V1,V2,... a line (recipe keys, as --set writes them)",
@@ -175,7 +178,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
 
     def on_starting_values(trainer, model, learning_rate, start):
         # A value other than the one the form set is the user's own (typed, or a cloned run's): kept.
-        if learning_rate != start:
+        if parse_number(learning_rate) != start:
             return gr.update(info=learning_rate_info(trainer, model, own=True)), start
         value = learning_rate_start(trainer, model)
         return gr.update(value=value, info=learning_rate_info(trainer, model)), value
@@ -210,18 +213,26 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
 
     def on_preview(values):
         try:
-            launch = planned(values)[2]
+            v, _, launch = planned(values)
         except SpecError as error:
-            return problems_markdown(error), gr.update(visible=False)
-        return "", gr.update(value=launch.describe(), visible=True)
+            return problems_markdown(error), gr.update(visible=False), None
+        return "", gr.update(value=launch.describe(), visible=True), v
+
+    def on_form_change(values):
+        """The plan shown goes once the form no longer holds what it was made from (another
+        trainer, another Run on, any other value): a plan must not seem to be the form's."""
+        made = values[plan_of]
+        if made is None or form.named(values) == made:
+            return gr.update(), gr.update()
+        return gr.update(visible=False), None
 
     def on_export(values):
         try:
             v, target, launch = planned(values, whole=True)
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
-        try:  # the batch script Start would submit to the cluster, for a run of its own (a new id)
-            job = manager.export_plan(spec_from_form(v), target, elsewhere=target is not hardware)
+        try:  # the batch script Start would submit to the cluster, for a run of its own (a new id), on the form's Nodes
+            job = manager.export_plan(export_spec(v), target, elsewhere=target is not hardware)
             texts = (launch_script(launch), submit_script(job))
         except SpecError as error:
             return problems_markdown(error), gr.update(visible=False)
@@ -235,18 +246,23 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
             path.write_text(text)
             path.chmod(0o755)
         run_id, nodes = Path(job.argv[-1]).name, job.spec.layout.nodes
+        # the cluster's Nodes and settings show under Layout only while Run on names it
+        where = "" if run_backend(v) is EXPORT else f"; Run on {EXPORT.label} shows its Nodes and settings"
         return (f"Exported `{paths[0]}` (this machine) and `{paths[1]}` ({EXPORT.label}, {nodes} node(s), "
                 f"run `{run_id}`: `sbatch` it on the cluster and the Runs tab lists the run, as if Start had "
-                "submitted it)."), \
+                f"submitted it{where})."), \
             gr.update(value=[str(p) for p in paths], visible=True)
 
     def layout_problems(v) -> tuple[str, list[str]]:
         """The core map of the form's layout, and what makes the layout unable to run."""
         try:
-            target, spec = target_hardware(v, hardware), spec_from_form(v)
-        except (SpecError, ValueError, TypeError) as error:
+            target, spec = target_hardware(v, hardware), spec_from_form(v, complete=False)
+        except SpecError as error:
+            return "", error.problems
+        except (ValueError, TypeError) as error:
             return "", [str(error)]
-        nodes = 0 if run_backend(v).local_cores else spec.layout.nodes
+        backend = run_backend(v)
+        nodes = 0 if backend.local_cores else spec.layout.nodes
         held = manager.core_holders(target) if target is hardware and not nodes else {}
         try:
             cores = parse_cores(spec.layout.cores) if spec.layout.cores else pick_cores(
@@ -259,7 +275,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
                          for c in cores or [] if c in held]
         # the run's memory per core: the plan's estimate (its defaults for the target applied); too much is said there
         estimate, too_big = manager.memory(spec, target, cores or None)
-        return (core_map_html(target, cores or [], spec.layout.tp_size, held, nodes)
+        return (core_map_html(target, cores or [], spec.layout.tp_size, held, nodes, backend.label)
                 + memory_html(estimate, spec.layout.nproc)), problems + too_big
 
     def on_layout(values):
@@ -275,16 +291,19 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
 
     def on_start(values):
         """Says at once what Start does before the run exists (the checks can take seconds:
-        reward functions are built and called in a process of their own), then starts it."""
+        reward functions are built and called in a process of their own), then starts it. Start
+        is disabled meanwhile, saying so (a second press was dropped without a word); the event's
+        `then` gives it back, also when this fails."""
         v = form.named(values)
         try:
             spec = spec_from_form(v)
         except SpecError as error:
-            yield problems_markdown(error), gr.update(), gr.update()
+            yield problems_markdown(error), gr.update(), gr.update(), gr.update()
             return
         checks = "the dataset and the reward functions (on its first rows)" if spec.trainer_entry.rewards \
             else "the dataset"
-        yield f"Starting: checking the settings, {checks}, and planning the cores ...", gr.update(), gr.update()
+        yield (f"Starting: checking the settings, {checks}, and planning the cores ...", gr.update(), gr.update(),
+               gr.update(interactive=False, value=STARTING))
         try:
             if v["target"] != THIS_MACHINE and run_backend(v).local_cores:
                 raise SpecError([f"{TARGET_LABELS['instance']}: {v['target']} is not this machine "
@@ -292,15 +311,15 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
                                  "for this machine"])
             view = manager.start(spec, target_hardware(v, hardware), queue_if_busy=bool(v.get("queue_if_busy")))
         except SpecError as error:
-            yield problems_markdown(error), gr.update(), gr.update()
+            yield problems_markdown(error), gr.update(), gr.update(), gr.update()
             return
         where = view.where()
         if view.live_state == "queued":
             yield (f"Queued run `{view.id}` ({where}). It starts when its cores are free; the Runs tab shows its "
-                   "place, Stop cancels it.", gr.update(visible=False), view.id)
+                   "place, Stop cancels it.", gr.update(visible=False), view.id, gr.update())
             return
         yield (f"Started run `{view.id}`" + (f" ({where})" if where else "") + ". It keeps going if you close "
-               "this page.", gr.update(visible=False), view.id)
+               "this page.", gr.update(visible=False), view.id, gr.update())
 
     def on_sweep(values):
         """Every run of the grid checked and planned, then started through the queue (a few seconds a run)."""
@@ -334,7 +353,9 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
     for name in ("extra", "trainer"):
         w[name].change(check_extra, [w["trainer"], w["extra"]], form.extra_check, show_progress="hidden")
-    preview_btn.click(on_preview, inputs, [message, plan_box])
+    preview_btn.click(on_preview, inputs, [message, plan_box, plan_of], concurrency_id="plan")
+    gr.on([widget.change for widget in form.widgets.values()], on_form_change, inputs | {plan_of},
+          [plan_box, plan_of], show_progress="hidden", concurrency_id="plan", trigger_mode="always_last")
     export_btn.click(on_export, inputs, [message, exports])
     def on_run_on(run_on):
         backend = run_backend({"run_on": run_on})
@@ -349,7 +370,8 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         w[name].change(*layout_io, show_progress="hidden", concurrency_id="core-map")
     # one queue for every redraw, so an older one (the accordion opening) never lands after a newer one
     form.layout_box.expand(*layout_io, show_progress="hidden", concurrency_id="core-map")
-    start_event = start_btn.click(on_start, inputs, [message, plan_box, selected])
+    start_event = start_btn.click(on_start, inputs, [message, plan_box, selected, start_btn])
+    start_event.then(lambda: gr.update(interactive=True, value=START), None, start_btn, show_progress="hidden")
     resume_event = controls.wire(manager, hardware, selected, message)
     # a tick sends nothing unless the run's files changed or its clock moved a second (see
     # RunPanel.changes), so it may come often: a new event shows within about half a second

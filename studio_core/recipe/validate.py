@@ -205,7 +205,11 @@ def _check_numbers(spec: RunSpec) -> list[str]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and -math.inf < value <= 0:
             problems.append(f"{key}: must be above 0, got {value}")
     steps, epochs = args.get("max_steps", -1), args.get("num_train_epochs", 3.0)
-    if isinstance(steps, int) and isinstance(epochs, (int, float)) and steps <= 0 and epochs <= 0:
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps != -1 and steps <= 0:
+        # Transformers trains by num_train_epochs for any max_steps below 0 and stops after one step at 0, unsaid
+        problems.append(f"max_steps: {steps} is not a number of steps: write one above 0, or -1 to train for "
+                        "num_train_epochs instead (in the form: 0)")
+    elif isinstance(steps, int) and isinstance(epochs, (int, float)) and steps <= 0 and epochs <= 0:
         problems.append("max_steps / num_train_epochs: set max_steps above 0 or num_train_epochs above 0")
     max_length = args.get("max_length")
     if isinstance(max_length, int) and max_length < 1:
