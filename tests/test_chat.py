@@ -146,7 +146,7 @@ def test_bad_targets_say_what_to_change(runs, tmp_path):
     manager, _ = runs
     with pytest.raises(ChatError, match="neither a run"):
         ChatProcess.start("no-such-run", manager.runs_dir, cpu_hardware())
-    with pytest.raises(ChatError, match="cannot load"):
+    with pytest.raises(ChatError, match="has no config.json, so it is not a saved Transformers model"):
         ChatProcess.start(str(tmp_path), manager.runs_dir, cpu_hardware())  # a folder without a model
 
 

@@ -137,10 +137,10 @@ ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.inde
 
 
 def test_records_are_rendered_through_the_models_chat_template_before_launch(tmp_path):
-    model = tmp_path / "model"  # the tiny model's tokenizer and config, no weights, a stricter template
+    model = tmp_path / "model"  # the tiny model's tokenizer, config and weights, a stricter template
     model.mkdir()
     for f in ensure_tiny_model().iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "config")):
+        if f.name.startswith(("tokenizer", "special_tokens", "config", "model.")):
             shutil.copy(f, model / f.name)
     (model / "chat_template.jinja").write_text(ALTERNATING)
     config = json.loads((model / "tokenizer_config.json").read_text())

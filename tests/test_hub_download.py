@@ -9,6 +9,7 @@ then, with what to change.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import time
 from types import SimpleNamespace
@@ -37,9 +38,10 @@ def hub(monkeypatch, tmp_path):
 
 
 def publish_config(hub: HubStandIn, repo_id: str, tmp_path, **config) -> None:
+    """The tiny model (weights, tokenizer) with `config` written over its config.json's keys."""
     folder = tmp_path / "publish" / repo_id
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
+    shutil.copytree(ensure_tiny_model(), folder)
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **config}))
     api = HfApi(endpoint=hub.url, token=TOKEN)
     api.create_repo(repo_id)
     api.upload_folder(folder_path=str(folder), repo_id=repo_id)
@@ -86,8 +88,7 @@ def test_a_hub_model_with_its_own_code_needs_trust_remote_code(hub, tmp_path):
     assert validate(tiny("model_name_or_path=alice/custom", "trust_remote_code=true")) == []
 
 
-@pytest.mark.fast
-def test_a_gated_hub_model_says_to_log_in(hub, tmp_path, monkeypatch):
+def test_a_gated_hub_model_says_to_log_in(hub, tmp_path, monkeypatch):  # its config checked in a child: seconds
     publish_config(hub, "alice/gated", tmp_path, architectures=["Qwen3ForCausalLM"])
     hub.repos["alice/gated"]["gated"] = True
     (message,) = validate(tiny("model_name_or_path=alice/gated"))
@@ -97,13 +98,19 @@ def test_a_gated_hub_model_says_to_log_in(hub, tmp_path, monkeypatch):
 
 
 @pytest.mark.fast
-def test_an_unreachable_hub_neither_blocks_a_plan_nor_hangs(hub, monkeypatch):
-    """Planning for a trn instance from a machine without the network must work; the check is
-    only made when the Hub answers."""
+def test_an_unreachable_hub_is_said_before_launch_and_blocks_no_plan_for_elsewhere(hub, monkeypatch):
+    """A Hub model not on this machine, and the Hub down: refused at once, saying so and what to do
+    (it was let through, and the run failed at its download); planning for a trn instance from a
+    machine without the network still works."""
     with socket.socket() as unused:  # a port nothing listens on
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
     point_hub_client_at(SimpleNamespace(url=f"http://127.0.0.1:{port}"), monkeypatch)  # the Hub is down
     began = time.monotonic()
-    assert validate(tiny("model_name_or_path=alice/anything")) == []
+    (message,) = validate(tiny("model_name_or_path=alice/anything"))
+    assert message.startswith("model_name_or_path: alice/anything is not on this machine and the Hub")
+    assert "cannot be reached" in message and "hf download alice/anything" in message
+    warnings: list[str] = []
+    assert validate(tiny("model_name_or_path=alice/anything"), warnings=warnings, elsewhere=True) == []
+    assert any(w.startswith("not checked here: model alice/anything") for w in warnings), warnings
     assert time.monotonic() - began < 15

@@ -43,7 +43,8 @@ def test_there_are_recipes():
 @pytest.fixture
 def recipe_hub(monkeypatch, tmp_path):
     """The Hub "on", as a stand-in serving the config.json of every Hub model a recipe names (the
-    check before launch fetches it), as the real Hub has them: Qwen3 causal LMs."""
+    check before launch fetches it, and asks for the list of files: weights and a tokenizer there),
+    as the real Hub has them: Qwen3 causal LMs."""
     from huggingface_hub import HfApi
 
     from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
@@ -55,8 +56,10 @@ def recipe_hub(monkeypatch, tmp_path):
         api = HfApi(endpoint=hub.url, token=token)
         for name in sorted({RunSpec.load(r).model_name_or_path for r in RECIPES} - {BUILTIN_MODEL}):
             api.create_repo(name)
-            api.upload_file(path_or_fileobj=json.dumps({"architectures": ["Qwen3ForCausalLM"]}).encode(),
-                            path_in_repo="config.json", repo_id=name)
+            config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+            api.upload_file(path_or_fileobj=json.dumps(config).encode(), path_in_repo="config.json", repo_id=name)
+            for listed in ("model.safetensors", "tokenizer.json"):  # only their names are asked before launch
+                api.upload_file(path_or_fileobj=b"{}", path_in_repo=listed, repo_id=name)
         yield hub
 
 
@@ -309,8 +312,7 @@ def test_model_folder_without_config_json(tmp_path):
     assert "no config.json" in message and "save_pretrained" in message
 
 
-@pytest.mark.fast
-def test_a_saved_model_folder_is_fine():
+def test_a_saved_model_folder_is_fine():  # Transformers' check, in a child process: seconds
     assert validate(tiny(f"model_name_or_path={ensure_tiny_model()}")) == []
 
 
@@ -499,6 +501,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
 @pytest.mark.fast
 def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path):
     folder = model_folder(tmp_path, architectures=["MyForCausalLM"], auto_map={"AutoModelForCausalLM": "m.My"})
+    (folder / "model.safetensors").write_bytes((ensure_tiny_model() / "model.safetensors").read_bytes())  # weights
     assert "trust_remote_code: true" in only_problem(tiny(f"model_name_or_path={folder}"))
     assert validate(tiny(f"model_name_or_path={folder}", "trust_remote_code=true")) == []
 

@@ -1,26 +1,29 @@
 """Where a run's model and dataset come from, and the checks made before launch.
 
 A model is the built-in tiny one, a local folder, or a Hub id; a dataset is a built-in
-sample, a local file (JSONL, JSON, CSV, Parquet) or folder, or a Hub id. The checks here
-only look whether they are there (for a Hub model not on this machine: fetch its config.json,
-a few kB), so they are cheap enough for the web app; data_check reads a file's first rows, and
-the worker does the real loading and checks a Hub dataset's first rows.
+sample, a local file (JSONL, JSON, CSV, Parquet) or folder, or a Hub id. The checks here are
+cheap enough for every plan: a model on this machine is checked whole by model_check (config,
+weight headers, tokenizer; no weights loaded), a Hub model not on it by its config.json (a few
+kB) and its list of files; data_check reads a file's first rows, and the worker does the real
+loading and checks a Hub dataset's first rows.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from huggingface_hub import constants, try_to_load_from_cache
 
+from studio_core.data import model_check
 from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL, TINY_ARCHITECTURE, TINY_VOCAB
 from studio_core.data.files import check_folder
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 HUB_CHECK_TIMEOUT_S = 5  # a model's config.json, fetched before launch: the page must not wait long
+# any one of them: a Hub model has a tokenizer to load
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _looks_local(name: str) -> bool:
@@ -29,10 +32,10 @@ def _looks_local(name: str) -> bool:
 
 def not_here(model: str, dataset: str) -> list[str]:
     """The Hub model and dataset of a run that are not on this machine (not in the local Hugging
-    Face cache), each in a few words; a plan for another machine does not check them here."""
+    Face cache; a model whose config alone is there counts as not here), each in a few words; a
+    plan for another machine does not check them here."""
     missing = []
-    if HUB_ID.match(model or "") and not _looks_local(model) and not isinstance(
-            try_to_load_from_cache(model, "config.json"), str):
+    if HUB_ID.match(model or "") and not _looks_local(model) and not _downloaded(model):
         missing.append(f"model {model}")
     if (HUB_ID.match(dataset or "") and dataset_file(dataset) is None and not _looks_local(dataset)
             and not (Path(constants.HF_HUB_CACHE) / f"datasets--{dataset.replace('/', '--')}").exists()):
@@ -41,6 +44,9 @@ def not_here(model: str, dataset: str) -> list[str]:
 
 
 def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
+    """What stops the model from loading, each saying what to change; [] when it loads. A folder
+    (or a Hub model in the local cache) is checked whole by model_check: config, weights, tokenizer;
+    a Hub model not downloaded by its config.json and its list of files on the Hub."""
     if not name:
         return ["model_name_or_path: empty; give a Hub id, a local folder, or builtin:tiny-qwen3"]
     if name == BUILTIN_MODEL:
@@ -54,82 +60,110 @@ def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
         if not (folder / "config.json").is_file():
             return [f"model_name_or_path: {folder} has no config.json, so it is not a saved "
                     "Transformers model; give the folder that save_pretrained wrote"]
-        return _check_config(folder / "config.json", name, trust_remote_code)
+        return _named(name, model_check.check_folder(folder, trust_remote_code))
     if not HUB_ID.match(name):
         return [f"model_name_or_path: {name!r} is neither an existing folder nor a Hub id like Qwen/Qwen3-0.6B"]
-    cached = try_to_load_from_cache(name, "config.json")
-    if isinstance(cached, str):
-        return _check_config(Path(cached), name, trust_remote_code)
+    snapshot = _downloaded(name)
+    if snapshot is not None:
+        return _named(name, model_check.check_folder(snapshot, trust_remote_code))
     if constants.HF_HUB_OFFLINE:
-        return [f"model_name_or_path: {name} is not in the local Hugging Face cache and the Hub is off "
-                "(HF_HUB_OFFLINE=1): download it first, or give a local folder"]
+        what = ("only its config.json is in the local Hugging Face cache, not its weights" if _cached_config(name)
+                else "it is not in the local Hugging Face cache")
+        return [f"model_name_or_path: {name}: {what}, and the Hub is off (HF_HUB_OFFLINE=1): download it first "
+                f"(hf download {name}, with the Hub on), or give a local folder"]
     return _check_on_the_hub(name, trust_remote_code)
 
 
+def _named(name: str, problems: list[str]) -> list[str]:
+    return [f"model_name_or_path: {name}: {problem}" for problem in problems]
+
+
+def _cached_config(name: str, cache: str | Path | None = None) -> Path | None:
+    cached = try_to_load_from_cache(name, "config.json", cache_dir=cache)
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _downloaded(name: str, cache: str | Path | None = None) -> Path | None:
+    """The Hub model's folder in the local Hugging Face cache when its weights are there too (the
+    check of a model not downloaded leaves its config.json alone there)."""
+    config = _cached_config(name, cache)
+    return config.parent if config is not None and model_check.has_weights(config.parent) else None
+
+
 def _check_on_the_hub(name: str, trust_remote_code: bool) -> list[str]:
-    """A Hub model not on this machine: only its config.json (a few kB) is fetched, with a short
-    timeout, so that a typo, a gated or private repo or a model that is not a causal LM is refused
-    before launch, not as a raw error minutes into the run."""
+    """A Hub model not on this machine: only its config.json (a few kB) is fetched, and its list of
+    files asked, each with a short timeout, so that a typo, a gated or private repo, a model that is
+    not a causal LM or has no weights, or a Hub that cannot be reached is refused before launch,
+    not as a raw error in the run."""
     from httpx2 import TransportError  # huggingface_hub's HTTP client
-    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
+
+    try:
+        # one request without retries first: hf_hub_download retries an unreachable Hub for ~20 s
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=HUB_CHECK_TIMEOUT_S)
+        path = Path(hf_hub_download(name, "config.json", etag_timeout=HUB_CHECK_TIMEOUT_S))
+    except (OSError, TransportError) as error:  # the Hub's own errors are OSErrors
+        return _hub_problem(name, error)
+    problems = model_check.check_folder(path.parent, trust_remote_code, config_only=True)
+    if problems:
+        return _named(name, problems)
+    try:
+        files = [sibling.rfilename for sibling in HfApi().model_info(name, timeout=HUB_CHECK_TIMEOUT_S).siblings or []]
+    except (OSError, TransportError) as error:
+        return _hub_problem(name, error)
+    return _hub_file_problems(name, files)
+
+
+def _hub_file_problems(name: str, files: list[str]) -> list[str]:
+    """A Hub model's weights and tokenizer, by the names of its files."""
+    where = f"model_name_or_path: {name}"
+    weights = (model_check.SAFETENSORS, model_check.SAFETENSORS_INDEX, *model_check.TORCH_WEIGHTS)
+    if not any(f in files for f in weights):
+        return [f"{where} has no weights on the Hub ({model_check.SAFETENSORS} or {model_check.TORCH_WEIGHTS[0]}, "
+                "or their index and shards), so it cannot be loaded; check the id, or give a model that has them"]
+    if not any(f in files for f in TOKENIZER_FILES):
+        return [f"{where} has no tokenizer on the Hub (none of {', '.join(TOKENIZER_FILES)}); give a model that "
+                "has one"]
+    return []
+
+
+def _hub_problem(name: str, error: Exception) -> list[str]:
+    """What a failed request to the Hub means for the model, with what to do."""
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 
     where = f"model_name_or_path: {name}"
     login = "log in (hf auth login) or set HF_TOKEN to a token of an account that has access"
-    try:
-        # one request without retries first: hf_hub_download retries an unreachable Hub for ~20 s
-        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=HUB_CHECK_TIMEOUT_S)
-        path = hf_hub_download(name, "config.json", etag_timeout=HUB_CHECK_TIMEOUT_S)
-    except GatedRepoError:
+    if isinstance(error, GatedRepoError):
         return [f"{where} is gated on the Hub: accept its terms on its page, then {login}"]
-    except RepositoryNotFoundError:
+    if isinstance(error, RepositoryNotFoundError):
         return [f"{where} not found on the Hub: check the id (owner/name, e.g. Qwen/Qwen3-0.6B); "
                 f"if it is private, {login}"]
-    except RemoteEntryNotFoundError:
+    if isinstance(error, RemoteEntryNotFoundError):
         return [f"{where} has no config.json on the Hub, so it is not a Transformers model; give one that "
                 "has (a ...ForCausalLM), e.g. Qwen/Qwen3-0.6B"]
-    except HfHubHTTPError as error:
+    if isinstance(error, HfHubHTTPError):
         status = error.response.status_code if error.response is not None else None
         if status in (401, 403):
             return [f"{where}: the Hub refused access ({status}); {login}"]
-        return [f"{where}: the Hub answered {status} when asked for its config.json; try again later"]
-    except (OSError, TransportError):
-        # Unreachable or timed out: not checked here. A plan for another machine must not need
-        # this one's network; a run here says so when it downloads.
-        return []
-    return _check_config(Path(path), name, trust_remote_code)
+        return [f"{where}: the Hub answered {status} when asked about the model; try again later"]
+    # unreachable, timed out, or its answer cut off
+    return [f"{where} is not on this machine and the Hub ({constants.ENDPOINT}) cannot be reached "
+            f"({type(error).__name__}: {error}): connect this machine to the Hub, or download the model where "
+            f"the Hub can be reached (hf download {name}) and bring its folder here (or the Hugging Face cache, "
+            "then set HF_HUB_OFFLINE=1); a plan for another instance type does not need it on this machine"]
 
 
 def model_config(name: str) -> dict | None:
-    """The model's config.json when it is on this machine (a folder, or the Hub cache), else None.
+    """The model's config.json when it is on this machine (a folder, or the Hub cache), else None
+    (also when it is not a JSON object: check_model says what is wrong with it).
     The built-in model's shape is known without building it."""
     if name == BUILTIN_MODEL:
         return {**TINY_ARCHITECTURE, "model_type": "qwen3", "vocab_size": TINY_VOCAB, "tie_word_embeddings": True}
     if _looks_local(name):
         path = Path(name).expanduser() / "config.json"
     else:
-        cached = try_to_load_from_cache(name, "config.json") if HUB_ID.match(name) else None
-        path = Path(cached) if isinstance(cached, str) else None
-    try:
-        return json.loads(path.read_text()) if path else None
-    except (OSError, json.JSONDecodeError):
-        return None  # check_model has said what is wrong with it
-
-
-def _check_config(path: Path, name: str, trust_remote_code: bool) -> list[str]:
-    """A causal language model, and one that needs no code of its own unless that is allowed."""
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        return [f"model_name_or_path: {path} is not readable JSON ({error})"]
-    architectures = config.get("architectures") or []
-    if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
-        return [f"model_name_or_path: {name} is a {', '.join(architectures)}, not a causal language model; "
-                "SFT, DPO and GRPO train causal LMs (a ...ForCausalLM), e.g. Qwen/Qwen3-0.6B"]
-    if "AutoModelForCausalLM" in (config.get("auto_map") or {}) and not trust_remote_code:
-        return [f"model_name_or_path: {name} runs its own Python code (auto_map in config.json); set "
-                "trust_remote_code: true only if you trust its authors"]
-    return []
+        path = _cached_config(name) if HUB_ID.match(name) else None
+    return model_check.read_config(path)[0] if path else None
 
 
 def cached_models(cache: str | Path | None = None) -> list[str]:
@@ -141,8 +175,7 @@ def cached_models(cache: str | Path | None = None) -> list[str]:
         repos = scan_cache_dir(cache).repos
     except CacheNotFound:
         return []
-    return sorted(repo.repo_id for repo in repos if repo.repo_type == "model"
-                  and isinstance(try_to_load_from_cache(repo.repo_id, "config.json", cache_dir=cache), str))
+    return sorted(repo.repo_id for repo in repos if repo.repo_type == "model" and _downloaded(repo.repo_id, cache))
 
 
 def dataset_file(name: str) -> Path | None:

@@ -40,7 +40,7 @@ from studio_core.machine.hardware import Hardware, pin_to_cpu_cores
 from studio_core.rundir import events, folder
 from studio_core.runs.view import format_loss
 from studio_core.rundir.folder import OUTPUT_INFO
-from studio_core.data.sources import HUB_ID
+from studio_core.data.sources import HUB_ID, check_model
 from studio_core.recipe.spec import RunSpec, load_spec
 from studio_core.recipe.validate import SECRET_FIELDS, holds_token
 
@@ -61,12 +61,14 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
     check_out(run_dir, out_dir)
     info = read_output_info(run_dir)
     try:
-        load_spec(run_dir)  # the card tells its settings: a damaged spec.yaml is named here, not in the child
+        spec = load_spec(run_dir)  # the card tells its settings: a damaged spec.yaml is named here, not in the child
     except folder.DamagedRun as error:
         raise ExportError(str(error)) from None
     if merge and info["kind"] != "adapter":
         raise ExportError(f"run {run_dir.name} trained the full model: there is no adapter to merge; "
                           "export it without merge")
+    if info["kind"] == "adapter":
+        check_base(run_dir, info, bool(spec.args.get("trust_remote_code")))
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"{out_dir} is not empty: choose a new folder (nothing is overwritten)")
     args = [run_dir, out_dir, *(["--merge"] if merge else [])]
@@ -107,6 +109,18 @@ def check_out(run_dir: Path, out_dir: Path) -> None:
     if out == run or out.is_relative_to(run):
         raise ExportError(f"{out_dir} is inside the folder of run {run.name} ({run}): the export would be deleted "
                           "with the run; give a folder outside it")
+
+
+def check_base(run_dir: Path, info: dict, trust_remote_code: bool) -> None:
+    """An adapter's base model, which the export loads from where the run loaded it: checked as a
+    run's model is before launch (sources.check_model), so that a base moved or damaged since the
+    run is named here, not as the child's traceback."""
+    path = info.get("base_model_path") or info["base_model"]
+    problems = check_model(path, trust_remote_code)
+    if problems:
+        said = "; ".join(p.removeprefix("model_name_or_path: ") for p in problems)
+        raise ExportError(f"run {run_dir.name} is a LoRA adapter on {info['base_model']}, and the export cannot load "
+                          f"that base: {said}")
 
 
 def _result(returncode: int, stdout: str, stderr: str, out_dir: Path) -> dict:

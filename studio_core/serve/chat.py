@@ -39,6 +39,7 @@ from studio_core.machine import children, leases
 from studio_core.serve.batching import BATCH_BUCKETS, SMALLEST_LENGTH, EnginePlan, engine_plan
 from studio_core.serve.row_adapters import config_problem
 from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.data.sources import check_model
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.device_env import device_env, flags_problem
 from studio_core.machine.hardware import Hardware
@@ -74,7 +75,8 @@ class ChatTarget:
 
 
 def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
-    """A run id (its saved model or adapter) or a model (builtin, Hub id, local folder)."""
+    """A run id (its saved model or adapter) or a model (builtin, Hub id, local folder), which is
+    checked as a run's model is before launch (sources.check_model); ChatError says what is wrong."""
     name = name.strip()
     if not name:
         raise ChatError("pick a finished run or name a model (a Hub id or a local folder)")
@@ -106,6 +108,9 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
         return ChatTarget(name, model=str(output), tokenizer=str(output), base=base, untrained=untrained)
     if name != BUILTIN_MODEL and "/" not in name and not Path(name).exists():
         raise ChatError(f"{name!r} is neither a run in {runs_dir} nor a model folder or Hub id (org/name)")
+    problems = check_model(name)  # as a run's model is checked before launch: before a process loads it
+    if problems:
+        raise ChatError("\n".join(p.removeprefix("model_name_or_path: ") for p in problems))
     path = _model_path(name)
     return ChatTarget(name, model=path, tokenizer=path, untrained=("tuned",) if name == BUILTIN_MODEL else ())
 

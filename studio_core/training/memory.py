@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from studio_core.data.model_check import size_problem
 from studio_core.recipe import trainers
 
 GIB = 2**30
@@ -152,26 +153,46 @@ class Shape:
 
 
 def read_shape(config: dict | None) -> tuple[Shape | None, str]:
-    """The decoder's sizes, or None and what could not be read."""
+    """The decoder's sizes, or None and what could not be read: a size the config lacks, or one
+    that is there but not a whole number above 0 (said as it is: data.model_check's rule)."""
     if not isinstance(config, dict):
         return None, "the model's config.json could not be read"
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    model_type = text.get("model_type") or next(
-        (ARCHITECTURE_TYPES[a] for a in config.get("architectures") or [] if a in ARCHITECTURE_TYPES), None)
+    architectures = config.get("architectures")
+    names = [a for a in (architectures if isinstance(architectures, list) else [architectures]) if isinstance(a, str)]
+    model_type = text.get("model_type") if isinstance(text.get("model_type"), str) else None
+    model_type = model_type or next((ARCHITECTURE_TYPES[a] for a in names if a in ARCHITECTURE_TYPES), None)
     if model_type not in GATED:
-        return None, (f"its architecture ({model_type or ', '.join(config.get('architectures') or []) or 'unknown'})"
+        return None, (f"its architecture ({model_type or ', '.join(names) or 'unknown'})"
                       " is not one the estimate knows how to count")
     try:
-        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
-        shape = Shape(model_type, hidden, int(text["num_hidden_layers"]), heads,
-                      int(text.get("num_key_value_heads") or heads), int(text.get("head_dim") or hidden // heads),
-                      int(text["intermediate_size"]), int(text.get("vocab_size") or 151936),
+        hidden, heads = config_size(text, "hidden_size"), config_size(text, "num_attention_heads")
+        experts = config_size(text, "num_experts", config_size(text, "num_local_experts", 0, least=0), least=0)
+        intermediate = config_size(text, "intermediate_size")
+        layers, kv_heads = config_size(text, "num_hidden_layers"), config_size(text, "num_key_value_heads", heads)
+        shape = Shape(model_type, hidden, layers, heads, kv_heads, config_size(text, "head_dim", hidden // heads),
+                      intermediate, config_size(text, "vocab_size", 151936),
                       bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))), experts,
-                      int(text.get("moe_intermediate_size") or text["intermediate_size"]) if experts else 0)
-    except (KeyError, TypeError, ValueError) as error:
-        return None, f"its config.json lacks a size the estimate needs ({error})"
+                      config_size(text, "moe_intermediate_size", intermediate) if experts else 0)
+    except KeyError as error:
+        return None, f"its config.json lacks a size the estimate needs ({error.args[0]})"
+    except ValueError as error:
+        return None, f"its config.json's {error}"
     return shape, ""
+
+
+def config_size(config: dict, key: str, default: int | None = None, least: int = 1) -> int:
+    """A size of the config, or `default` where it has none (null counts as none); KeyError where
+    it has none and there is no default, ValueError (saying what it is) where it is no size."""
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise KeyError(key)
+        return default
+    problem = size_problem(key, value, least)
+    if problem:
+        raise ValueError(problem)
+    return value
 
 
 @dataclass
