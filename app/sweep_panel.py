@@ -14,6 +14,7 @@ from typing import Callable
 import gradio as gr
 import pandas as pd
 
+from studio_core.evaluate.evaluation import check_run_evaluation
 from studio_core.recipe.spec import RunSpec, SpecError
 from studio_core.runs import sweep
 from studio_core.runs.manager import RunManager, RunNotFound
@@ -23,7 +24,7 @@ COLUMNS = ["#", "run", "state", "step", "loss", "eval_loss", "evaluation", "valu
 
 
 def parse_lines(text: str) -> dict[str, list[str]]:
-    """The grid box's lines (`KEY=V1,V2`, one key a line) as sweep.parse_grid reads them."""
+    """The grid box's lines (`KEY=V1,V2` or `KEY=[V1, V2]`, one key a line) as sweep.parse_grid reads them."""
     return sweep.parse_grid([line.strip() for line in (text or "").splitlines() if line.strip()])
 
 
@@ -34,14 +35,15 @@ def start_sweep(manager: RunManager, spec: RunSpec, grid_text: str, hardware, pa
     nothing started)."""
     try:
         started = sweep.start(manager, spec, parse_lines(grid_text), hardware, parallel=int(parallel or 0) or None,
-                              evaluate={"limit": sweep.EVAL_LIMIT, "metrics": []} if evaluate else None)
+                              evaluate={"limit": sweep.EVAL_LIMIT, "metrics": []} if evaluate else None,
+                              check_evaluation=check_run_evaluation)
     except SpecError as error:
         return "**Sweep not started:**\n" + "\n".join(f"- {problem}" for problem in error.problems)
     runs = started.record["runs"]
     listed = "\n".join(f"- `{entry['id']}`: {sweep.label(entry['params'])}" + (
         f" (shares the precompile of `{entry['precompiled_by']}`)" if entry.get("precompiled_by") else "")
         for entry in runs)
-    where = f"as Slurm job array {started.record['slurm_job']}" if started.record.get("slurm_job") else (
+    where = f"as {started.record['group']['label']}" if started.record.get("group") else (
         f"through the queue, at most {started.record['parallel']} at once" if started.record.get("parallel") else
         "through the queue (as many at once as there are free cores)")
     evaluated = " Each run is evaluated when it ends." if evaluate else ""

@@ -17,7 +17,7 @@ from cli.options import CommandLineError, picked_by_option, repeated_flags, whol
 from cli.serve import cmd_serve
 from cli.sweep import cmd_sweep
 from cli.train import cmd_plan, cmd_queue, cmd_runs, cmd_stop, cmd_train
-from studio_core.backends import EXPORT, StopError, with_options
+from studio_core.backends import BACKENDS, EXPORT, StopError, with_options
 from studio_core.machine import compile_cache
 from studio_core.serve.chat import BATCH_BUCKETS, MAX_CACHE_LEN, SMALLEST_LENGTH
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, CpuCoresError, Target
@@ -160,7 +160,8 @@ def parser() -> argparse.ArgumentParser:
                 continue
             group.add_argument(f"--{backend.name}", action="store_true", help=(
                 f"plan a run on {backend.label} (nothing is submitted)" if name == "plan" else
-                f"submit the sweep's runs to {backend.label} as one job array" if name == "sweep" else
+                f"submit the sweep's runs to {backend.label}" + (f" as one {backend.group}" if backend.group else "")
+                if name == "sweep" else
                 f"submit the run to {backend.label} instead of running it here"))
             add_flags(group, backend.options_type)
         sub.add_argument("--precompile", action="store_true",
@@ -207,17 +208,19 @@ def parser() -> argparse.ArgumentParser:
     sweep.add_argument("recipe", nargs="?", help="a recipe YAML file (see recipes/)")
     sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                        help="a key and its values, e.g. --grid learning_rate=1e-4,3e-4 (repeat for more keys: every "
-                            "combination is a run)")
+                            "combination is a run); values that hold commas as a YAML list, e.g. --grid "
+                            "'lora_target_modules=[[q_proj, v_proj], [q_proj, k_proj, v_proj]]'")
     sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a recipe key for every run, e.g. --set max_steps=50")
     sweep.add_argument("--yes", action="store_true", help=f"start a grid of more than {MAX_RUNS} runs")
-    sweep.add_argument("--wait", action="store_true", help="follow the runs to their end, then print the table")
+    sweep.add_argument("--wait", action="store_true", help="follow the runs to their end (with --eval: and their "
+                       "evaluations), then print the table")
     sweep.add_argument("--show", metavar="SWEEP_ID", help="the sweep's runs, best first (their evaluations, else "
                        "eval_loss, else loss)")
     sweep.add_argument("--backend", choices=("cpu",), help="run on the CPU even if a device is present")
     sweep.add_argument("--parallel", type=whole_number(1), metavar="N",
                        help="at most N of the sweep's runs at once (default: as many as the free cores allow; on "
-                            "Slurm: as the cluster allows)")
+                            + " or ".join(b.label for b in BACKENDS.values() if b.group) + ": as the cluster allows)")
     sweep.add_argument("--eval", action="store_true", help="evaluate each run when it has finished (the tuned model "
                        "against its base, as `launch.py eval RUN_ID`); the table ranks by it")
     sweep.add_argument("--eval-limit", type=whole_number(1), default=DEFAULT_EVAL_LIMIT, metavar="N",

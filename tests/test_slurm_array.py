@@ -16,6 +16,7 @@ import pytest
 from conftest import nothing_left
 from slurm_cluster import available, cluster_for_tests
 
+from studio_core import backends
 from studio_core.backends.base import SubmitError
 from studio_core.backends.slurm import array, tools
 from studio_core.backends.slurm.node import this_node
@@ -61,6 +62,23 @@ def test_runs_whose_job_options_differ_are_refused_as_one_array_naming_the_setti
         with pytest.raises(SubmitError, match=says):
             array.submit(tmp_path / "sweeps" / "s.slurm.sh", runs, parallel)
     assert not (tmp_path / "sweeps").exists()  # refused before anything was written
+
+
+@pytest.mark.fast
+def test_several_runs_as_one_is_a_backend_s_capability_slurm_s_being_its_job_array(tmp_path):
+    """A sweep asks the backend (the registry's), never its name: Slurm takes its runs as one job
+    array, the others one by one."""
+    slurm = backends.get("slurm")
+    assert slurm.group == "job array" and [b.name for b in backends.BACKENDS.values() if b.group] == ["slurm"]
+    mixed = [planned(tmp_path, "a")[1], planned(tmp_path, "c", nodes=2)[1]]
+    assert slurm.group_problems(mixed) == array.problems(mixed) and slurm.group_problems(mixed[:1]) == []
+    with pytest.raises(SubmitError, match="studio.nodes differs"):  # refused before anything is written
+        slurm.submit_group(tmp_path / "sweeps", "sweep-x", [planned(tmp_path, "a"), planned(tmp_path, "c", nodes=2)],
+                           None)
+    assert not (tmp_path / "sweeps").exists()
+    for name in ("local", "ray"):
+        with pytest.raises(SubmitError, match="takes its runs one by one"):
+            backends.get(name).submit_group(tmp_path / "sweeps", "sweep-x", [planned(tmp_path, "a")], None)
 
 
 @pytest.mark.fast
@@ -180,6 +198,7 @@ def test_launch_py_sweep_slurm_submits_one_array_and_refuses_a_grid_over_the_job
     assert done.returncode == 0, done.stdout + done.stderr
     (record,) = (runs / "sweeps").glob("*.json")
     saved = json.loads(record.read_text())
-    job = saved["slurm_job"]
+    job = saved["group"]["id"]
+    assert saved["group"]["label"] == f"Slurm job array {job}" and f"Submitted as Slurm job array {job}" in done.stdout
     assert [job_of(runs / entry["id"]) for entry in saved["runs"]] == [f"{job}_0", f"{job}_1"]
     assert "best first by the last loss" in done.stdout and done.stdout.count(" finished ") == 2

@@ -1,6 +1,7 @@
 """The shape of the code: dependencies point one way, no import cycles, entry points are not
 imported as libraries, the app reaches the engine through its front doors, the repository
-stands alone, and a trainer is named only in the registry (and its own recipe, sample, tests).
+stands alone, a trainer is named only in the registry (and its own recipe, sample, tests), and a
+backend's engine (slurm, ray) only in studio_core/backends.
 
 Read from the source with `ast`, so these checks need no import of the modules themselves.
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from studio_core import backends
 from studio_core.recipe import trainers
 from studio_core.data.builtin import BUILTIN_DATASETS
 
@@ -153,3 +155,40 @@ def test_a_trainer_is_named_only_by_its_registry_entry_recipes_sample_and_tests(
                      if any(f"tiny-{key}" in p.name for key in added))
     assert recipes == sorted(f"tiny-{key}{lora}.yaml" for key in added for lora in ("", "-lora"))
     assert {t.sample for t in trainers.TRAINERS.values()} <= set(BUILTIN_DATASETS)
+
+
+# The backends named by what they are (the default, "local", is also a plain word: not checked).
+ENGINES = {name for name in backends.BACKENDS if name != backends.DEFAULT}
+
+
+def engines_named(source: str) -> list[str]:
+    """Where code names a backend's engine: an import of its package, a name (on_slurm, ray_client)
+    or a string that is code, not words for people ("slurm", "slurm_job", ".slurm.sh", "--ray")."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [m for m in modules if any(m.startswith(f"studio_core.backends.{e}") for e in ENGINES)]
+        words = [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) and not re.search(
+            r"\s", node.value) else [getattr(node, attribute, None) for attribute in ("id", "attr", "arg", "asname")]
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            words.append(node.name)
+        found += [word for word in words if isinstance(word, str) and set(re.split(r"[^a-z0-9]+", word.lower())) &
+                  ENGINES]
+    return found
+
+
+def test_the_engine_check_sees_an_engine_named_in_code():
+    assert sorted(engines_named('from studio_core.backends.slurm import array as slurm_array\n'
+                                'on_slurm = places == {"slurm"}\nrecord["slurm_job"] = 1\n'
+                                'print("on Slurm: as the cluster allows", array)')) == [
+        "on_slurm", "slurm", "slurm_array", "slurm_job", "studio_core.backends.slurm"]
+
+
+def test_a_backend_is_named_only_in_its_own_folder():
+    """What a place can do (a sweep's runs submitted as one group: Slurm's job array) is asked of
+    the registry's backends (`backend.group`), so nothing outside studio_core/backends names an
+    engine in code; words for people may ("on Slurm")."""
+    named = {name: engines_named(path.read_text()) for name, path in modules().items()
+             if not name.startswith("studio_core.backends")}
+    assert {name: found for name, found in named.items() if found} == {}

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import launch_py, run_folders
+from studio_core.machine.hardware import cpu_hardware
 from studio_core.recipe.spec import RunSpec, SpecError
 from studio_core.rundir import events
 from studio_core.runs import queue, sweep, sweep_eval
@@ -48,6 +49,71 @@ def test_a_grid_is_every_combination_of_its_values_each_run_named_after_them():
 def test_a_malformed_grid_says_how_to_write_it(items, said):
     with pytest.raises(SpecError, match=said):
         sweep.parse_grid(items)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("item, said", [
+    ("learning_rate=1e-3,3e-3,1e-3", "--grid learning_rate: '1e-3' is given twice"),
+    ("learning_rate=1e-3,0.001", "--grid learning_rate: '1e-3' and '0.001' are the same value"),
+    ("lora_target_modules=[[q_proj, v_proj], [q_proj,v_proj]]",
+     "--grid lora_target_modules: '[q_proj, v_proj]' and '[q_proj,v_proj]' are the same value")])
+def test_a_value_given_twice_is_refused_naming_it_as_it_would_make_two_identical_runs(item, said):
+    with pytest.raises(SpecError, match=re.escape(said)) as refused:
+        sweep.parse_grid([item])
+    assert "two identical runs; give it once" in str(refused.value)
+    assert sweep.parse_grid(["lora_r=1,1.0,true"]) == {"lora_r": ["1", "1.0", "true"]}  # as YAML reads them: differ
+
+
+@pytest.mark.fast
+def test_values_that_hold_commas_are_given_as_a_yaml_list_each_run_getting_its_value():
+    grid = sweep.parse_grid(["lora_target_modules=[[q_proj,v_proj], [q_proj, k_proj, v_proj]]",
+                             'hub_model_id=["me/a,b", c]', "lora_r=8,16"])
+    assert grid == {"lora_target_modules": ["[q_proj,v_proj]", "[q_proj, k_proj, v_proj]"],
+                    "hub_model_id": ['"me/a,b"', "c"], "lora_r": ["8", "16"]}  # each value as written
+    runs = sweep.run_specs(RunSpec.load(TINY), grid)
+    assert len(runs) == 8
+    assert sweep.label(runs[0][0]) == 'lora_target_modules=[q_proj,v_proj] hub_model_id="me/a,b" lora_r=8'
+    assert [spec.args["lora_target_modules"] for _, spec in runs[::4]] == [["q_proj", "v_proj"],
+                                                                          ["q_proj", "k_proj", "v_proj"]]
+    assert [spec.args["hub_model_id"] for _, spec in runs[:4:2]] == ["me/a,b", "c"]
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", spec.run_name) for _, spec in runs)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("item, said", [
+    ("lora_target_modules=[[q_proj, v_proj], [q_proj", "--grid lora_target_modules='[[q_proj, v_proj], [q_proj' is "
+                                                       "not a YAML list"),
+    ("run_name=\"a,b\",c", "--grid run_name: value '\"a' is not valid YAML"),
+    ("lora_r=[]", "--grid lora_r='[]': give a list of one value or more")])
+def test_a_grid_value_that_is_not_yaml_is_said_under_grid_with_the_list_form(tmp_path, item, said):
+    runs = tmp_path / "runs"
+    done = launch_py("sweep", TINY, "--grid", item, "--runs-dir", str(runs))
+    assert done.returncode == 2 and said in done.stderr and "--set" not in done.stderr, done.stderr
+    assert "KEY=[V1, V2]" in done.stderr or '=[\"a,b\", c]' in done.stderr
+    assert "Traceback" not in done.stderr and run_folders(runs) == []
+
+
+def test_an_evaluation_that_cannot_be_done_is_refused_before_any_run_starts(tmp_path):
+    runs = tmp_path / "runs"
+    rewards = launch_py("sweep", TINY, "--grid", "learning_rate=1e-3,3e-3", "--eval", "--eval-metrics",
+                        "rouge_l,mean_reward", "--runs-dir", str(runs))
+    assert rewards.returncode == 2 and "Traceback" not in rewards.stderr, rewards.stderr
+    assert "- every run: its evaluation: mean_reward scores answers with a run's reward functions" in rewards.stderr
+    plain = tmp_path / "plain.jsonl"  # SFT trains on plain text; an evaluation needs prompts to answer
+    plain.write_text("".join(json.dumps({"text": f"fact number {n} is {n * 7}"}) + "\n" for n in range(8)))
+    no_prompts = launch_py("sweep", TINY, "--grid", "learning_rate=1e-3,3e-3", "--set", f"dataset_name={plain}",
+                           "--eval", "--runs-dir", str(runs))
+    assert no_prompts.returncode == 2 and "Traceback" not in no_prompts.stderr, no_prompts.stderr
+    assert "- every run: its evaluation: the evaluation set has no prompts to answer (columns: text)" in \
+        no_prompts.stderr
+    assert "nothing was started" in no_prompts.stderr
+    assert not runs.exists() or [p.name for p in run_folders(runs)] in ([], ["sweeps"])
+    from app.sweep_panel import start_sweep  # the Train tab's Sweep section checks the same
+
+    said = start_sweep(RunManager(runs), RunSpec.load(TINY).with_overrides([f"dataset_name={plain}"]),
+                       "learning_rate=1e-3,3e-3", cpu_hardware(), evaluate=True)
+    assert said.startswith("**Sweep not started:**") and "its evaluation: the evaluation set has no prompts" in said
+    assert not runs.exists() or [p.name for p in run_folders(runs)] in ([], ["sweeps"])
 
 
 def test_bad_values_refuse_the_whole_sweep_before_anything_starts(tmp_path):
@@ -141,11 +207,10 @@ def test_a_sweep_at_most_one_at_once_evaluates_each_run_when_it_ends_and_ranks_b
     first, second = (manager.view(entry["id"]) for entry in json.loads(record.read_text())["runs"])
     began = next(e["time"] for e in events.read(second.dir / "events.jsonl") if e.get("state") == "starting")
     assert began >= first.spans[-1].end - 1  # one at a time: the second waited for the first to end
-    deadline = time.monotonic() + 300  # the queue runner evaluates each finished run, one at a time
-    while not all(isinstance(row["evaluation"], dict) for row in sweep.table(manager, record.stem)):
-        assert time.monotonic() < deadline, sweep.table(manager, record.stem)
-        time.sleep(1)
+    # --wait waited for the evaluations too (the queue runner's, one at a time) and printed them
+    assert len(re.findall(r"\n    evaluation: .*eval_loss \d", done.stdout)) == 2, done.stdout
     rows = sweep.table(manager, record.stem)
+    assert all(isinstance(row["evaluation"], dict) for row in rows), rows
     assert sweep.ranked_by(rows) == "the evaluation's eval_loss"
     assert rows[0]["evaluation"]["eval_loss"] <= rows[1]["evaluation"]["eval_loss"]
     assert all(list((manager.runs_dir / row["id"] / "eval").glob("*/summary.json")) for row in rows)

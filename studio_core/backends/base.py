@@ -142,6 +142,11 @@ class RunBackend(ABC):
     # The dataclass of what a user chooses for this place (None: nothing): read from the recipe
     # key studio.<name>, its fields made into flags and widgets (see `option`), with its own check.
     options_type: type | None = None
+    # Several runs submitted as one (a sweep's runs): what the place calls such a group ("job
+    # array"), or None when it takes its runs one by one. A place with groups says which runs
+    # cannot be one (`group_problems`), submits them (`submit_group`) and itself runs at most
+    # `parallel` of them at once.
+    group: str | None = None
 
     def options(self, layout):
         """The layout's options for this backend (its defaults when the spec gives none), or None."""
@@ -181,6 +186,16 @@ class RunBackend(ABC):
     def submit(self, run_dir: Path, launch, device: str) -> None:
         """Start the run whose folder is written, as `launch` (its Plan) says; return once it holds
         its cores (on the hardware `device`: neuron, cuda or cpu), is queued, or has ended trying."""
+
+    def group_problems(self, plans: list) -> list[str]:
+        """Why these planned runs cannot be submitted as one group ([] when they can)."""
+        return []
+
+    def submit_group(self, folder: Path, name: str, runs: list, parallel: int | None) -> str:
+        """Submit the runs, each `(run folder, plan)` (folders written, nothing submitted), as one
+        group, at most `parallel` of them at once; the group's own files go in `folder`, named after
+        `name`. -> the group's id. SubmitError, saying what to do, when nothing was submitted."""
+        raise SubmitError(f"{self.label} takes its runs one by one, not as one group: submit each on its own")
 
     def node(self, run_dir: Path, launch: dict) -> Node | None:
         """This machine as a node of the run (from launch.json and the place's environment), when

@@ -277,8 +277,14 @@ def data_source(request: EvalRequest, runs_dir: Path) -> dict:
                 "column_map": request.column_map, "holdout": None, "note": "", "rewards": rewards}
     if spec is None:
         raise EvalError(f"{request.target} is not a run: name an evaluation set (--data FILE or Hub id)")
+    return run_source(spec, request)
+
+
+def run_source(spec, request: EvalRequest) -> dict:
+    """The dataset a run of `spec` is evaluated on when the request names none: its own evaluation
+    set, else its training data (with a note saying so)."""
     held = eval_data.eval_source(spec)
-    common = {"column_map": request.column_map or spec.column_map, "rewards": rewards}
+    common = {"column_map": request.column_map or spec.column_map, "rewards": spec.rewards}
     if held is None or request.split:
         return {**common, "name": spec.dataset_name, "split": request.split or spec.dataset_train_split,
                 "config": spec.dataset_config, "holdout": None,
@@ -290,9 +296,22 @@ def data_source(request: EvalRequest, runs_dir: Path) -> dict:
             "note": f"the run's evaluation set ({held.describe()}), which it did not train on"}
 
 
-def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]]:
-    """(the data source, the problems) before anything starts: metrics, the target, the limit, and
-    for a local file its records (a Hub dataset is checked by the evaluation process on its rows)."""
+def check_run_evaluation(spec, metrics: tuple[str, ...] | None = None, limit: int | None = None) -> list[str]:
+    """What would stop `launch.py eval RUN_ID` on a run of `spec` once it has trained (on its own
+    evaluation set, else its training data): the metrics, the limit and, for a local file, its
+    records against the metrics (prompts to answer, references, the run's rewards, pairs). A
+    sweep's `--eval` asks it of each run before any is made."""
+    request = EvalRequest("", metrics=metrics, limit=limit)
+    problems = settings_problems(request)
+    try:
+        source = run_source(spec, request)
+    except (EvalError, ValueError) as error:
+        return problems + [str(error)]
+    return problems + records_problems(source, request.metrics, read_records=not problems)
+
+
+def settings_problems(request: EvalRequest) -> list[str]:
+    """What is wrong with the request's own settings: metrics, limit, lengths, lm-eval tasks."""
     problems = check_metrics(request.metrics) if request.metrics is not None else []
     if request.limit is not None and request.limit < 1:
         problems.append(f"limit {request.limit}: evaluate at least 1 row (or no limit)")
@@ -305,26 +324,39 @@ def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]
         from studio_core.evaluate import harness
 
         problems += [f"lm-eval: {p}" for p in harness.check_tasks(list(request.tasks), request.task_include)]
+    return problems
+
+
+def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]]:
+    """(the data source, the problems) before anything starts: metrics, the target, the limit, and
+    for a local file its records (a Hub dataset is checked by the evaluation process on its rows)."""
+    problems = settings_problems(request)
     try:
         resolve(request.target, runs_dir)
         source = data_source(request, runs_dir)
     except (ChatError, EvalError, folder.DamagedRun) as error:
         return {}, problems + [str(error)]
+    return source, problems + records_problems(source, request.metrics, read_records=not problems)
+
+
+def records_problems(source: dict, metrics, read_records: bool = True) -> list[str]:
+    """A local file's problems as an evaluation set: it is there, its one split, and (`read_records`)
+    its first records against `metrics`; a Hub dataset is checked by the evaluation process on its rows."""
     path = sources.dataset_file(source["name"])
     missing = [p.replace("dataset_name: ", "evaluation set: ", 1) for p in sources.check_dataset(source["name"])]
     if path is None or missing:
-        problems += missing
-    elif source["split"] != "train":
-        problems.append(f"split {source['split']!r}: a file has one split, train; leave the split out")
-    elif not problems:
-        try:
-            from studio_core.recipe.data_check import apply_column_map
+        return missing
+    if source["split"] != "train":
+        return [f"split {source['split']!r}: a file has one split, train; leave the split out"]
+    if not read_records:
+        return []
+    try:
+        from studio_core.recipe.data_check import apply_column_map
 
-            rows = apply_column_map(read_rows(path, 50), source["column_map"], None)
-            problems += items_and_problems(rows, request.metrics, source["rewards"])[2]
-        except ValueError as error:
-            problems.append(f"{source['name']}: {error}")
-    return source, problems
+        rows = apply_column_map(read_rows(path, 50), source["column_map"], None)
+        return items_and_problems(rows, metrics, source["rewards"])[2]
+    except ValueError as error:
+        return [f"{source['name']}: {error}"]
 
 
 class EvalProcess:

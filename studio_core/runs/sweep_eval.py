@@ -74,6 +74,11 @@ def waiting(runs_dir: Path) -> list[tuple[str, dict, str]]:
     return found
 
 
+def unevaluated(runs_dir: Path, sweep_id: str) -> list[str]:
+    """The sweep's runs whose evaluation has not been recorded yet (their folders still there)."""
+    return [run_id for found, _, run_id in waiting(runs_dir) if found == sweep_id]
+
+
 def latest(run_dir: Path) -> dict | None:
     """The tuned model's scores in the run's newest evaluation, or None."""
     found = folder.evaluations(run_dir)

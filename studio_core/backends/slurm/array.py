@@ -3,10 +3,10 @@ job per run, so the cluster's queue holds one entry for the sweep and Slurm itse
 `parallel` of its runs going at once (the array's throttle).
 
 Each run is made as any Slurm run is (RunManager.start with submit=False: its folder, spec and
-launch.json) and keeps its own batch script, slurm.sh (backend.batch_script: the same text a
+launch.json) and keeps its own batch script, slurm.sh (batch.batch_script: the same text a
 single submit writes); the array's script, in the sweeps folder, runs run i's slurm.sh in task i.
 A task does not read the #SBATCH lines of the script it runs, so the array's own script carries
-the job's options (backend.job_options), one set for every task: the runs of one array must
+the job's options (batch.job_options), one set for every task: the runs of one array must
 agree on them (`problems`). Each run records its job as the array task's id, `<array id>_<i>`,
 which is how Slurm's commands name the task (squeue -j, scancel, scontrol show job) and how
 the task records itself when it starts (records.job_in); from there the run is followed, stopped
@@ -23,7 +23,7 @@ from pathlib import Path
 from studio_core.backends.base import SubmitError
 from studio_core.backends.shell import job_name
 from studio_core.backends.slurm import tools as slurm
-from studio_core.backends.slurm.backend import batch_script, job_options, refusals, sbatch_argv
+from studio_core.backends.slurm.batch import batch_script, job_options, refusals, sbatch_argv
 from studio_core.backends.slurm.records import SCRIPT, record_job
 from studio_core.rundir import events
 from studio_core.rundir.folder import EVENTS
@@ -140,7 +140,7 @@ def _differing(plans: list) -> dict[str, list[str]]:
 
 
 def _options(plan) -> dict[str, str]:
-    """A plan's job options (backend.job_options) as {--name: value}; an option without a value is its name."""
+    """A plan's job options (batch.job_options) as {--name: value}; an option without a value is its name."""
     found: dict[str, str] = {}
     for word in job_options(plan.spec.layout):
         name, _, value = word.partition("=")
