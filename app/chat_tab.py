@@ -131,6 +131,23 @@ def chat_targets(manager: RunManager) -> list[str]:
     return [*runs_with_a_model(manager, chats=True), BUILTIN_MODEL]
 
 
+def saved_info(manager: RunManager, name: str | None) -> dict:
+    """What the run `name` saved (its output info), or {} for a model, a run that saved nothing, or none."""
+    view = manager.view_or_none(name) if name else None
+    return (view.output_info() or {}) if view is not None else {}
+
+
+def lora_runs_beside(manager: RunManager, loaded: str | None) -> list[str]:
+    """The Serve box's other runs: the LoRA runs of the loaded run's base, newest first, the loaded
+    run left out; none unless a LoRA run is loaded (a full run or a model is served alone)."""
+    mine = saved_info(manager, loaded)
+    if mine.get("kind") != "adapter":
+        return []
+    return [run_id for run_id in runs_with_a_model(manager, chats=True) if run_id != loaded
+            and (info := saved_info(manager, run_id)).get("kind") == "adapter"
+            and info.get("base_model") == mine.get("base_model")]
+
+
 def for_model(conversation: list[dict], thinking: bool) -> list[dict]:
     """The conversation as the next prompt carries it: each earlier answer without its reasoning."""
     return [{"role": m["role"], "content": shown(split_reasoning(m["content"], thinking)[1])}
@@ -271,7 +288,8 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
                                                    [serving, served, snippet])
     serving.input(lambda on, port, others, which: holder.serve(on, port, others, manager, hardware, which),
                   [serving, port, also, engine], [served, snippet])
-    also.focus(lambda: gr.update(choices=runs_with_a_model(manager, chats=True)), None, also)
+    also.focus(lambda: gr.update(choices=lora_runs_beside(manager, holder.chat.target.label if holder.chat else None)),
+               None, also)
     send.click(on_send, inputs, outputs)
     message.submit(on_send, inputs, outputs)
     stop.click(on_stop, None, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
+from app.run_panel import STEP_AXES
 from studio_core.evaluate import evaluation
 from studio_core.runs import history
 from studio_core.runs.manager import RunManager
@@ -77,7 +78,8 @@ def build(manager: RunManager) -> gr.Dropdown:
             metric = gr.Dropdown([], label="Metric (those all these runs logged)", scale=1,
                                  elem_id="compare-metric")
         note = gr.Markdown("", elem_id="compare-note")
-        plot = gr.LinePlot(x="step", y="value", color="run", height=300, visible=False, elem_id="compare-plot")
+        plot = gr.LinePlot(x="step", y="value", color="run", height=300, visible=False, elem_id="compare-plot",
+                           **STEP_AXES)
         last = gr.Markdown("", elem_id="compare-last")
         gr.Markdown("**Settings that differ** (spec.yaml: the recipe with the defaults the studio applied)")
         diff = gr.Dataframe(interactive=False, wrap=True, elem_id="compare-diff")

@@ -20,6 +20,18 @@ from studio_core.runs.history import runs_with_a_model
 from studio_core.runs.manager import RunManager, RunNotFound
 
 
+def finished_export(manager: RunManager, hardware: Hardware, run_id: str, out, merge_it: bool) -> tuple:
+    """(the status, the files' listing, the export's folder or None) of exporting the run."""
+    try:
+        result = export_run(manager.view(run_id).dir, out, merge_it, hardware=hardware)
+    except RunNotFound as error:
+        return f"**Cannot export:** {error.args[0]}", "", None
+    except ExportError as error:
+        return f"**Not exported:** {error}", "", None
+    listing = "\n".join(f"- `{name}`" for name in result["files"])
+    return f"Exported the {result['kind']} model to `{result['folder']}`.", listing, result["folder"]
+
+
 def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.Dropdown, Callable]:
     """The Export tab, in the current Blocks context; its run pick and that pick's choices now, for
     another tab to hand it a run (the Sweeps section's "Export it")."""
@@ -54,18 +66,14 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
                 gr.update(value=default))
 
     def on_export(run_id, out, merge_it, progress=gr.Progress()):
+        """Says at once that it exports (loading and saving the model takes seconds), then what it did."""
         if not run_id:
-            return "**Pick a finished run.**", "", None
+            yield "**Pick a finished run.**", "", None
+            return
+        out = out or manager.runs_dir / "exports" / run_id
+        yield f"Exporting run `{run_id}` to `{out}`: loading the model, saving it, writing its card ...", "", None
         progress(0, desc="exporting (loading, saving, writing the card)")
-        try:
-            result = export_run(manager.view(run_id).dir, out or manager.runs_dir / "exports" / run_id, merge_it,
-                                hardware=hardware)
-        except RunNotFound as error:
-            return f"**Cannot export:** {error.args[0]}", "", None
-        except ExportError as error:
-            return f"**Not exported:** {error}", "", None
-        listing = "\n".join(f"- `{name}`" for name in result["files"])
-        return (f"Exported the {result['kind']} model to `{result['folder']}`.", listing, result["folder"])
+        yield finished_export(manager, hardware, run_id, out, merge_it)
 
     def on_push(last, repo_id, is_private, is_update, typed, progress=gr.Progress(track_tqdm=True)):
         if not last or not Path(last).exists():

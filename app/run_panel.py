@@ -36,7 +36,14 @@ TRAINER_PLOTS = max(len(t.plots) for t in trainers.TRAINERS.values())  # the mos
 # (bench/page_latency.py measures it; the goal is under 1 s). A look that finds nothing new sends
 # nothing (RunPanel.changes), and the looks bypass Gradio's queue (queue=False), where an event
 # that does nothing costs the app about 10 ms of CPU instead of 3.5 ms.
+# the step axis: "~g" writes a long run's ticks as "1e+2" ... "8.4e+2" (Vega rounds them to the tick
+# step's precision); "~f" writes them whole ("100" ... "800"), with a fraction only between a short run's steps
+STEP_AXES = {**AXES, "x_axis_format": "~f"}
 LOOK_EVERY_S = 0.5
+
+
+QUEUED_LOOK_S = 2.0  # how often a queued resume's message is looked at again
+CANCELS = "Stop cancels it."  # the end of a queued run's message, while it waits
 
 
 class RunControls:
@@ -72,7 +79,14 @@ class RunControls:
         self.stop.click(lambda r: stop_run(manager, r), run_id, message)
         self.save.click(lambda r: stop_and_save(manager, r), run_id, message)
         self.first.click(lambda r: move_to_front(manager, r), run_id, message)
-        return self.resume.click(lambda r: resume_run(manager, hardware, r), run_id, message)
+        resumed = self.resume.click(lambda r: resume_run(manager, hardware, r), run_id, message)
+        # a queued resume's message ("... queued to resume ... Stop cancels it") is looked at again
+        # until the run leaves the queue, and then says what became of it
+        waiting, waits_for = gr.Timer(QUEUED_LOOK_S, active=False), gr.State(None)
+        resumed.then(lambda r: waiting_for(manager, r), run_id, [waits_for, waiting], show_progress="hidden")
+        waiting.tick(lambda r, said: left_queue(manager, r, said), [waits_for, message], [message, waiting],
+                     show_progress="hidden")
+        return resumed
 
 
 def move_to_front(manager: RunManager, run_id: str | None) -> str:
@@ -119,9 +133,33 @@ def resume_run(manager: RunManager, hardware: Hardware, run_id: str | None) -> s
         problems = error.problems if isinstance(error, SpecError) else [str(error).strip("'\"")]
         return "**Not resumed:** " + "; ".join(problems)
     if view.live_state == "queued":  # no cores are free: it waits for them, as Start queues a run
-        return f"Run `{run_id}` {view.where()}. Stop cancels it."
+        return f"Run `{run_id}` {view.where()}. {CANCELS}"
+    return resumed_text(view)
+
+
+def resumed_text(view: RunView) -> str:
     loads = view.resumed_from()  # the checkpoint it loads, which its launch record names
-    return f"Run `{run_id}` resumed from step {view.step}" + (f" ({loads.rstrip('/').rsplit('/', 1)[-1]})." if loads else ".")
+    return f"Run `{view.id}` resumed from step {view.step}" + (f" ({loads.rstrip('/').rsplit('/', 1)[-1]})." if loads else ".")
+
+
+def waiting_for(manager: RunManager, run_id: str | None) -> tuple:
+    """(the run a Resume queued, or None; its timer, running while there is one)."""
+    view = manager.view_or_none(run_id) if run_id else None
+    queued = view is not None and view.live_state == "queued"
+    return (run_id if queued else None), gr.Timer(active=queued)
+
+
+def left_queue(manager: RunManager, run_id: str | None, said: str | None) -> tuple:
+    """(the message, the timer) once the queued resume of `run_id` left the queue: what became of it
+    in place of "queued ... Stop cancels it" (a message since said of something else is kept)."""
+    view = manager.view_or_none(run_id) if run_id else None
+    if view is not None and view.live_state == "queued":
+        return gr.update(), gr.update()
+    queued_text = bool(said) and f"`{run_id}`" in said and said.endswith(CANCELS)
+    if view is None or not queued_text:
+        return gr.update(), gr.Timer(active=False)
+    text = resumed_text(view) if view.active else f"Run `{run_id}` left the queue: it is {view.live_state}."
+    return text, gr.Timer(active=False)
 
 
 class RunPanel:
@@ -146,12 +184,12 @@ class RunPanel:
             # hidden until there is a point to draw (plot_update): an empty plot is an untitled frame
             self.loss = gr.LinePlot(x="step", y="loss", color="set", title="Loss", height=260, visible=False,
                                     color_map={"training": "#268bd2", "evaluation": "#dc322f"},
-                                    elem_classes="loss-plot", **AXES)
+                                    elem_classes="loss-plot", **STEP_AXES)
             self.lr = gr.LinePlot(x="step", y="learning_rate", title="Learning rate", height=260, visible=False,
-                                  **AXES)
+                                  **STEP_AXES)
         with gr.Row():  # the trainer's own metrics (trainers.Trainer.plots): rewards, KL, accuracy, ...
             self.trainer_plots = [gr.LinePlot(x="step", y="value", color="metric", height=260, visible=False,
-                                              elem_classes="trainer-plot", **AXES) for _ in range(TRAINER_PLOTS)]
+                                              elem_classes="trainer-plot", **STEP_AXES) for _ in range(TRAINER_PLOTS)]
         self.hardware = HardwarePanel()  # under the loss
         self.log = gr.Textbox(label="Log (tail of train.log)", lines=12, max_lines=12, autoscroll=True,
                               interactive=False, elem_classes="run-log")
@@ -286,6 +324,8 @@ def progress_html(view: RunView) -> str:
         label += f" · ETA {format_seconds(eta)} (compilation left out)"
     elif view.live_state == "starting":
         label = "starting: loading the model and data, building the trainer ..."
+    elif view.live_state == "queued":  # no step yet, nor a known count of them: it waits for its cores
+        label = "queued: it starts when its cores are free"
     download = view.download
     if download and view.live_state == "starting" and download["done_bytes"] < download["total_bytes"]:
         what = download.get("model") or f"dataset {download.get('dataset')}"

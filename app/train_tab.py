@@ -33,6 +33,7 @@ from studio_core.recipe.spec import SpecError
 
 
 LAYOUT_PROBLEMS = "**This layout cannot run here; change it:**"
+CORE_MAP_EVERY_S = 2.0  # the core map's redraw while the Layout box is open
 START, STARTING = "Start", "Starting: checking ..."  # the Start button, and its words while a start is checked
 
 
@@ -123,6 +124,25 @@ def hardware_text(hardware: Hardware) -> str:
     if problems:
         problems.append("The Doctor tab (or `launch.py doctor`) checks the rest of this machine.")
     return "\n\n".join([f"**Hardware:** {hardware.describe()}", *problems])
+
+
+def wire_core_map_timer(form: TrainForm, on_layout, message: gr.Markdown) -> gr.Timer:
+    """While the Layout box is open, the core map is drawn again every CORE_MAP_EVERY_S from the
+    leases at that moment (other runs, a chat, take and free cores while the form stays as it is);
+    a tick sends nothing while the map would show what it shows."""
+    timer = gr.Timer(CORE_MAP_EVERY_S, active=False)
+
+    def on_core_tick(values):
+        core_map, text = on_layout(values)
+        if core_map == values[form.core_map]:
+            return gr.update(), gr.update()
+        return core_map, text
+
+    timer.tick(on_core_tick, form.components() | {message, form.core_map}, [form.core_map, message],
+               show_progress="hidden", concurrency_id="core-map")
+    form.layout_box.expand(lambda: gr.Timer(active=True), None, timer, show_progress="hidden")
+    form.layout_box.collapse(lambda: gr.Timer(active=False), None, timer, show_progress="hidden")
+    return timer
 
 
 def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[TrainForm, gr.Timer]:
@@ -370,6 +390,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         w[name].change(*layout_io, show_progress="hidden", concurrency_id="core-map")
     # one queue for every redraw, so an older one (the accordion opening) never lands after a newer one
     form.layout_box.expand(*layout_io, show_progress="hidden", concurrency_id="core-map")
+    wire_core_map_timer(form, on_layout, message)
     start_event = start_btn.click(on_start, inputs, [message, plan_box, selected, start_btn])
     start_event.then(lambda: gr.update(interactive=True, value=START), None, start_btn, show_progress="hidden")
     resume_event = controls.wire(manager, hardware, selected, message)

@@ -168,7 +168,8 @@ def test_plots_are_hidden_until_they_have_data_and_label_a_lone_point_briefly(tm
     assert panel.loss.visible is False and panel.lr.visible is False  # nor before the first render
     # every plot labels its axes in d3 formats: a lone point reads "6.889" by "1", not "6.889331" by "1.000000"
     plots = [panel.loss, panel.lr, *panel.trainer_plots, panel.hardware.cpu, panel.hardware.rss]
-    assert {(p.x_axis_format, p.y_axis_format) for p in plots} == {("~g", ".4~g")}
+    # steps whole ("~f", issue 47: not "1e+2"), seconds and values briefly
+    assert {(p.x_axis_format, p.y_axis_format) for p in plots} == {("~f", ".4~g"), ("~g", ".4~g")}
 
     write_run(tmp_path / "runs", [at(0, ev.status("starting")), at(1, ev.status("running", max_steps=300)),
                                   at(2, ev.metrics(1, 0.01, {"loss": 6.889331, "learning_rate": 0.002})),
