@@ -74,6 +74,7 @@ TOKEN_CHUNK = 4096  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE (tests/tes
 VOCAB_CHUNK = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 TILE_COPIES = 8.5
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_LORA_TARGETS = ["q_proj", "v_proj"]  # PEFT's for Llama, Qwen2/3, Mistral, Gemma (tests/test_memory.py)
 # The Neuron runtime's own device memory (AWS Neuron docs, "Neuron Device Memory",
 # awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/explore/device-memory.html; its
 # categories: tensors, model constants, model code, profile buffers, scratchpad, DMA rings,
@@ -253,11 +254,17 @@ def dtype_bytes(args: dict, shape_config: dict | None) -> int:
 
 def lora_params(shape: Shape, args: dict) -> int:
     """Parameters of the LoRA adapters on one decoder layer: r x (in + out) per targeted linear."""
-    rank = int(args.get("lora_r") or 16)
-    targets = args.get("lora_target_modules") or "all-linear"
-    names = LINEARS if targets in ("all-linear", ["all-linear"]) else [
-        name for name in LINEARS if name in (targets if isinstance(targets, list) else [targets])]
+    rank, names = int(args.get("lora_r") or 16), lora_targets(args)
     return sum(rank * (i + o) * n for name, (i, o, n) in shape.linear_shapes().items() if name in names)
+
+
+def lora_targets(args: dict) -> list[str]:
+    """The decoder layer's linears LoRA adapts: "all-linear", or those named; by default PEFT's own
+    choice for these families (TRL passes no target_modules: peft/utils/constants.py's
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING names the queries and values)."""
+    targets = args.get("lora_target_modules") or DEFAULT_LORA_TARGETS
+    return list(LINEARS) if targets in ("all-linear", ["all-linear"]) else [
+        name for name in LINEARS if name in (targets if isinstance(targets, list) else [targets])]
 
 
 def per_core_available(hardware, nproc: int) -> tuple[int | None, str]:
@@ -356,7 +363,9 @@ def estimate(trainer: str, layout, args: dict, hardware, config: dict | None) ->
 
 
 def activations(shape: Shape, args: dict, entry: trainers.Trainer, tp: int) -> dict[str, float]:
-    """What the backward pass keeps of the layers, per token, and the LM head's tiles and gradients."""
+    """What the backward pass keeps of the layers (layer_kept per token: all of every layer without
+    gradient checkpointing; with it, each layer's input plus one layer's worth while it is
+    recomputed), of the final norm, and the LM head's tiles and gradients."""
     batch = int(args.get("per_device_train_batch_size") or 8) * entry.sequences_per_example
     if entry.generates:
         length = int(args.get("max_prompt_length") or 512) + int(args.get("max_completion_length") or 256)
@@ -364,19 +373,62 @@ def activations(shape: Shape, args: dict, entry: trainers.Trainer, tp: int) -> d
         length = int(args.get("max_length") or DEFAULT_LENGTH)
     tokens = batch * length
     act = 2 if args.get("bf16") or args.get("fp16") else 4
-    width = shape.expert_intermediate if shape.experts else shape.intermediate
-    per_layer = 4 * shape.hidden + (3 * (shape.q_width + shape.kv_width) + 4 * width) / tp
-    if args.get("attn_implementation") == "eager":
-        per_layer += 2 * shape.heads * length / tp  # the scores and their softmax
+    per_layer = layer_kept(shape, args, length, tp)
     checkpointing = args.get("gradient_checkpointing", True)  # TRL's trainers default it to True
-    kept = shape.layers * shape.hidden + per_layer if checkpointing else shape.layers * per_layer
+    if checkpointing:  # the recomputed layer, and the gradients its backward holds at once: the layer's
+        per_layer += 2 * shape.hidden + 3 * (shape.expert_intermediate or shape.intermediate) / tp  # output's and
+        # input's, and at the MLP's widest the down projection's input's with the gate's and up projection's
+    layers = shape.layers * shape.hidden + per_layer if checkpointing else shape.layers * per_layer
+    # the final norm keeps its input and output (the head's input), and its normalised input where it trains
+    kept = layers + (2 if args.get("use_peft") else 3) * shape.hidden
     name = "activations (gradient checkpointing)" if checkpointing else "activations"
     if not entry.chats:  # a reward model's head gives one score per token: nothing to count
         return {name: tokens * kept * act}
     tile = min(tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK) * TILE_COPIES * act
+    if checkpointing:  # the head's backward frees its tiles before the last layer is recomputed: the
+        tile = max(tile - tokens * per_layer * act, 0)  # two are never alive together, count the larger
     # float32 gradients of the hidden states, and of the head's weight unless it is frozen (LoRA)
     gradients = (tokens + (0 if args.get("use_peft") else shape.vocab)) * shape.hidden * 4
     return {name: tokens * kept * act, "LM head (logits in tiles)": tile + gradients}
+
+
+def layer_kept(shape: Shape, args: dict, length: int, tp: int) -> float:
+    """Elements one decoder layer keeps for its backward pass, per token: the tensors autograd
+    saves in Transformers' Llama and Qwen3 layers, counted by tensor (torch's saved-tensor hooks:
+    bench/memory.py's notes). A weight that trains needs its input kept, a frozen one does not;
+    TP splits the attention heads and the MLP's width, not the hidden states."""
+    h, q, kv = shape.hidden, shape.q_width / tp, shape.kv_width / tp
+    width = (shape.expert_intermediate if shape.experts else shape.intermediate) / tp
+    normed = 1 if shape.model_type in QK_NORM else 0  # Qwen3's norm on each head's queries and keys
+    # trained or frozen: each norm's input (the layer's input, and the residual after attention); the
+    # queries and keys as rotated, the values and attention's output (what attention reads and gives);
+    # the query and key projections where a norm follows them; the MLP's gate, activation and up projection
+    kept = 2 * h + (2 + normed) * (q + kv) + 3 * width
+    if args.get("use_peft"):
+        kept += lora_kept(shape, args, q, width)
+    else:  # trained weights: the norms' normalised inputs and their outputs (the linears' inputs), the
+        kept += 4 * h + normed * (q + kv) + width  # q and k norms' normalised inputs, the down projection's input
+    if args.get("attn_implementation") == "eager":
+        # the softmax's probabilities, (heads x length) per token, and the keys and values repeated
+        # to every query head (repeat_kv) where heads share them; sdpa keeps neither
+        kept += shape.heads / tp * length + (2 * (q - kv) if kv < q else 0)
+    return kept
+
+
+def lora_kept(shape: Shape, args: dict, q: float, width: float) -> float:
+    """What LoRA's adapters add per token to a frozen layer: each adapted linear's adapter input
+    (with dropout, its own dropped-out copy of the input and the dropout's mask, which torch makes
+    a tensor of the input's dtype on the CPU; without, the linear's input, shared by the linears
+    that read it) and its rank-r projection."""
+    rank, dropout = int(args.get("lora_r") or 16), float(args.get("lora_dropout", 0.05) or 0)
+    h, names = shape.hidden, lora_targets(args)
+    inputs = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h, "down_proj": width}
+    if dropout > 0:
+        return sum(2 * inputs[name] + rank for name in names)
+    shared = {"attention": h if {"q_proj", "k_proj", "v_proj"} & set(names) else 0,
+              "mlp": h if {"gate_proj", "up_proj"} & set(names) else 0,
+              "down": width if "down_proj" in names else 0}  # o_proj's input, attention's output, is kept anyway
+    return sum(shared.values()) + rank * len(names)
 
 
 def generation_cache(shape: Shape, args: dict, tp: int, weight: int) -> float:
