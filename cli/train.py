@@ -19,13 +19,17 @@ from studio_core.runs import queue
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import (FINAL_STATES, RunView, format_seconds, format_time, late_compile_text,
                                    memory_text, studio_cost_text)
-from studio_core.training.scripts import launch_script, submit_script
+from studio_core.training.scripts import launch_script, overwrite_problem, submit_script
 from studio_core.recipe.spec import Layout, SpecError
 
 
 def cmd_plan(args) -> int:
     scripts = {option: check_new_file(option, path) for option, path in
                (("--export-script", args.export_script), (f"--{EXPORT.name}-script", args.submit_script)) if path}
+    for option, path in scripts.items():  # before anything is planned: nothing but the studio's own script replaced
+        problem = overwrite_problem(path)
+        if problem:
+            raise CommandLineError(f"{option} {path} {problem}")
     spec = load_spec(args)
     hardware = hardware_for(args)
     manager = RunManager(runs_folder(args))

@@ -243,3 +243,53 @@ def test_export_command_with_a_wrong_token_says_so(trained_runs, tmp_path):
                                 str(manager.runs_dir), "--out", str(tmp_path / "cli2"), "--push", "alice/x"],
                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 1 and "wrong or expired" in again.stderr and WRONG not in again.stderr
+
+
+def runs_folder_with_two_runs(root: Path) -> tuple[Path, Path]:
+    """A runs folder holding two run folders (each with its spec.yaml) and the studio's own state."""
+    runs = root / "runs"
+    first, second = runs / "20260101-000000-a-aaaaaa", runs / "20260101-000001-b-bbbbbb"
+    for run in (first, second):
+        run.mkdir(parents=True)
+        (run / "spec.yaml").write_text("model_name_or_path: builtin:tiny-qwen3\n")
+    for state in ("sweeps", "serve-logs", "smoke", "uploads", ".leases", ".deleting-20260101-000002-c-cccccc"):
+        (runs / state).mkdir()
+    return first, second
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("inside, said", [
+    ("{own}/out", "inside the folder of run 20260101-000000-a-aaaaaa"),
+    ("{other}/out", "inside the folder of run 20260101-000001-b-bbbbbb"),
+    ("{other}/output/deep", "the export would be deleted with that run"),
+    ("{runs}", "is the runs folder itself"),
+    ("{runs}/sweeps/x", "the sweeps' records"),
+    ("{runs}/serve-logs/x", "the model servers' logs"),
+    ("{runs}/smoke/x", "the smoke tests' folders and runs"),
+    ("{runs}/uploads", "the Train tab's uploads"),
+    ("{runs}/.leases/x", "the core leases"),
+    ("{runs}/.deleting-20260101-000002-c-cccccc/x", "making or deleting"),
+])
+def test_an_export_inside_any_run_or_the_runs_folders_state_is_refused(tmp_path, inside, said):
+    own, other = runs_folder_with_two_runs(tmp_path)
+    out = inside.format(own=own, other=other, runs=own.parent)
+    with pytest.raises(ExportError, match=re.escape(said)) as refused:
+        export_run(own, out)
+    assert f"such as {own.parent / 'exports' / own.name}" in str(refused.value)  # what to give instead
+    assert not Path(out).exists() or Path(out).name != "x"  # nothing made
+
+
+@pytest.mark.fast
+def test_an_export_through_a_symlink_into_another_run_is_refused(tmp_path):
+    own, other = runs_folder_with_two_runs(tmp_path)
+    (tmp_path / "link").symlink_to(other)
+    with pytest.raises(ExportError, match="inside the folder of run 20260101-000001-b-bbbbbb"):
+        export_run(own, tmp_path / "link" / "out")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("where", ["exports/{id}", "exports/eval-downloads/{id}", "my-exports/{id}"])
+def test_the_runs_folders_exports_and_other_folders_of_its_own_pass_the_check(tmp_path, where):
+    own, _ = runs_folder_with_two_runs(tmp_path)
+    with pytest.raises(ExportError, match="no saved model"):  # the next check: the folder itself was accepted
+        export_run(own, own.parent / where.format(id=own.name))

@@ -16,6 +16,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from studio_core.machine import leases
 from studio_core.doctor import smoke
 from studio_core.machine.hardware import Hardware, cpu_hardware
 from studio_core.rundir.events import read as read_events
+from studio_core.rundir.folder import EVENTS, LOG
 from studio_core.runs.manager import RunManager
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,3 +166,45 @@ def test_the_report_keeps_the_device_settings_and_leaves_out_secrets(tmp_path, m
     markdown = path.with_suffix(".md").read_text()
     assert markdown.startswith("# Studio smoke test: FAILED") and "| sft | **FAIL** | 2.0 |" in markdown
     assert "- NEURON_RT_VISIBLE_CORES=0-3" in markdown
+
+
+@pytest.mark.fast
+def test_a_run_that_keeps_writing_is_waited_for_past_the_quiet_limit(tmp_path):
+    """The smoke's limit follows progress: a run writing an event every 0.2 s for 1.5 s is followed to
+    its end with a quiet limit of 0.6 s; one that then goes quiet is given up after 0.6 s more."""
+    events, stop = tmp_path / EVENTS, threading.Event()
+
+    def writer():
+        for _ in range(8):
+            time.sleep(0.2)
+            with events.open("a") as file:
+                file.write('{"type": "compile_end"}\n')
+        stop.set()
+
+    threading.Thread(target=writer, daemon=True).start()
+    began = time.monotonic()
+    assert smoke.follow(tmp_path, stop.is_set, quiet_s=0.6, most_s=10, poll_s=0.05) is None
+    assert time.monotonic() - began > 1.4  # longer than the quiet limit: restarted while the run wrote
+    quiet = smoke.follow(tmp_path, lambda: False, quiet_s=0.6, most_s=10, poll_s=0.05)
+    assert quiet == "wrote nothing (no event, no log line) for 0.6 s"
+
+
+@pytest.mark.fast
+def test_a_run_that_writes_but_never_ends_is_given_up_in_all(tmp_path):
+    log = tmp_path / LOG
+
+    def busy() -> bool:
+        with log.open("a") as file:
+            file.write("still compiling\n")
+        return False
+
+    assert smoke.follow(tmp_path, busy, quiet_s=0.3, most_s=0.8, poll_s=0.05) == \
+        "had not ended after 0.8 s in all, though it kept writing"
+
+
+@pytest.mark.fast
+def test_the_report_says_each_steps_limit_in_progress_terms():
+    assert smoke.time_limit("precompile", "cpu") == (
+        "300 s without the run writing (an event: a compilation, a precompile job's end, a step; or a log line), "
+        "the wait restarting at each; 2400 s in all")
+    assert smoke.time_limit("eval", "neuron") == "1800 s without an evaluation event"

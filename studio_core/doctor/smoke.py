@@ -27,6 +27,11 @@ The precompile goes first so that the smoke compiles each shape once, in paralle
 part on a 2-core CPU as on Neuron): the precompiled run's hits can then only come from its
 own jobs, and the sft step reuses what they compiled.
 
+A step's run is given up only when it stops making progress: when it writes nothing (no event,
+no log line) for the doctor's limit (300 s on CPU, 1800 s on Neuron), the wait restarting each
+time it writes, or after 8 of those in all; so a loaded machine's slow compilations are waited
+for. The report says each step's limit.
+
 Then one report, `smoke-report.json` with a readable `smoke-report.md` beside it: versions,
 the Neuron/EFA environment (never a token or anything named like a secret), the hardware,
 compile cache entries (NEFF files on Neuron) before and after, every step with what it proves
@@ -71,9 +76,10 @@ from studio_core.evaluate.evaluation import EvalError, EvalProcess, EvalRequest
 from studio_core.machine.hardware import Hardware, cpu_hardware, detect_hardware
 from studio_core.recipe.rewards import HUB_TOKENS
 from studio_core.runs.manager import RunManager
+from studio_core.runs.view import FINAL_STATES
 from studio_core.recipe.spec import RunSpec, SpecError
 from studio_core.recipe.validate import TOKEN_VALUE
-from studio_core.rundir.folder import LOG
+from studio_core.rundir.folder import EVENTS, LOG
 from studio_core.training.memory import gib
 
 STEPS = {
@@ -443,10 +449,15 @@ class Smoke:
         spec = RunSpec.load(recipe).with_overrides(overrides)
         view = self.manager.start(spec, self.hardware)
         step.details["run"] = view.id
+        quiet, most = run_limits(self.hardware.backend)
         try:
-            view = self.manager.wait(view.id, timeout=doctor.TIMEOUT_S[self.hardware.backend])
+            gave_up = follow(view.dir, lambda: self.manager.view(view.id).live_state in FINAL_STATES, quiet, most)
+            view = self.manager.view(view.id)
+            if gave_up:
+                raise StepFailed(f"run {view.id} {gave_up}: it is {view.live_state} at step {view.step}, and was "
+                                 f"stopped (log: {view.dir / LOG})")
         finally:
-            if self.manager.view(view.id).active:  # timed out, or the smoke was interrupted
+            if self.manager.view(view.id).active:  # given up, or the smoke was interrupted
                 self.manager.stop(view.id)
         step.details["run_state"] = view.live_state
         if view.live_state != "finished":
@@ -488,7 +499,57 @@ def time_limit(name: str, backend: str) -> str:
     if name in ("chat", "serve"):
         return (f"{LOAD_TIMEOUT_S} s to load (each graph compiled at start: {LOAD_TIMEOUT_S} s more), "
                 f"{REPLY_TIMEOUT_S} s between an answer's tokens")
-    return f"{doctor.TIMEOUT_S[backend]} s" + (" for the run" if name not in ("probe", "eval") else "")
+    if name == "probe":
+        return f"{doctor.TIMEOUT_S[backend]} s"
+    if name == "eval":
+        return f"{doctor.TIMEOUT_S[backend]} s without an evaluation event"
+    quiet, most = run_limits(backend)
+    return (f"{quiet} s without the run writing (an event: a compilation, a precompile job's end, a step; or a log "
+            f"line), the wait restarting at each; {most} s in all")
+
+
+# A smoke run's limits follow its progress, not the clock: a loaded machine compiles slowly (two
+# precompile shapes of about 245 s each on a busy 2-core CPU), yet each compilation ends with an
+# event. So a run fails only when it writes nothing for the doctor's limit (QUIET: longer than one
+# compilation takes), or when it has not ended after MOST_QUIET of those (a run that writes but
+# never ends).
+MOST_QUIET = 8
+FOLLOW_POLL_S = 1.0
+
+
+def run_limits(backend: str) -> tuple[int, int]:
+    """(seconds a smoke run may go without writing, seconds it may take in all) on this backend."""
+    quiet = doctor.TIMEOUT_S[backend]
+    return quiet, quiet * MOST_QUIET
+
+
+def written(run_dir: Path) -> tuple[int, int]:
+    """What a run has written so far: the sizes of its events and its log."""
+    sizes = []
+    for name in (EVENTS, LOG):
+        try:
+            sizes.append((Path(run_dir) / name).stat().st_size)
+        except OSError:  # not made yet
+            sizes.append(0)
+    return sizes[0], sizes[1]
+
+
+def follow(run_dir: Path, ended, quiet_s: float, most_s: float, poll_s: float = FOLLOW_POLL_S) -> str | None:
+    """Wait until `ended()`, for as long as the run in `run_dir` keeps writing: None once it has
+    ended, else why the wait gave up (nothing written for `quiet_s`, or `most_s` in all)."""
+    began = last_change = time.monotonic()
+    seen = written(run_dir)
+    while not ended():
+        now = time.monotonic()
+        if now - began > most_s:
+            return f"had not ended after {most_s:g} s in all, though it kept writing"
+        now_written = written(run_dir)
+        if now_written != seen:
+            seen, last_change = now_written, now
+        elif now - last_change > quiet_s:
+            return f"wrote nothing (no event, no log line) for {quiet_s:g} s"
+        time.sleep(poll_s)
+    return None
 
 
 def keep_neuron_artifacts(folder: Path) -> dict[str, str | None]:

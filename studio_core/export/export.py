@@ -27,6 +27,7 @@ the export's core. On Neuron and CUDA it takes no NeuronCore or GPU, so it holds
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 import time
@@ -100,15 +101,40 @@ def export_run(run_dir: str | Path, out_dir: str | Path, merge: bool = False, ha
     return _result(child.returncode, stdout, stderr, out_dir)
 
 
+# The runs folder's own state, which the studio writes and manages itself. Its exports/ is not
+# among them: it is where the Export tab puts exports (<runs dir>/exports/<run id>).
+STATE_FOLDERS = {"sweeps": "sweeps' records (runs/sweep.py)", "serve-logs": "model servers' logs",
+                 "smoke": "smoke tests' folders and runs", "uploads": "Train tab's uploads",
+                 ".leases": "core leases"}
+HIDDEN_STATE = (folder.CREATING, folder.DELETING)  # a run folder being made, or being deleted
+
+
 def check_out(run_dir: Path, out_dir: Path) -> None:
     """The export's folder: given, and not inside the run's folder (deleting the run would delete
-    the export with it), symlinks resolved; ExportError says what to give instead."""
+    the export with it), nor inside another run's folder, nor the runs folder itself or its own
+    state (STATE_FOLDERS; a run folder being made or deleted), symlinks
+    resolved; ExportError says what to give instead."""
     if not str(out_dir).strip():
         raise ExportError("the export folder is empty: give a folder")
     out, run = Path(out_dir).expanduser().resolve(), Path(run_dir).expanduser().resolve()
+    instead = f"give a folder outside it, such as {run.parent / 'exports' / run.name}"  # where the Export tab puts it
     if out == run or out.is_relative_to(run):
         raise ExportError(f"{out_dir} is inside the folder of run {run.name} ({run}): the export would be deleted "
-                          "with the run; give a folder outside it")
+                          f"with the run; {instead}")
+    home = run.parent
+    if out == home:
+        raise ExportError(f"{out_dir} is the runs folder itself ({home}), which holds every run; {instead}")
+    if not out.is_relative_to(home):
+        return
+    top = home / out.relative_to(home).parts[0]
+    if folder.is_run(top):
+        raise ExportError(f"{out_dir} is inside the folder of run {top.name} ({top}): the export would be deleted "
+                          f"with that run; {instead}")
+    if top.name.startswith(HIDDEN_STATE):
+        raise ExportError(f"{out_dir} is inside {top}, a run folder the studio is making or deleting; {instead}")
+    if top.name in STATE_FOLDERS:
+        raise ExportError(f"{out_dir} is inside {top}, where the studio keeps the {STATE_FOLDERS[top.name]}: "
+                          f"keep exports apart from its own files; {instead}")
 
 
 def check_base(run_dir: Path, info: dict, trust_remote_code: bool) -> None:
@@ -255,8 +281,18 @@ def _export(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) 
                                    template_path=str(CARD_TEMPLATE), **_card_text(summary, kind, info, plot))
     card.save(out_dir / "README.md")
     (out_dir / OUTPUT_INFO).write_text(json.dumps(export_info(info, kind), indent=2))
+    same_mode(out_dir, out_dir / OUTPUT_INFO)
     files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())
     print(json.dumps({"folder": str(out_dir), "kind": kind, "files": files, "cores": cores}))
+
+
+def same_mode(out_dir: Path, reference: Path) -> None:
+    """Every file of the export with the mode of `reference` (one written plainly, so the user's
+    umask's): safetensors writes its weights 0600, beside the 0644 of the rest."""
+    mode = stat.S_IMODE(reference.stat().st_mode)
+    for path in out_dir.rglob("*"):
+        if path.is_file() and not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) != mode:
+            path.chmod(mode)
 
 
 def export_info(info: dict, kind: str) -> dict:

@@ -22,8 +22,9 @@ The guard (`guard_callback`, on every rank) ends the run, with a reason and with
 when the loss or the gradient norm is NaN or infinite in what the trainer logs (every rank
 logs the same values: the loss is gathered, the gradients all-reduced), when no reward
 function gave a usable reward (trainers with rewards), and before a save whose estimated size
-(the model's or adapter's parameters, the optimizer's state, a margin) the disk has no room
-for: the ranks agree on that one through a reduction, so they all stop together.
+(save_bytes: the model's or adapter's parameters, the optimizer's state, the tokenizer, and a
+margin of 2% with a 1 MiB floor) the disk has no room for: the ranks agree on that one through
+a reduction, so they all stop together.
 
 No torch or transformers import at module level: the web app lists checkpoints too.
 """
@@ -44,7 +45,15 @@ CONTROL = "control.json"
 RESUME_ENV = "STUDIO_RESUME_FROM"  # set by RunManager.resume: the checkpoint folder the worker goes on from
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"  # written last by Transformers' _save_checkpoint
-SAVE_MARGIN_BYTES = 16 << 20  # what a checkpoint holds beyond weights and optimizer: tokenizer, config, RNG
+# What a checkpoint writes besides the tensors' bytes, measured on the built-in model's checkpoint:
+# config, generation config, chat template, tokenizer config, trainer state (its log history
+# grows with the run), training args, scheduler and RNG states, together under 100 KiB, so a
+# floor of 1 MiB; the files' own framing (safetensors' header, torch.save's zip records), about
+# 1% of the tensors, so 2% of them. The tokenizer's files, which the checkpoint holds too, are
+# the tokenizer's own size (tokenizer_bytes): 54 KiB for the built-in model, megabytes for a
+# Hub model's large vocabulary.
+SAVE_MARGIN_FLOOR = 1 << 20
+SAVE_MARGIN_SHARE = 0.02
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # How a full disk reads when no errno comes with it: torch.save's writer ("PytorchStreamWriter
 # failed writing file ...: file write failed", "enforce fail at inline_container.cc"), safetensors
@@ -121,16 +130,27 @@ def _size(n: int) -> str:
     return f"{n:.1f} TiB"
 
 
-def save_bytes(model, optimizer, adapter_only: bool) -> int:
+def save_bytes(model, optimizer, adapter_only: bool, tokenizer=None) -> int:
     """What a checkpoint of this model and optimizer takes, about: its saved parameters (an
-    adapter's trainable ones only), the optimizer's state tensors, and SAVE_MARGIN_BYTES. Read
-    from tensor metadata only: nothing leaves the device."""
+    adapter's trainable ones only), the optimizer's state tensors, the tokenizer's files, and
+    the margin (SAVE_MARGIN_FLOOR + SAVE_MARGIN_SHARE of the tensors). Read from tensor
+    metadata only: nothing leaves the device."""
     params = [p for p in model.parameters() if p.requires_grad or not adapter_only]
     total = sum(p.numel() * p.element_size() for p in params)
     if optimizer is not None:
         for state in getattr(optimizer, "state", {}).values():
             total += sum(v.numel() * v.element_size() for v in state.values() if hasattr(v, "element_size"))
-    return total + SAVE_MARGIN_BYTES
+    return total + math.ceil(total * SAVE_MARGIN_SHARE) + SAVE_MARGIN_FLOOR + tokenizer_bytes(tokenizer)
+
+
+def tokenizer_bytes(tokenizer) -> int:
+    """About what saving the tokenizer writes: a fast tokenizer's tokenizer.json, serialized
+    (its vocabulary and merges); 0 for none, or one that cannot say (the floor covers small ones)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(getattr(tokenizer, "tokenizer", None),
+                                                                        "backend_tokenizer", None)  # a processor's
+    if backend is None or not hasattr(backend, "to_str"):
+        return 0
+    return len(backend.to_str(pretty=True).encode())  # as save_pretrained writes it
 
 
 def non_finite(logs: dict, reward_keys: bool) -> str | None:
@@ -168,6 +188,7 @@ def guard_callback(run_dir: Path, rewards: bool):
     class Guard(TrainerCallback):
         reason: str | None = None
         disk_full = False
+        tokenizer_size: int | None = None
         any_rank = staticmethod(bool)  # one process; the worker sets a reduction over the ranks
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -179,11 +200,14 @@ def guard_callback(run_dir: Path, rewards: bool):
                 control.should_training_stop = True
                 control.should_save = False
 
-        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        def on_step_end(self, args, state, control, model=None, optimizer=None, processing_class=None, **kwargs):
             # after the flow callback and stop-and-save: should_save says a save comes now
             if not control.should_save or model is None:
                 return
+            if self.tokenizer_size is None:  # serialized once: the tokenizer does not change
+                self.tokenizer_size = tokenizer_bytes(processing_class)
             need = save_bytes(model, optimizer, adapter_only=getattr(model, "peft_config", None) is not None)
+            need += self.tokenizer_size
             if self.any_rank(disk_space(output if output.exists() else run_dir)[1] < need):
                 self.disk_full = True
                 self.reason = disk_full_text(output if output.exists() else run_dir, need,

@@ -214,7 +214,7 @@ def final_save_problem(trainer, output_dir: str, adapter_only: bool) -> str | No
         return (f"the trained weights became NaN or infinite by step {trainer.state.global_step}: lower the learning "
                 "rate (learning_rate), or keep max_grad_norm at a value such as 1.0 to clip the gradients, then "
                 "start again. Nothing was saved")
-    need = save_bytes(trainer.model, None, adapter_only)
+    need = save_bytes(trainer.model, None, adapter_only, getattr(trainer, "processing_class", None))
     if any_rank(trainer, disk_space(Path(output_dir).parent)[1] < need):
         return disk_full_text(Path(output_dir).parent, need, "the final model") + ". Nothing was saved"
     return None
