@@ -24,7 +24,6 @@ import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
 from studio_browser import App, expect
-from studio_core.serve.chat import EMPTY_ANSWER
 
 
 def full_run(app, sft_runs) -> str:
@@ -80,7 +79,8 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
     expect(tuned).to_contain_text("The studio cat is called Pixel.", timeout=60_000)
     page.locator("#chat-shapes").get_by_text("distinct input shapes").wait_for(timeout=60_000)
     expect(base).to_contain_text("What is the name of the studio cat?")
-    expect(base).to_contain_text(EMPTY_ANSWER)  # it wrote only whitespace: said so, not an empty bubble
+    # the random base's answer, or the placeholder if it wrote only whitespace: never an empty bubble
+    assert base.inner_text().split("What is the name of the studio cat?", 1)[1].strip()
     expect(base).to_contain_text("untrained")  # its label
 
     # Serve: the loaded model behind OpenAI's API, asked by the real openai client
