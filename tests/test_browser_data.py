@@ -86,6 +86,8 @@ def test_a_model_that_reaches_the_hub_cache_while_the_page_is_open_is_listed(pag
     (repo / "blobs" / "c0ffee").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
     (repo / "snapshots" / revision).mkdir(parents=True)
     (repo / "snapshots" / revision / "config.json").symlink_to(repo / "blobs" / "c0ffee")
+    (repo / "blobs" / "beef").write_bytes(b"")  # its weights: a model whose config alone is cached is not listed
+    (repo / "snapshots" / revision / "model.safetensors").symlink_to(repo / "blobs" / "beef")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     page.locator("#model input").first.click()  # opening the list reads the cache again

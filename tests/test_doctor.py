@@ -22,11 +22,12 @@ from hub_standin import HubStandIn
 from imds_standin import ImdsStandIn
 from studio_core.doctor import doctor
 from studio_core.machine import leases
+from studio_core.serve import vllm_env
 from studio_core.machine.compile_cache import compile_cache_dir, summary
 from studio_core.machine.hardware import TORCH_XLA_PROBLEM, Hardware, instance_type
 
 NAMES = ["backend", "versions", "torch_xla", "devices", "collective", "compile", "cache", "monitor",
-         "runs folder", "hub"]
+         "runs folder", "hub", "vllm"]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,8 @@ def test_every_check_runs_and_passes_on_this_machine(checked):
     assert "all checks passed" in done.stdout and "Traceback" not in done.stdout + done.stderr
     assert "cpu: CPU only" in lines["backend"] and "trl 1.16.0" in lines["versions"]
     assert "c7i.large" in lines["devices"]  # from the metadata service, with its IMDSv2 token
+    # vLLM's own environment is optional: said either way (.ci/run makes it, so CI sees it on the CPU)
+    assert ("on cpu" if vllm_env.configured_python()[0] else "not set up (optional") in lines["vllm"]
     assert imds_requests == [("PUT", "/latest/api/token"), ("GET", "/latest/meta-data/instance-type")]
     assert "rank 0 on cpu, rank 1 on cpu, sum 3.0" in lines["collective"]
     # forward and backward graphs, compiled (unless another doctor of this session did) then reused

@@ -34,6 +34,7 @@ checkpoint folders a failed save left partial (checkpoints.remove_incomplete).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -62,7 +63,7 @@ from studio_core.machine.monitor import SAMPLE_EVERY_S, RunMonitor
 from studio_core.machine.procs import die_with_parent, kill_run_processes
 from studio_core.rundir import events as ev
 from studio_core.rundir.events import EventReader
-from studio_core.rundir.folder import ENDED, EVENTS, LOG, SPEC, read_json, read_launch, write_json
+from studio_core.rundir.folder import ENDED, EVENTS, LOG, SPEC, read_launch, write_json
 
 GRACE_S = 10
 LOG_TAIL_LINES = 60
@@ -265,12 +266,12 @@ def precompile(run_dir: Path, launch: dict, wanted: int, cpus: list[int], stoppi
     write(events, ev.log(f"precompile: {jobs} job(s) on {device} cores {cores[:jobs]}"
                              + (f" ({wanted} asked; the other cores are busy)" if jobs < wanted else "")))
     began = time.monotonic()
-    procs = []
+    procs, ports = [], _free_ports(jobs)
     for job in range(jobs):
         cpu = cpus[cores[job]] if device == "cpu" else None
         procs.append(children.start(
             PRECOMPILE_MODULE, run_dir, job, jobs, stdin=subprocess.DEVNULL, cwd=run_dir,
-            env=job_environment(device, launch["env"], cores[job], _free_port()),
+            env=job_environment(device, launch["env"], cores[job], ports[job]),
             preexec_fn=lambda cpu=cpu: _job_start(cpu)))
     try:
         while any(p.poll() is None for p in procs):
@@ -295,10 +296,15 @@ def precompile(run_dir: Path, launch: dict, wanted: int, cpus: list[int], stoppi
     write(events, ev.precompile_end(round(time.monotonic() - began, 3), failed))
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """`count` different free ports, one per precompile job's rendezvous: the probes stay open until
+    all are chosen (one probe closed before the next is opened can be given the same port again,
+    and the second job then fails with EADDRINUSE, as a CI run's smoke test met)."""
+    with contextlib.ExitStack() as stack:
+        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
 
 
 def _job_start(cpu: int | None) -> None:
