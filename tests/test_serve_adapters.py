@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file
 from test_openai_api import KEY, QA, ROOT, client, free_port, question
 
 
-def blank_copy(runs_dir, lora: str) -> str:
-    """A copy of the LoRA run `lora` (its id + "-blank") whose adapter's B matrices are zero: it
-    answers as its base model does."""
-    blank = f"{lora}-blank"
+def blank_copy(runs_dir, lora: str, suffix: str = "-blank") -> str:
+    """A copy of the LoRA run `lora` (its id + `suffix`: each test file its own, as a worker's runs
+    folder is shared) whose adapter's B matrices are zero: it answers as its base model does."""
+    blank = f"{lora}{suffix}"
     shutil.copytree(runs_dir / lora, runs_dir / blank)
     weights = runs_dir / blank / "output" / "adapter_model.safetensors"
     tensors = load_file(weights)
@@ -85,11 +85,11 @@ def test_runs_that_cannot_share_a_base_are_refused_before_loading(two_adapters, 
     assert proc.returncode == 2 and says in err and "Traceback" not in err, err
 
 
-def dora_copy(runs_dir, lora: str) -> str:
-    """A copy of the LoRA run `lora` (its id + "-dora") whose adapter says use_dora: PEFT loads it as
+def dora_copy(runs_dir, lora: str, suffix: str = "-dora") -> str:
+    """A copy of the LoRA run `lora` (its id + `suffix`) whose adapter says use_dora: PEFT loads it as
     DoRA (its magnitudes, missing from the file, taken from the base weights), which the batched
     engine cannot gather per row."""
-    dora = f"{lora}-dora"
+    dora = f"{lora}{suffix}"
     shutil.copytree(runs_dir / lora, runs_dir / dora)
     config = runs_dir / dora / "output" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "use_dora": True}))

@@ -71,8 +71,9 @@ def test_the_plan_names_what_vllm_loads_and_refuses_what_it_cannot(trained_runs,
     folder = manager.runs_dir / ids["lora"] / "output"
     assert f"--enable-lora --max-loras 1 --max-lora-rank 16 --lora-modules {ids['lora']}={folder}" in lora.stdout
     mixed = serve(ids["lora"], ids["full"], "--plan", "--runs-dir", runs, "--engine", "vllm")
-    assert mixed.returncode == 2 and "a full run (or a model) is served by a `launch.py serve` of its own" in mixed.stderr
-    dora = dora_copy(manager.runs_dir, ids["lora"])
+    assert mixed.returncode == 2
+    assert "a full run (or a model) is served by a `launch.py serve` of its own" in mixed.stderr
+    dora = dora_copy(manager.runs_dir, ids["lora"], "-vllm-dora")
     refused = serve(dora, "--plan", "--runs-dir", runs, "--engine", "vllm")
     assert refused.returncode == 2 and f"run {dora} is a DoRA adapter, which vLLM does not serve" in refused.stderr
     auto = serve(dora, "--plan", "--runs-dir", runs)  # then the studio's engine serves it, and says why
@@ -84,7 +85,7 @@ def test_the_plan_names_what_vllm_loads_and_refuses_what_it_cannot(trained_runs,
 @needs_vllm
 def test_lora_runs_through_vllm_answer_as_trained_and_a_stop_leaves_nothing(trained_runs, tmp_path):
     manager, ids = trained_runs
-    blank = blank_copy(manager.runs_dir, ids["lora"])
+    blank = blank_copy(manager.runs_dir, ids["lora"], "-vllm-blank")
     key = tmp_path / "key"
     key.write_text(KEY)
     key.chmod(0o600)
