@@ -206,6 +206,15 @@ def read_response(connection: socket.socket) -> tuple[str, bytes]:
     return head.decode(), body
 
 
+def ask_refused(server, text: str, refused: list) -> None:
+    """Ask with `text` as the message; the refusal (an APIStatusError) goes to `refused`."""
+    try:
+        api(server).chat.completions.create(model=BUILTIN_MODEL, messages=[{"role": "user", "content": text}],
+                                            max_tokens=16)
+    except openai.APIStatusError as error:
+        refused.append(error)
+
+
 def test_a_20_mb_message_gets_its_413_and_stalls_no_one(server):
     """The issue's case, through the openai client: the huge message is refused with the limit and
     what to change, and each normal request sent meanwhile is answered before the server could even
@@ -214,11 +223,7 @@ def test_a_20_mb_message_gets_its_413_and_stalls_no_one(server):
     refused = []
 
     def send_huge():
-        try:
-            api(server).chat.completions.create(model=BUILTIN_MODEL, messages=[{"role": "user", "content": huge}],
-                                                max_tokens=16)
-        except openai.APIStatusError as error:
-            refused.append(error)
+        ask_refused(server, huge, refused)
 
     sending = threading.Thread(target=send_huge)
     sending.start()
@@ -238,11 +243,7 @@ def test_ten_1_mb_messages_are_refused_as_too_long_before_reaching_the_chat_proc
     refused = []
 
     def send_huge():
-        try:
-            api(server).chat.completions.create(model=BUILTIN_MODEL, messages=[{"role": "user", "content": huge}],
-                                                max_tokens=16)
-        except openai.APIStatusError as error:
-            refused.append(error)
+        ask_refused(server, huge, refused)
 
     senders = [threading.Thread(target=send_huge) for _ in range(10)]
     for sender in senders:

@@ -136,13 +136,21 @@ def adapters_of(first: ChatTarget, others: list[ChatTarget], max_batch: int) -> 
     return {target.label: target.adapter for target in targets}
 
 
+def served(names: list[str], runs_dir: str | Path, max_batch: int) -> tuple[ChatTarget, dict[str, str]]:
+    """The first of the runs (or models) a server answers for, and {model name: adapter folder} of
+    its LoRA runs (adapters_of; {} for a full run or a model alone)."""
+    first = resolve(names[0], runs_dir)
+    others = [resolve(other, runs_dir) for other in names[1:]]
+    adapters = adapters_of(first, others, max_batch) if others else (
+        {first.label: first.adapter} if first.adapter else {})
+    return first, adapters
+
+
 def serve_plan(name: str, runs_dir: str | Path, backend: str, max_cache_len: int, max_batch: int,
                also: tuple[str, ...] = (), compiled: bool = False) -> EnginePlan:
     """How `launch.py serve` would answer for these runs (serve/batching.py's plan), read from their
     folders, nothing loaded; the loaded model's own check decides at start."""
-    first = resolve(name, runs_dir)
-    adapters = adapters_of(first, [resolve(other, runs_dir) for other in also], max_batch) if also else (
-        {first.label: first.adapter} if first.adapter else {})
+    _, adapters = served([name, *also], runs_dir, max_batch)
     return engine_plan(backend, max_batch, max_cache_len, compiled, config_problem(list(adapters.values())))
 
 

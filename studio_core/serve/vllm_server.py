@@ -52,7 +52,7 @@ from studio_core.machine.cores import parse_cores
 from studio_core.machine.device_env import device_env
 from studio_core.machine.procs import die_with_parent, kill_run_processes
 from studio_core.rundir.folder import OUTPUT_INFO, file_safe
-from studio_core.serve.chat import ChatError, ChatTarget, adapters_of, resolve, template_kwargs
+from studio_core.serve.chat import ChatError, ChatTarget, served, template_kwargs
 from studio_core.serve.vllm_env import SETUP_HINT, VllmEnv, configured_python, find
 
 START_TIMEOUT_S = 900  # a first start on Neuron compiles every bucket
@@ -79,10 +79,7 @@ class VllmPlan:
 
 def plan(names: list[str], runs_dir: str | Path, max_batch: int) -> VllmPlan:
     """The plan for serving `names` (runs or a model) with vLLM; ChatError saying what to change."""
-    first = resolve(names[0], runs_dir)
-    others = [resolve(other, runs_dir) for other in names[1:]]
-    adapters = adapters_of(first, others, max_batch) if others else (
-        {first.label: first.adapter} if first.adapter else {})
+    first, adapters = served(names, runs_dir, max_batch)
     config = _read_json(Path(first.model) / "config.json")
     kwargs = _template_kwargs(first.tokenizer)
     if not adapters:
