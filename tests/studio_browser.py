@@ -211,6 +211,18 @@ def check_dataset_in_page(page, path: Path):
     return page.locator("#data-report")
 
 
+def record_texts(page, selector: str) -> None:
+    """From now on, every text the element at `selector` shows is kept (texts_shown reads them): a
+    message shown for less than Playwright's polling interval is seen too."""
+    page.evaluate("""sel => { const el = document.querySelector(sel); window.__shown = [el.innerText];
+        new MutationObserver(() => window.__shown.push(el.innerText))
+            .observe(el, {subtree: true, childList: true, characterData: true}); }""", selector)
+
+
+def texts_shown(page) -> list[str]:
+    return page.evaluate("() => window.__shown")
+
+
 def set_number(page, elem_id: str, value) -> None:
     box = page.locator(f"#{elem_id} input").first
     box.fill(str(value))

@@ -228,8 +228,8 @@ def test_the_memory_bar_shows_the_estimate_and_a_run_too_big_is_refused(page, ap
                            " return bar !== null && parseFloat(bar.dataset.fraction) > 1; }", timeout=30_000)
     message = page.locator("#train-message")
     expect(message).to_contain_text("device memory: the run needs about", timeout=30_000)
-    page.locator("#start").click()
-    message.get_by_text("Nothing was launched").wait_for()
+    page.locator("#start").click()  # Start's checks run first (seconds; a minute on a loaded machine)
+    message.get_by_text("Nothing was launched").wait_for(timeout=120_000)
     assert "It fits with any one of: per_device_train_batch_size: " in message.inner_text()
     assert app.new_runs() == []
 
