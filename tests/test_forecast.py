@@ -12,12 +12,14 @@ the CLI here (and through the page in test_browser_train.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from conftest import launch_py, run_folders
 from studio_core.training.forecast import forecast, forecast_in_subprocess
+from studio_core.machine.cache import cache_dir
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
 from studio_core.machine.procs import kill_run_processes
 from studio_core.rundir.events import read as read_events
@@ -113,6 +115,30 @@ def test_data_parallel_processes_share_the_batches():
 def test_grpo_is_not_forecast_and_says_why():
     with pytest.raises(SpecError, match="generates"):
         forecast_in_subprocess(recipe("tiny-grpo.yaml"), "cpu")
+
+
+def write_chats(path: Path, answers: list[int]) -> None:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "Say it."}, {
+        "role": "assistant", "content": "yes " * n}]}) + "\n" for n in answers))
+
+
+def test_a_forecast_is_remembered_while_what_it_read_stays(tmp_path):
+    """The child's answer is kept on disk (the next process's plan reads it), and the data
+    changed asks it again."""
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, [3, 9, 27] * 4)
+    spec = recipe("tiny-sft.yaml", f"dataset_name={data}", "max_steps=4")
+    kept = cache_dir() / "forecasts"
+    before = set(kept.glob("*.json"))
+    first = forecast_in_subprocess(spec, "cpu")
+    [entry] = set(kept.glob("*.json")) - before
+    assert len(first.lengths) == 12
+    tampered = json.loads(entry.read_text()) | {"steps": 999}
+    entry.write_text(json.dumps(tampered))
+    assert forecast_in_subprocess(spec, "cpu").steps == 999  # read from the disk, not walked again
+    write_chats(data, [3, 9, 27, 81] * 5)
+    again = forecast_in_subprocess(spec, "cpu")
+    assert again.steps != 999 and len(again.lengths) == 20
 
 
 def test_plan_without_the_forecast(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 from studio_core.machine.hardware import (INSTANCES, MAX_DEVICES_PER_PROCESS, cpu_hardware, detect_hardware,
                                    instance_hardware, parse_neuron_ls, studio_cpus)
 from studio_core.machine.layout import check_layout
+from studio_core.machine import hardware as hardware_module
 
 GIB = 2**30
 
@@ -209,3 +210,27 @@ def test_studio_cpu_cores_orders_and_limits_the_cpus(monkeypatch):
     monkeypatch.setenv("STUDIO_CPU_CORES", "two")
     with pytest.raises(ValueError, match="STUDIO_CPU_CORES='two': 'two'"):
         studio_cpus()
+
+
+def test_the_probe_answer_is_kept_for_the_boot_while_what_it_read_stays(fake_neuron, tmp_path, monkeypatch):
+    """The probe's child (it imports torch) runs once: a second detection reads its answer, and a
+    variable that hides devices asks it again."""
+    monkeypatch.setenv("STUDIO_CACHE_DIR", str(tmp_path / "cache"))
+    assert detect_hardware().devices == 4
+    fake = tmp_path / "site" / "torch_neuronx" / "__init__.py"
+    fake.write_text(fake.read_text().replace("device_count=lambda: 4", "device_count=lambda: 8"))
+    assert detect_hardware().devices == 4  # the kept answer: the child was not asked
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-7")
+    assert detect_hardware().devices == 8
+
+
+def test_a_machine_without_accelerators_is_the_cpu_without_a_probe(tmp_path, monkeypatch):
+    """No torch-neuronx and no GPU device files: the CPU, as the probe itself would answer."""
+    if importlib.util.find_spec("torch_neuronx") or any(Path("/dev").glob("nvidia[0-9]*")):
+        pytest.skip("this machine has torch-neuronx or a GPU")
+    monkeypatch.setenv("STUDIO_CACHE_DIR", str(tmp_path / "cache"))
+    assert detect_hardware().backend == "cpu"
+    assert not (tmp_path / "cache").exists()  # nothing probed, so nothing kept
+    done = subprocess.run([sys.executable, "-c", hardware_module._PROBE], capture_output=True, text=True, check=True)
+    probed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (probed["neuron"], probed["cuda"]) == (0, 0)

@@ -2,7 +2,9 @@
 
 A `Hardware` is plain data, so the planner can plan for a trn2.48xlarge on a laptop.
 Detection runs in a child process because answering "is there a NeuronCore?" means
-importing torch (and torch-neuronx), which the web app's process should not carry.
+importing torch (and torch-neuronx), which the web app's process should not carry; on a machine
+that has neither torch-neuronx nor a GPU's device files no child is needed, and elsewhere its
+answer is kept for the machine's boot (_probe).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+from studio_core.machine.cache import cache_dir
 from studio_core.machine.cores import parse_cores
 
 DEVICES = ("neuron", "cuda", "cpu")  # the kinds of machine the studio runs on; the one list of them
@@ -253,11 +257,7 @@ TORCH_XLA_PROBLEM = ("torch_xla is installed next to torch-neuronx: Accelerate (
 def detect_hardware(timeout: float = 120) -> Hardware:
     """Probe this machine: neuron (torch-neuronx and visible cores), else cuda, else cpu."""
     base = cpu_hardware()
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                          timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"hardware probe failed:\n{done.stderr[-2000:]}")
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _probe(timeout)
     if found["neuron"]:
         # torch-neuronx must be there to train; neuron-ls, when installed, tells chips and memory.
         problems = (TORCH_XLA_PROBLEM,) if found.get("torch_xla") else ()
@@ -275,6 +275,67 @@ def detect_hardware(timeout: float = 120) -> Hardware:
     if found["cuda"]:
         return Hardware("cuda", found["cuda"], base.cpu_count, vcpus=base.vcpus, host_memory_gib=base.host_memory_gib)
     return base
+
+
+# What the probe can find needs torch-neuronx installed or a GPU's device files (NVIDIA's
+# /dev/nvidia0..., ROCm's /dev/kfd, WSL's /dev/dxg): torch.cuda.is_available() is false without
+# them. With neither, the answer is the CPU and no child is started (it imports torch: a second or
+# more). Else the probe's answer is kept for this boot of the machine while the Python, its path,
+# the device files, the libraries' versions and the variables that hide devices stay the same.
+GPU_DEVICE_FILES = ("nvidia[0-9]*", "kfd", "dxg")
+VISIBILITY_ENV = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                  "ROCR_VISIBLE_DEVICES", "PYTHONPATH")
+
+
+def _probe(timeout: float) -> dict:
+    from importlib.machinery import PathFinder
+
+    child_path = [*filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)), *sys.path]
+    devices = sorted(str(p) for pattern in GPU_DEVICE_FILES for p in Path("/dev").glob(pattern))
+    torch_xla = PathFinder.find_spec("torch_xla", child_path) is not None
+    if PathFinder.find_spec("torch_neuronx", child_path) is None and not devices:
+        return {"neuron": 0, "cuda": 0, "torch_xla": torch_xla}
+    key = json.dumps([_boot_id(), sys.executable, devices, [os.environ.get(name) for name in VISIBILITY_ENV],
+                      [_version(name) for name in ("torch", "torch-neuronx", "torch-xla")]])
+    kept = cache_dir() / "hardware-probe.json"
+    remembered = _read_probe(kept)
+    if remembered.get("key") == key and isinstance(remembered.get("found"), dict):
+        return remembered["found"]
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"hardware probe failed:\n{done.stderr[-2000:]}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    if "error" not in found:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "found": found}), encoding="utf-8")
+        tmp.replace(kept)
+    return found
+
+
+def _read_probe(kept: Path) -> dict:
+    try:
+        remembered = json.loads(kept.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or damaged: probed again and written anew
+        return {}
+    return remembered if isinstance(remembered, dict) else {}
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip()
+    except OSError:  # not Linux: the probe's answer is kept for this process's parent's life only
+        return str(os.getppid())
+
+
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 # The EC2 instance metadata service (IMDSv2: a session token by PUT, then the GET), read with

@@ -16,7 +16,8 @@ The suggestions are settings walked the same way (pad_to_multiple_of buckets, le
 batches with buckets, max_length, packing), each with what it costs the data: the samples cut
 at max_length, a changed order (length grouping), samples cut across rows (packing).
 
-Runs in a child process (it imports TRL): `forecast_in_subprocess` for the app and the CLI.
+Runs in a child process (it imports TRL): `forecast_in_subprocess` for the app and the CLI,
+which remembers each forecast on disk while nothing it read changed (forecast_cache.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import tempfile
 from collections import Counter
 
 from studio_core.machine import children
+from studio_core.training import forecast_cache
 from studio_core.training import padding
 from studio_core.recipe import trainers
 from studio_core.recipe.spec import RunSpec, SpecError
@@ -123,15 +125,23 @@ def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) ->
         shown = ", ".join(t.name for t in trainers.TRAINERS.values() if t.forecast)
         raise SpecError([f"shape forecast: {trainer.name} is not forecast: {trainer.not_forecast}; {shown} runs "
                          "are"])
+    spec_yaml = spec.to_yaml()
+    digest = forecast_cache.key(spec_yaml, backend, spec.to_dict())
+    remembered = forecast_cache.load(digest) if digest else None
+    if remembered is not None:
+        return Forecast.from_dict(remembered)
     try:
-        request = json.dumps({"spec": spec.to_yaml(), "backend": backend})
+        request = json.dumps({"spec": spec_yaml, "backend": backend})
         done = children.run("studio_core.training.forecast", input=request, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:
         raise SpecError([f"shape forecast: did not finish within {timeout:g} s"]) from error
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-6:])
         raise SpecError([f"shape forecast failed: {tail}"])
-    return Forecast.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    if digest:
+        forecast_cache.save(digest, found)
+    return Forecast.from_dict(found)
 
 
 def forecast(spec: RunSpec, backend: str) -> Forecast:
