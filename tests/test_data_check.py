@@ -721,3 +721,32 @@ def test_the_pages_dataset_report_reads_as_sentences(tmp_path):
     report, _, _ = dataset_report(RunSpec(dataset_name=str(odd)))
     assert "**Detected:**" in report and "unknown, )" not in report and "()" not in report
     assert "\n\n**Does not fit this trainer:**" in report
+
+
+def test_the_tokenizer_pass_is_remembered_while_the_files_stay(tmp_path):
+    """The scan's part that needs Transformers is kept on disk for the next process; the data
+    changed, it is done again."""
+    from studio_core.data.builtin import ensure_tiny_model
+    from studio_core.machine.cache import cache_dir
+    from studio_core.recipe.data_scan import check_spec_file
+    from studio_core.recipe.spec import RunSpec
+
+    ensure_tiny_model()
+    data = tmp_path / "long.jsonl"
+
+    def write(answers):
+        data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "Say it."}, {
+            "role": "assistant", "content": "word " * n}]}) + "\n" for n in answers))
+
+    write([5, 5, 3000])
+    spec = RunSpec(dataset_name=str(data)).with_overrides(["max_length=64"])
+    kept = cache_dir() / "data-scans"
+    before = set(kept.glob("*.json"))
+    first = check_spec_file(spec, data)
+    assert list(first) == [] and "tokens" in " ".join(first.warnings)  # the long record, counted in tokens
+    [entry] = set(kept.glob("*.json")) - before
+    entry.write_text(json.dumps([["a problem kept on disk"], []]))
+    assert list(check_spec_file(spec, data)) == ["a problem kept on disk"]  # read, not done again
+    write([5, 5, 6])
+    again = check_spec_file(spec, data)
+    assert list(again) == [] and again.warnings == []

@@ -22,6 +22,7 @@ from functools import lru_cache
 
 from studio_core.data import sources
 from studio_core.data.builtin import BUILTIN_MODEL, TINY_MODEL_FOLDER
+from studio_core.data import remembered
 from studio_core.machine.cache import cache_dir
 from studio_core.recipe.data_check import DatasetKind, apply_column_map, detect
 from studio_core.data.files import read_rows, records
@@ -99,16 +100,34 @@ def check_spec_file(spec, path: Path, what: str = "dataset") -> Scan:
         scan.warnings = [what + w.removeprefix("dataset") for w in scan.warnings]
     if scan:
         return scan
+    # the tokenizer's part (Transformers' import alone takes a second or two) is kept on disk
+    # (not kept while the tokenizer is not here: the built-in model not yet built, a Hub model not downloaded)
+    digest = remembered.key("data-scans", [spec.to_yaml(), str(path), what],
+                            {"spec": spec.to_dict(), "path": str(path)}) \
+        if tokenizer_folder(str(spec.model_name_or_path)) is not None else None
+    kept = remembered.load(digest) if digest else None
+    if not (isinstance(kept, list) and len(kept) == 2):
+        kept = _tokenizer_pass(spec, path, what, scan)
+        if digest:
+            remembered.save(digest, kept)
+    scan.extend(kept[0])
+    scan.warnings += kept[1]
+    return scan
+
+
+def _tokenizer_pass(spec, path: Path, what: str, scan: Scan) -> list[list[str]]:
+    """[the problems, the warnings] that the model's tokenizer finds (check_spec_file)."""
+    problems, warnings = [], []
     limit = max_length(spec)
     tokenizer = local_tokenizer(str(spec.model_name_or_path))
     template = _template(spec.args)
     if tokenizer is not None and template is not False:
-        scan.extend(render_problems(scan.first, tokenizer, template, spec.args, f"{what}: {path}"))
+        problems = render_problems(scan.first, tokenizer, template, spec.args, f"{what}: {path}")
     if limit:
         count = _counter(tokenizer, limit, template, spec.args) if tokenizer is not None and template is not False \
             else None
-        scan.warnings += long_warnings(scan, f"{what}: {path}", limit, count)
-    return scan
+        warnings = long_warnings(scan, f"{what}: {path}", limit, count)
+    return [problems, warnings]
 
 
 def max_length(spec) -> int | None:
@@ -296,10 +315,9 @@ def _order_text(what: str, case: str, count: int, places: list[str], detail: str
 
 # --- the model's tokenizer ---------------------------------------------------------------------
 
-def local_tokenizer(model: str):
-    """The model's tokenizer when its files are on this machine (a folder, the Hub cache, the
-    built-in model once built), else None. Its fast tokenizer (tokenizer.json) only: no conversion
-    of a slow one, no torch, no weights. Cached while its files are unchanged."""
+def tokenizer_folder(model: str) -> Path | None:
+    """The folder of the model's tokenizer when it is on this machine (a folder, the Hub cache,
+    the built-in model once built), else None."""
     if model == BUILTIN_MODEL:
         folder = cache_dir() / "models" / TINY_MODEL_FOLDER
     elif sources._looks_local(model):
@@ -309,7 +327,15 @@ def local_tokenizer(model: str):
 
         cached = try_to_load_from_cache(model, "tokenizer.json") if sources.HUB_ID.match(model) else None
         folder = Path(cached).parent if isinstance(cached, str) else None
-    if folder is None or not (folder / "tokenizer.json").is_file():
+    return folder if folder is not None and (folder / "tokenizer.json").is_file() else None
+
+
+def local_tokenizer(model: str):
+    """The model's tokenizer when its files are on this machine (tokenizer_folder), else None. Its
+    fast tokenizer (tokenizer.json) only: no conversion of a slow one, no torch, no weights.
+    Cached while its files are unchanged."""
+    folder = tokenizer_folder(model)
+    if folder is None:
         return None
     stamp = tuple((f.name, f.stat().st_mtime_ns) for f in sorted(folder.iterdir())
                   if f.name.startswith(("tokenizer", "special_tokens", "chat_template")))

@@ -17,7 +17,7 @@ batches with buckets, max_length, packing), each with what it costs the data: th
 at max_length, a changed order (length grouping), samples cut across rows (packing).
 
 Runs in a child process (it imports TRL): `forecast_in_subprocess` for the app and the CLI,
-which remembers each forecast on disk while nothing it read changed (forecast_cache.py).
+which remembers each forecast on disk while nothing it read changed (data/remembered.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import sys
 import tempfile
 from collections import Counter
 
+from studio_core.data import remembered
 from studio_core.machine import children
-from studio_core.training import forecast_cache
 from studio_core.training import padding
 from studio_core.recipe import trainers
 from studio_core.recipe.spec import RunSpec, SpecError
@@ -126,10 +126,10 @@ def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) ->
         raise SpecError([f"shape forecast: {trainer.name} is not forecast: {trainer.not_forecast}; {shown} runs "
                          "are"])
     spec_yaml = spec.to_yaml()
-    digest = forecast_cache.key(spec_yaml, backend, spec.to_dict())
-    remembered = forecast_cache.load(digest) if digest else None
-    if remembered is not None:
-        return Forecast.from_dict(remembered)
+    digest = remembered.key("forecasts", [spec_yaml, backend], spec.to_dict())
+    kept = remembered.load(digest) if digest else None
+    if kept is not None:
+        return Forecast.from_dict(kept)
     try:
         request = json.dumps({"spec": spec_yaml, "backend": backend})
         done = children.run("studio_core.training.forecast", input=request, capture_output=True, text=True, timeout=timeout)
@@ -140,7 +140,7 @@ def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) ->
         raise SpecError([f"shape forecast failed: {tail}"])
     found = json.loads(done.stdout.strip().splitlines()[-1])
     if digest:
-        forecast_cache.save(digest, found)
+        remembered.save(digest, found)
     return Forecast.from_dict(found)
 
 

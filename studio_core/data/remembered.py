@@ -1,14 +1,16 @@
-"""Shape forecasts remembered across processes.
+"""Answers remembered across processes while nothing they read has changed.
 
-A forecast walks the run's batches through TRL in a child process: seconds, most of them TRL's
-import. The same plan asked again (`launch.py plan` twice, the page's forecast after an edit
-undone, a test worker's next plan) gets the remembered answer while nothing the walk reads has
-changed. The key holds the spec, the backend, the versions of the libraries that shape the
-batches, the studio's own code that walks them (and that makes the built-in model and data), and the size
-and modification time of every local file or folder the spec names (the data, the model's
-tokenizer, a chat template). A Hub model or dataset counts by the revision its local Hugging Face
-cache points to; one not in that cache is not remembered (the walk downloads it, and what the Hub
-holds may change).
+The shape forecast (a child process that imports TRL: seconds) and the data scan's tokenizer
+pass (it imports Transformers: a second or two) answer the same for the same spec and files, and
+the same spec is asked again and again: `launch.py plan` twice, the page after an edit undone,
+Start after a plan, a test worker's next run. Each answer is kept under
+<cache>/<kind>/<key>.json. The key holds what the caller passes (the spec as YAML, the backend),
+the versions of the libraries that shape the answer, the studio's own code that computes it
+(training/, recipe/, data/: the built-in model and data are made there), and the size and
+modification time of every local file or folder the spec names (the data, the model's
+tokenizer, a chat template). A Hub model or dataset counts by the revision its local Hugging
+Face cache points to; one not in that cache is not remembered (the caller downloads it, and what
+the Hub holds may change).
 """
 
 from __future__ import annotations
@@ -19,43 +21,45 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from studio_core.data.sources import HUB_ID, _looks_local
 from studio_core.machine.cache import cache_dir
 
-KEPT = 200  # the newest forecasts kept; older ones are deleted as new ones are written
+KEPT = 200  # the newest answers of a kind kept; older ones are deleted as new ones are written
 LIBRARIES = ("trl", "transformers", "datasets", "tokenizers", "accelerate", "torch")
 STUDIO = Path(__file__).resolve().parent.parent  # studio_core/
-CODE = ("training", "recipe", "data")  # the walk, the spec and its trainers, the data and its built-ins
+CODE = ("training", "recipe", "data")  # the forecast's walk, the spec and its trainers, the data scan, the built-ins
 MAX_FILES = 2000  # a folder with more files than this is not remembered by (too slow to stamp)
 
 
 class NotStamped(Exception):
-    """Something the walk reads cannot be told unchanged from here: the forecast is not remembered."""
+    """Something the answer reads cannot be told unchanged from here: it is not remembered."""
 
 
-def key(spec_yaml: str, backend: str, spec: dict) -> str | None:
-    """The forecast's key, or None when it cannot be remembered. `spec`: the spec as a dict."""
+def key(kind: str, parts: list, named: dict) -> str | None:
+    """The key of a `kind` of answer (a folder name: "forecasts"), or None when it cannot be
+    remembered: `parts` (JSON), and every file or folder a string in `named` (a spec as a dict)
+    names, stamped."""
     try:
-        stamps = sorted({str(value): _stamp(value) for value in _strings(spec)}.items())
+        stamps = sorted({str(value): _stamp(value) for value in _strings(named)}.items())
     except NotStamped:
         return None
-    parts = [spec_yaml, backend, [_version(name) for name in LIBRARIES], _code_digest(), stamps]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+    whole = [kind, parts, [_version(name) for name in LIBRARIES], _code_digest(), stamps]
+    return f"{kind}/{hashlib.sha256(json.dumps(whole, default=str).encode()).hexdigest()}"
 
 
-def load(digest: str) -> dict | None:
+def load(digest: str):
+    """The answer kept under `digest` (key's), or None: none kept, or damaged (asked again)."""
     try:
         return json.loads(_path(digest).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):  # damaged or half written by hand: walked again, and written anew
+    except (OSError, ValueError):
         return None
 
 
-def save(digest: str, forecast: dict) -> None:
+def save(digest: str, answer) -> None:
     path = _path(digest)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(forecast), encoding="utf-8")
+    tmp.write_text(json.dumps(answer), encoding="utf-8")
     tmp.replace(path)
     kept = sorted(path.parent.glob("*.json"), key=_mtime, reverse=True)
     for old in kept[KEPT:]:
@@ -63,7 +67,7 @@ def save(digest: str, forecast: dict) -> None:
 
 
 def _path(digest: str) -> Path:
-    return cache_dir() / "forecasts" / f"{digest}.json"
+    return cache_dir() / f"{digest}.json"
 
 
 def _mtime(path: Path) -> float:
@@ -90,8 +94,6 @@ def _stamp(value: str):
     times, a Hub repository's cached revision; None for a value that names neither (a built-in
     model or dataset is made by the studio's code, which the key holds)."""
     from huggingface_hub import constants
-
-    from studio_core.data.sources import HUB_ID, _looks_local
 
     if value.startswith("builtin:"):
         return None
