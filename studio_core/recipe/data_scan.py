@@ -100,10 +100,13 @@ def check_spec_file(spec, path: Path, what: str = "dataset") -> Scan:
         scan.warnings = [what + w.removeprefix("dataset") for w in scan.warnings]
     if scan:
         return scan
-    # the tokenizer's part (Transformers' import alone takes a second or two) is kept on disk
+    # the tokenizer's part (Transformers' import alone takes a second or two) is kept on disk, by
+    # what it reads: the model, the file, the column map, max_length and the template's settings
     # (not kept while the tokenizer is not here: the built-in model not yet built, a Hub model not downloaded)
-    digest = remembered.key("data-scans", [spec.to_yaml(), str(path), what],
-                            {"spec": spec.to_dict(), "path": str(path)}) \
+    read = {key: spec.args.get(key) for key in ("dataset_text_field", "chat_template_path", "chat_template_kwargs")}
+    digest = remembered.key("data-scans", [str(path), what, spec.trainer, spec.column_map, spec.keep_columns,
+                                           max_length(spec), read], {"model": spec.model_name_or_path, **read,
+                                                                     "path": str(path)}) \
         if tokenizer_folder(str(spec.model_name_or_path)) is not None else None
     kept = remembered.load(digest) if digest else None
     if not (isinstance(kept, list) and len(kept) == 2):
