@@ -125,7 +125,7 @@ def run_studio(manager: RunManager, spec: RunSpec) -> dict:
     cost = next((e for e in events if e["type"] == "studio_cost"), None)
     running = next(e for e in events if e["type"] == "status" and e.get("state") == "running")
     torchrun_started = next((e["time"] for e in events if e["type"] == "log"
-                             and str(e.get("message", "")).startswith("torchrun started")), None)
+                             and str(e.get("message", "")).startswith(("torchrun started", "the worker started"))), None)
     finished = next(e for e in events if e["type"] == "status" and e.get("state") == "finished")
     if len(progress) < 2 or not final:
         raise BenchError(f"studio run {view.id}: {len(progress)} progress events, {len(final)} final metrics")

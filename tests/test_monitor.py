@@ -240,7 +240,7 @@ def test_a_real_run_writes_hardware_events(trained_runs):
     assert all("sources" not in s for s in samples[1:])
     assert all(s["rss_bytes"] > 0 and s["processes"] >= 1 for s in samples)
     assert max(s["cpu_percent"] for s in samples) > 10  # a rank trains: it uses CPU
-    assert max(s["processes"] for s in samples) >= 2  # torchrun and its rank
+    assert max(s["processes"] for s in samples) >= 1  # its one rank (a one-process run has no torchrun)
     assert all("neuron" not in s and "cuda_mem_bytes" not in s for s in samples)
 
     with gr.Blocks():

@@ -170,6 +170,22 @@ def test_a_killed_rank_fails_the_run_and_takes_the_rest_down(manager):
     assert wait_until_gone(procs.values()) == []
 
 
+def test_a_one_process_run_has_no_torchrun_and_its_killed_rank_is_named(manager):
+    """One process on this machine: the supervisor starts the worker itself, with torchrun's
+    variables for its one rank; killed, the run says which rank and how, as torchrun's runs do."""
+    view = manager.start(tiny(*LONG), cpu_hardware())
+    wait_until_training(manager, view.id)
+    procs = marked_processes(view.id)
+    commands = [" ".join(p.cmdline()) for p in procs.values()]
+    assert not any("torch.distributed.run" in c for c in commands), commands
+    rank0 = ranks(procs)["0"]
+    assert rank0.environ()["WORLD_SIZE"] == "1" and rank0.environ()["MASTER_PORT"]
+    rank0.send_signal(signal.SIGKILL)
+    view = manager.wait(view.id)
+    assert view.state == "failed" and view.error_text == "rank 0 was killed by SIGKILL"
+    assert wait_until_gone(procs.values()) == []
+
+
 # --- the app goes away, the run does not -------------------------------------------------
 START_ELSEWHERE = """
 import sys

@@ -1,5 +1,7 @@
 """The per-run supervisor: starts torchrun, waits for it, writes the run's final status. An
-entry point, never imported.
+entry point, never imported. (A run of one process on this machine starts its worker directly,
+with the variables torchrun would give its one rank: one_rank; "torchrun" below is then that
+worker, which keeps every promise said of torchrun here.)
 
     python -m studio_core.training.supervisor RUN_DIR
 Local backend: started detached (its own session) by studio_core.backends.local, with output
@@ -157,11 +159,16 @@ def main(run_dir: Path) -> int:
                 ended(run_dir, "stopped", None)
                 return 0
 
-    torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=run_dir, env=children.environment(launch["env"]),
+    env, direct = launch["env"], one_rank(argv) if node is None else None
+    if direct is not None:  # one process on this machine: torchrun's start (a second or more) saved
+        argv, env = direct, {**env, **ONE_RANK_ENV, "MASTER_PORT": str(_free_ports(1)[0])}
+    torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=run_dir, env=children.environment(env),
                                 pass_fds=lease.descriptors() if lease else (),
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     where = f" on node {node.name}" if node else ""
-    write(events, ev.log(f"torchrun started{where} (pid {torchrun.pid})"))
+    started = ("the worker started (one process: the environment torchrun gives its one rank, without "
+               "torchrun)" if direct else "torchrun started")
+    write(events, ev.log(f"{started}{where} (pid {torchrun.pid})"))
     monitor: RunMonitor | None = RunMonitor(device, cores, torchrun.pid)  # hardware events, every ~2 s
     if node is None or node.first:
         write(events, ev.log(monitor.describe()))
@@ -225,6 +232,8 @@ def main(run_dir: Path) -> int:
             write(events, ev.error(reason, traceback=tail[-4000:]))
             ended(run_dir, "failed", code, reason)
             return 0
+        if direct is not None and code < 0 and not cause:  # no torchrun to name the killed rank
+            cause = one_rank_killed(code)
         if cause and "killed" in cause:
             # A killed rank leaves only the others' knock-on errors ("connection reset"):
             # say what really happened, as the last error, which is the one shown.
@@ -330,6 +339,29 @@ def ended(run_dir: Path, state: str, code: int | None, reason: str | None = None
 
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?"
                         r"exitcode\s*:\s*(-?\d+)", re.S)
+
+
+# torchrun's variables for the one rank of a one-process run (as precompile's jobs get them);
+# MASTER_PORT is chosen free when it starts, for a process group of one (the run's ddp_backend).
+ONE_RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+                "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+
+
+def one_rank(argv: list[str]) -> list[str] | None:
+    """The command of a one-process run of this machine without torchrun: `python -m WORKER
+    RUN_DIR` from the plan's `python -m torch.distributed.run --standalone ... --nproc-per-node=1
+    -m WORKER RUN_DIR`; None for any other command (several processes, a cluster's node). The
+    worker is this supervisor's child then: it dies with it (its own parent-death signal), gets
+    the stop's SIGTERM directly, and holds the lease's copies as torchrun did."""
+    if argv[1:3] != ["-m", "torch.distributed.run"] or "--standalone" not in argv \
+            or "--nproc-per-node=1" not in argv or "-m" not in argv[3:]:
+        return None
+    return [argv[0], *argv[argv.index("-m", 3):]]
+
+
+def one_rank_killed(code: int) -> str:
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    return f"rank 0 was killed by {name}"
 
 
 def root_cause(log_text: str) -> str | None:
