@@ -17,6 +17,12 @@ from studio_core.runs import history
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView, format_loss, format_time
 
+# A legend label's characters at most: Vega cuts a longer label at 160 px with "…" (about 34 of an
+# id's characters), and the runs of one sweep (one recipe, started in the same second) share their
+# first 30 or more, so cut ids read the same. 24 characters of the legend's font fit in 160 px, even
+# wide ones (w, m).
+LEGEND_CHARS = 24
+
 
 def _views(manager: RunManager, run_ids: list[str] | None) -> tuple[list[RunView], list[str]]:
     """The runs still there, and the ids that are not (deleted since they were picked)."""
@@ -29,13 +35,28 @@ def _views(manager: RunManager, run_ids: list[str] | None) -> tuple[list[RunView
     return views, missing
 
 
+def legend_labels(run_ids: list[str]) -> dict[str, str]:
+    """Each run's label in the plot's legend, all different: its id, or for a longer one "…" and the
+    id's end (its name's end and the random part that tells it from the runs of the same second).
+    Runs whose ends are the same are numbered as the table under the plot lists them."""
+    def end(run_id: str, room: int) -> str:
+        return run_id if len(run_id) <= room else "…" + run_id[len(run_id) - room + 1:]
+
+    labels = [end(run_id, LEGEND_CHARS) for run_id in run_ids]
+    if len(set(labels)) < len(labels):
+        labels = [f"{n} {end(run_id, LEGEND_CHARS - len(str(n)) - 1)}" for n, run_id in enumerate(run_ids, 1)]
+    return dict(zip(run_ids, labels))
+
+
 def curves(views: list[RunView], metric: str | None) -> tuple[gr.LinePlot, str]:
     """The overlaid plot (hidden while there is nothing to overlay), and a table of each run's
     last value of the metric."""
     rows = history.metric_curves(views, metric) if metric and len(views) >= 2 else []
     if not rows:  # hidden, not emptied: Gradio 6's plot draws no lines for data that follows an empty frame
         return gr.LinePlot(value=None, visible=False), ""
-    frame = pd.DataFrame(rows, columns=["run", "step", "value"]).astype({"run": str, "step": float, "value": float})
+    labels = legend_labels([view.id for view in views])
+    frame = pd.DataFrame([{**row, "run": labels[row["run"]]} for row in rows], columns=["run", "step", "value"]
+                         ).astype({"run": str, "step": float, "value": float})
     lines = [f"| run | last {metric} | at step |", "|---|---|---|"]
     for view in views:
         points = [r for r in rows if r["run"] == view.id]

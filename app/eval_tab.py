@@ -97,6 +97,14 @@ def about(summary: dict) -> str:
     return "  \n".join(lines)
 
 
+def answered_text(rows: int, sides: list[str], done: int) -> str:
+    """How far an evaluation of `rows` rows is after `done` answers, in rows per model: each model
+    (`sides`, in the order they answer) answers every row, one after the other; a count of answers
+    ("12 of 12" for a limit of 6) read as a count of rows."""
+    counts = [min(max(done - n * rows, 0), rows) for n in range(len(sides))]
+    return "Rows answered: " + ", ".join(f"{side} model {count} of {rows}" for side, count in zip(sides, counts))
+
+
 def prompt_text(prompt) -> str:
     """A prompt as the table shows it: its last user message."""
     if isinstance(prompt, str):
@@ -321,15 +329,16 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> None:
         running.put(session, process)
         line = f"Loading the tuned model (and its base) on {hardware.backend} core {format_cores(process.cores)} ..."
         yield {message: "", progress: line, **going(True)}
-        skipped = ""
+        skipped, rows, sides = "", 0, []
         try:
             for event in process.events():
                 if event["type"] == "loaded":
+                    rows, sides = event["rows"], event["sides"]
                     skipped = f"; {event['skipped']} prompts too long, skipped" if event.get("skipped") else ""
-                    line = f"0 of {event['rows'] * len(event['sides'])} answers{skipped}"
+                    line = answered_text(rows, sides, 0) + skipped
                     yield {progress: line}
                 elif event["type"] == "progress":
-                    line = f"{event['done']} of {event['total']} answers ({event['side']}){skipped}"
+                    line = answered_text(rows, sides, event["done"]) + skipped
                     yield {progress: line}
                 elif event["type"] == "done":
                     summary = {**event["summary"], "dir": event["dir"]}

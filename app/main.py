@@ -17,8 +17,13 @@ from studio_core.machine.hardware import Hardware, detect_hardware
 from studio_core.runs import queue
 from studio_core.runs.manager import RunManager
 
+# A table's column header wraps between its words, not inside one: Gradio's wrapped Dataframe let a word
+# break anywhere (a narrow column's "step" read "ste" over "p"). A column sized by its content is now as
+# wide as its header's longest word; one whose width the page fixes (the Runs table's, in a window
+# narrower than about 1200 px) breaks a longer word rather than hide its end.
 CSS = (".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace; font-size: 0.8em} "
-       ".field-help {font-size: 0.85em; color: var(--block-info-text-color)}")
+       ".field-help {font-size: 0.85em; color: var(--block-info-text-color)} "
+       "th span.header.text {word-break: normal; overflow-wrap: break-word}")
 # A log box follows its end as the run writes, and stays where the user scrolled up to read
 # (Gradio's own autoscroll left it at the top when its value was replaced by the timer). Each
 # box remembers whether it was at its end before new text came.

@@ -73,17 +73,20 @@ class RunControls:
                 self.resume: gr.update(interactive=resumable),
                 self.first: gr.update(visible=queued, interactive=queued and queue.place(view.dir)[0] > 1)}
 
-    def wire(self, manager: RunManager, hardware: Hardware, run_id: gr.Component, message: gr.Component):
+    def wire(self, manager: RunManager, hardware: Hardware, run_id: gr.Component, message: gr.Component,
+             queued_by: tuple = ()):
         """The buttons act on the run `run_id` names and say what they did in `message`; returns
-        Resume's event (a page that follows the run chains on it)."""
+        Resume's event (a page that follows the run chains on it). `queued_by`: the page's other
+        events that may queue the run `run_id` then names, saying so in `message` (the Train tab's Start)."""
         self.stop.click(lambda r: stop_run(manager, r), run_id, message)
         self.save.click(lambda r: stop_and_save(manager, r), run_id, message)
         self.first.click(lambda r: move_to_front(manager, r), run_id, message)
         resumed = self.resume.click(lambda r: resume_run(manager, hardware, r), run_id, message)
-        # a queued resume's message ("... queued to resume ... Stop cancels it") is looked at again
-        # until the run leaves the queue, and then says what became of it
+        # a queued run's message ("... Stop cancels it") is looked at again until the run leaves
+        # the queue, and then says what became of it
         waiting, waits_for = gr.Timer(QUEUED_LOOK_S, active=False), gr.State(None)
-        resumed.then(lambda r: waiting_for(manager, r), run_id, [waits_for, waiting], show_progress="hidden")
+        for queuing in (resumed, *queued_by):
+            queuing.then(lambda r: waiting_for(manager, r), run_id, [waits_for, waiting], show_progress="hidden")
         waiting.tick(lambda r, said: left_queue(manager, r, said), [waits_for, message], [message, waiting],
                      show_progress="hidden")
         return resumed
@@ -137,6 +140,13 @@ def resume_run(manager: RunManager, hardware: Hardware, run_id: str | None) -> s
     return resumed_text(view)
 
 
+def started_text(view: RunView, from_queue: bool = False) -> str:
+    """What Start says of the run it started (`from_queue`: once the run it queued has started)."""
+    where = view.where()
+    said = f"Run `{view.id}` left the queue and started" if from_queue else f"Started run `{view.id}`"
+    return said + (f" ({where})" if where else "") + ". It keeps going if you close this page."
+
+
 def resumed_text(view: RunView) -> str:
     loads = view.resumed_from()  # the checkpoint it loads, which its launch record names
     return f"Run `{view.id}` resumed from step {view.step}" + (f" ({loads.rstrip('/').rsplit('/', 1)[-1]})." if loads else ".")
@@ -150,15 +160,20 @@ def waiting_for(manager: RunManager, run_id: str | None) -> tuple:
 
 
 def left_queue(manager: RunManager, run_id: str | None, said: str | None) -> tuple:
-    """(the message, the timer) once the queued resume of `run_id` left the queue: what became of it
-    in place of "queued ... Stop cancels it" (a message since said of something else is kept)."""
+    """(the message, the timer) once the queued run `run_id` (a Start's or a Resume's) left the queue:
+    what became of it in place of "queued ... Stop cancels it" (a message since said of something else
+    is kept). A run whose events say it starts is starting, also while it reads as its last attempt
+    ended (its processes not there yet: a resumed run reads as stopped until then)."""
     view = manager.view_or_none(run_id) if run_id else None
     if view is not None and view.live_state == "queued":
         return gr.update(), gr.update()
     queued_text = bool(said) and f"`{run_id}`" in said and said.endswith(CANCELS)
     if view is None or not queued_text:
         return gr.update(), gr.Timer(active=False)
-    text = resumed_text(view) if view.active else f"Run `{run_id}` left the queue: it is {view.live_state}."
+    if view.active or view.state in ACTIVE_STATES:
+        text = resumed_text(view) if view.attempts > 1 else started_text(view, from_queue=True)
+    else:
+        text = f"Run `{run_id}` left the queue: it is {view.live_state}."
     return text, gr.Timer(active=False)
 
 

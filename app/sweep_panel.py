@@ -20,6 +20,10 @@ from studio_core.runs import sweep
 from studio_core.runs.manager import RunManager, RunNotFound
 from studio_core.runs.view import format_loss
 
+# How to write the Train tab's grid box (sweep.parse_grid's forms, as `launch.py sweep --grid` takes them)
+GRID_HELP = ("One key a line, a run for each combination: KEY=V1,V2,... e.g. learning_rate=1e-4,3e-4. Values that "
+             "hold commas go in a YAML (or JSON) list: KEY=[V1, V2] e.g. lora_target_modules=[[q_proj, v_proj], "
+             "[q_proj, k_proj, v_proj]]; a text with a comma quoted: KEY=[\"a,b\", c].")
 COLUMNS = ["#", "run", "state", "step", "loss", "eval_loss", "evaluation", "values", "why it did not finish"]
 
 

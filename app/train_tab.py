@@ -35,6 +35,7 @@ from studio_core.recipe.spec import SpecError
 LAYOUT_PROBLEMS = "**This layout cannot run here; change it:**"
 CORE_MAP_EVERY_S = 2.0  # the core map's redraw while the Layout box is open
 START, STARTING = "Start", "Starting: checking ..."  # the Start button, and its words while a start is checked
+SWEEP, SWEEPING = "Start sweep", "Starting sweep: checking ..."  # the same for Start sweep
 
 
 def problems_markdown(error: SpecError) -> str:
@@ -167,16 +168,16 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
             plan_of = gr.State(None)  # the form's values (by name) the plan shown was made from
             forecast_panel.build(form, manager, hardware)
             with gr.Accordion("Sweep: a run for each combination of values", open=False, elem_id="sweep-box"):
-                sweep_grid = gr.Textbox(label="Grid: one KEY=V1,V2,... a line (recipe keys, as --set writes them)",
-                                        lines=3, placeholder="learning_rate=1e-3,3e-3\nmax_steps=20,40",
-                                        elem_id="sweep-grid")
+                sweep_grid = gr.Textbox(label="Grid: a recipe key and its values a line (keys as --set writes them)",
+                                        info=sweep_panel.GRID_HELP, lines=3,
+                                        placeholder="learning_rate=1e-3,3e-3\nmax_steps=20,40", elem_id="sweep-grid")
                 with gr.Row():
                     sweep_parallel = gr.Number(0, label="At most this many runs at once (0: as many as the free "
                                                "cores allow)", precision=0, minimum=0, elem_id="sweep-parallel")
                     sweep_eval = gr.Checkbox(False, label=f"Evaluate each run when it ends (the tuned model against "
                                              f"its base, {sweep_eval_limit} rows); the table ranks by it",
                                              elem_id="sweep-eval")
-                sweep_btn = gr.Button("Start sweep", elem_id="sweep-start")
+                sweep_btn = gr.Button(SWEEP, elem_id="sweep-start")
             panel = run_panel.RunPanel(controls, details=False)
     panel.build_details()  # plots, hardware, log and applied settings: under the form, the page's full width
     inputs = form.components()
@@ -333,16 +334,15 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         except SpecError as error:
             yield problems_markdown(error), gr.update(), gr.update(), gr.update()
             return
-        where = view.where()
         if view.live_state == "queued":
-            yield (f"Queued run `{view.id}` ({where}). It starts when its cores are free; the Runs tab shows its "
-                   "place, Stop cancels it.", gr.update(visible=False), view.id, gr.update())
+            yield (f"Queued run `{view.id}` ({view.where()}). It starts when its cores are free; the Runs tab shows "
+                   f"its place, {run_panel.CANCELS}", gr.update(visible=False), view.id, gr.update())
             return
-        yield (f"Started run `{view.id}`" + (f" ({where})" if where else "") + ". It keeps going if you close "
-               "this page.", gr.update(visible=False), view.id, gr.update())
+        yield run_panel.started_text(view), gr.update(visible=False), view.id, gr.update()
 
     def on_sweep(values):
-        """Every run of the grid checked and planned, then started through the queue (a few seconds a run)."""
+        """Every run of the grid checked and planned, then started through the queue (a few seconds a
+        run). Start sweep is disabled meanwhile, saying so, as Start is; the event's `then` gives it back."""
         v = form.named(values)
         try:
             spec, target = spec_from_form(v), target_hardware(v, hardware)
@@ -350,13 +350,15 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
                 raise SpecError([f"{TARGET_LABELS['instance']}: {v['target']} is not this machine: a sweep runs "
                                  "here; plan for this machine"])
         except SpecError as error:
-            yield problems_markdown(error)
+            yield problems_markdown(error), gr.update()
             return
-        yield "Sweep: checking and planning every run of the grid, then starting them ..."
+        yield ("Sweep: checking and planning every run of the grid, then starting them ...",
+               gr.update(interactive=False, value=SWEEPING))
         yield sweep_panel.start_sweep(manager, spec, values[sweep_grid], target, parallel=values[sweep_parallel],
-                                      evaluate=values[sweep_eval])
+                                      evaluate=values[sweep_eval]), gr.update()
 
-    sweep_btn.click(on_sweep, inputs | {sweep_grid, sweep_parallel, sweep_eval}, message)
+    sweep_btn.click(on_sweep, inputs | {sweep_grid, sweep_parallel, sweep_eval}, [message, sweep_btn]).then(
+        lambda: gr.update(interactive=True, value=SWEEP), None, sweep_btn, show_progress="hidden")
     form.upload.upload(on_upload, form.upload, w["dataset"])
     # models downloaded since the page was built show up when the list is opened
     w["model"].focus(lambda: gr.update(choices=[BUILTIN_MODEL, *sources.cached_models()]), None, w["model"],
@@ -393,7 +395,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
     wire_core_map_timer(form, on_layout, message)
     start_event = start_btn.click(on_start, inputs, [message, plan_box, selected, start_btn])
     start_event.then(lambda: gr.update(interactive=True, value=START), None, start_btn, show_progress="hidden")
-    resume_event = controls.wire(manager, hardware, selected, message)
+    resume_event = controls.wire(manager, hardware, selected, message, queued_by=(start_event,))
     # a tick sends nothing unless the run's files changed or its clock moved a second (see
     # RunPanel.changes), so it may come often: a new event shows within about half a second
     timer = gr.Timer(run_panel.LOOK_EVERY_S)

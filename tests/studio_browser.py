@@ -227,3 +227,25 @@ def set_number(page, elem_id: str, value) -> None:
     box = page.locator(f"#{elem_id} input").first
     box.fill(str(value))
     box.press("Tab")
+
+
+def broken_header_words(table) -> list[str]:
+    """The words of a gr.Dataframe's (a locator's) column headers that are laid out on more than
+    one line (a word is what lies between spaces and after a hyphen: "ste|p" is one broken, a run
+    id wrapped after one of its hyphens is not)."""
+    return table.evaluate("""el => {
+        const broken = [];
+        for (const th of el.querySelectorAll('[role=columnheader]')) {
+            const walker = document.createTreeWalker(th, NodeFilter.SHOW_TEXT);
+            for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+                for (const word of node.data.matchAll(/[^\\s-]+-?/g)) {
+                    const range = document.createRange();
+                    range.setStart(node, word.index);
+                    range.setEnd(node, word.index + word[0].length);
+                    const lines = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+                    if (lines.size > 1) broken.push(word[0]);
+                }
+            }
+        }
+        return broken;
+    }""")

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
-from studio_browser import App, expect
+from studio_browser import App, broken_header_words, expect
 
 
 def full_run(app, sft_runs) -> str:
@@ -184,8 +184,9 @@ def test_evaluate_a_trained_run_against_its_base(page, app, sft_runs, tmp_path):
     # one evaluation of 4 rows on the run's own data, every metric that applies: progress, then the scores
     page.locator("#eval-limit input").fill("4")
     page.locator("#eval-start").click()
-    expect(progress).to_contain_text(re.compile(r"\d of 8 answers"), timeout=120_000)
-    expect(progress).to_contain_text("8 of 8 answers (base): done", timeout=120_000)
+    # counted in rows, each answered by both models (it said "8 of 8 answers (base)" for 4 rows)
+    expect(progress).to_contain_text(re.compile(r"Rows answered: tuned model \d of 4"), timeout=120_000)
+    expect(progress).to_contain_text("Rows answered: tuned model 4 of 4, base model 4 of 4: done", timeout=120_000)
     expect(page.locator("#eval-start")).to_be_enabled()
     expect(page.locator("#eval-stop")).to_be_disabled()
     expect(message).to_have_text("")
@@ -195,6 +196,8 @@ def test_evaluate_a_trained_run_against_its_base(page, app, sft_runs, tmp_path):
     expect(page.locator("#eval-info")).to_contain_text("distinct input shapes")
     rows = frame_cells(page.locator("#eval-rows"))
     assert len(rows) == 4 and all(row["prompt"] and row["reference"] for row in rows), rows
+    for table in ("#eval-summary", "#eval-rows"):  # a header wraps between its words, never inside one
+        assert broken_header_words(page.locator(table)) == [], table
     assert {"exact_match (base)", "exact_match (tuned)", "rouge_l (tuned)"} <= set(rows[0]), rows[0]
     page.locator("#eval-worse input").check()
     expect(page.locator("#eval-count")).to_contain_text("0 of 4 rows")

@@ -1,14 +1,17 @@
 """Runs in a real browser beyond the Train tab: the Runs tab compares two finished runs (curves
 overlaid, the settings that differ), clones one into the Train form and deletes one after one
-confirmation; its compile cache panel shows the cache, refuses to clear it while a real run goes
-and clears it once the run has stopped (what a real compile leaves in the cache is checked in
-test_compile_cache.py); a run survives the page closing and the app restarting, and a page of
-the new app follows it, stops and saves it, and after a reload resumes it from the Runs tab (its
-cores held first: the resume is queued, then cancelled, and the run is as it was).
+confirmation; a sweep's runs, whose ids begin the same, told apart in the compare plot's legend,
+and its tables' headers wrapped between words, never inside one; its compile cache panel shows the
+cache, refuses to clear it while a real run goes and clears it once the run has stopped (what a
+real compile leaves in the cache is checked in test_compile_cache.py); a run survives the page
+closing and the app restarting, and a page of the new app follows it, stops and saves it, and
+after a reload resumes it from the Runs tab (its cores held first: the resume is queued, then
+cancelled, and the run is as it was).
 
-The compared runs are the session's history_runs (conftest), copied into the app's runs folder.
-Chromium through Playwright, the app as its own process, one app for this file, with a compile
-cache of its own (tests/studio_browser.py); skipped, saying so, where Chromium is missing.
+The compared runs are the session's history_runs (conftest), copied into the app's runs folder, and
+a real sweep of two runs made in it. Chromium through Playwright, the app as its own process, one
+app for this file, with a compile cache of its own (tests/studio_browser.py); skipped, saying so,
+where Chromium is missing.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 import pytest
 
 from studio_browser import app, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
-from studio_browser import ROOT, App, expect, run_state, set_number
+from studio_browser import ROOT, App, broken_header_words, expect, run_state, set_number
 from studio_core.machine import leases
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
@@ -104,8 +107,8 @@ def test_compare_clone_and_delete_runs(new_page, app, history_runs, tmp_path):
     expect(last).to_contain_text(b, timeout=SLOW)
     plot = page.locator("#compare-plot")
     expect(plot.locator("svg").first).to_be_visible(timeout=SLOW)
-    expect(plot).to_contain_text(a, timeout=SLOW)  # the legend: one line per run
-    expect(plot).to_contain_text(b, timeout=SLOW)
+    expect(plot).to_contain_text(a[-20:], timeout=SLOW)  # the legend: one line per run, its id's end
+    expect(plot).to_contain_text(b[-20:], timeout=SLOW)
     diff = page.locator("#compare-diff")
     for setting in ("learning_rate", "max_grad_norm", "run_name"):
         expect(diff).to_contain_text(setting, timeout=SLOW)
@@ -140,6 +143,57 @@ def test_compare_clone_and_delete_runs(new_page, app, history_runs, tmp_path):
     assert not (app.runs_dir / a).exists() and (app.runs_dir / b).is_dir()
     expect(page.locator("#delete-run")).to_be_visible(timeout=SLOW)
     expect(page.locator("#runs-message")).to_contain_text("freed")  # still there once the table refreshed
+
+
+@pytest.fixture(scope="module")
+def sweep_of_two(app):
+    """A real sweep of two runs of the tiny model in the app's runs folder, finished: (its id, the runs'
+    ids). Their ids are long and, made in the same second, share their first 38 characters."""
+    from studio_core.runs import sweep
+
+    manager = RunManager(app.runs_dir)
+    spec = RunSpec.load(ROOT / "recipes" / "tiny-sft.yaml").with_overrides(["max_steps=4", "logging_steps=1"])
+    started = sweep.start(manager, spec, sweep.parse_grid(["learning_rate=1e-3,3e-3"]), cpu_hardware())
+    ids = [entry["id"] for entry in started.record["runs"]]
+    assert [manager.wait(run_id).live_state for run_id in ids] == ["finished", "finished"]
+    return started.id, ids
+
+
+def open_sweep(page, sweep_id: str) -> None:
+    """The Runs tab with the sweep picked in its Sweeps section (which puts its runs in Compare runs)."""
+    page.get_by_role("tab", name="Runs").click()
+    page.locator("#sweeps-box").get_by_text("Sweeps").first.click()
+    pick(page, "sweep-pick", sweep_id)
+    page.locator("#compare-box").get_by_text("Compare runs").first.click()
+
+
+def test_compare_tells_apart_runs_whose_ids_begin_the_same(page, sweep_of_two):
+    """Issue 47: the plot's legend cut both ids of a sweep's runs to the same 34 characters."""
+    sweep_id, ids = sweep_of_two
+    open_sweep(page, sweep_id)
+    labels = page.locator("#compare-plot .role-legend-label text")
+    expect(labels).to_have_count(2, timeout=SLOW)
+    shown = [label.text_content() for label in labels.all()]
+    # each label whole (Vega ends a label it cuts with "…"): the end of its own run's id
+    assert len(set(shown)) == 2 and all(text.startswith("…") and not text.endswith("…") for text in shown), shown
+    assert sorted(next(i for i, run_id in enumerate(ids) if run_id.endswith(text[1:])) for text in shown) == [0, 1]
+
+
+def test_table_headers_break_between_words_never_inside_one(page, sweep_of_two):
+    """Issue 47: a narrow column's header broke inside its word, "step" read "ste" over "p"."""
+    sweep_id, ids = sweep_of_two
+    open_sweep(page, sweep_id)
+    expect(page.locator("#sweep-table")).to_contain_text(ids[1], timeout=SLOW)
+    expect(page.locator("#compare-diff")).to_contain_text("learning_rate", timeout=SLOW)
+    expect(page.locator("#runs-table")).to_contain_text(ids[1], timeout=SLOW)
+    deadline = time.monotonic() + 10  # the tables size their columns once drawn
+    while True:
+        broken = {table: broken_header_words(page.locator(table))
+                  for table in ("#sweep-table", "#compare-diff", "#runs-table")}
+        if not any(broken.values()) or time.monotonic() > deadline:
+            break
+        page.wait_for_timeout(250)
+    assert not any(broken.values()), broken
 
 
 def test_a_run_survives_page_and_app_then_is_stopped_saved_and_resumed_from_the_page(new_page, runs_dir):

@@ -2,8 +2,9 @@
 before anything starts (a number said as typed, a Ray run without its address under the form's field),
 a plan and a forecast of other settings dropped, Start disabled while it checks, a failed run explained, a two-process layout with its core map and
 exported scripts, a Ray run planned and refused when its cluster does not answer, the memory bar
-and a run too big for it refused, cores others hold (a run queued for them, then cancelled), the
-learning rate's starting value, a sweep started from the page and ranked in the Runs tab, and the
+and a run too big for it refused, cores others hold (a run queued for them, then cancelled; a queued
+run's message once it has started), the learning rate's starting value, Start sweep disabled while
+it checks, a sweep started from the page and ranked in the Runs tab, and the
 shape forecast with a suggestion applied and a compiled run's compilations shown live.
 
 Chromium through Playwright, the app as its own process, one app for this file
@@ -19,7 +20,7 @@ import time
 import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
-from studio_browser import drawn_lines, expect, log_at_end, run_state, set_number
+from studio_browser import drawn_lines, expect, log_at_end, run_state, set_number, stop_runs
 
 # This file's app keeps its runs where a user's are by default (~/trn-studio/runs), outside the
 # temp folder: the exported scripts must still be offered for download.
@@ -153,6 +154,50 @@ def test_start_is_disabled_and_says_so_while_its_checks_run(page, app, tmp_path)
     assert app.new_runs() == []
 
 
+def test_start_sweep_is_disabled_and_says_so_while_its_checks_run(page, app):
+    """Issue 47: Start sweep pressed again while the first press was checking the grid was dropped
+    without a word (Start said so; Start sweep did not). The grid box says how to write values."""
+    page.get_by_text("Sweep: a run for each combination of values").click()
+    grid = page.locator("#sweep-grid")
+    expect(grid).to_contain_text("lora_target_modules=[[q_proj, v_proj], [q_proj, k_proj, v_proj]]")  # commas
+    grid.locator("textarea").fill("learning_rate=1e-3,-1")  # checked and planned, then refused
+    button = page.locator("#sweep-start")
+    # every state the button shows, however briefly: (disabled, its words)
+    button.evaluate("""b => { window.__states = [[b.disabled, b.innerText]];
+        new MutationObserver(() => window.__states.push([b.disabled, b.innerText]))
+            .observe(b, {attributes: true, subtree: true, childList: true, characterData: true}); }""")
+    button.click()
+    message = page.locator("#train-message")
+    expect(message).to_contain_text("Sweep not started", timeout=60_000)
+    expect(message).to_contain_text("learning_rate: must be above 0, got -1")
+    expect(button).to_be_enabled()  # given back, for the corrected grid
+    expect(button).to_have_text("Start sweep")
+    states = page.evaluate("() => window.__states")
+    assert [True, "Starting sweep: checking ..."] in states, states
+    assert app.new_runs() == []
+
+
+def test_a_queued_runs_message_says_it_started_once_it_leaves_the_queue(new_page, app):
+    """Issue 47: "Queued run X ... Stop cancels it." stayed after the run had started."""
+    from studio_core.machine import leases
+
+    app.mark()  # new_page does not: the runs of the tests before are not this test's
+    try:
+        with leases.acquire(app.runs_dir, "cpu", [0, 1], holder="chat-holding-both", kind="chat"):
+            page = new_page(app.url)
+            set_number(page, "max_steps", 3)
+            page.locator("#start").click()
+            message = page.locator("#train-message")
+            expect(message).to_contain_text("Queued run", timeout=60_000)
+            expect(message).to_contain_text("Stop cancels it.")
+            [view] = app.new_runs()
+        expect(message).to_contain_text(f"Run {view.id} left the queue and started", timeout=60_000)
+        expect(message).not_to_contain_text("Stop cancels it")
+        expect(message).not_to_contain_text("stopped")
+    finally:
+        stop_runs(app.runs_dir)
+
+
 def test_a_failed_run_shows_failed_its_exit_code_and_the_error(page, app, tmp_path):
     """A model folder whose config.json is fine (so it passes the checks) but whose weights are
     cut short: the worker fails loading it, and the page says so."""
@@ -278,6 +323,7 @@ def test_runs_whose_cores_are_busy_are_queued_from_the_page_moved_and_cancelled(
     from studio_core.runs import queue
     from studio_core.runs.manager import RunManager
 
+    app.mark()  # new_page does not: the runs of the tests before are not this test's
     with leases.acquire(app.runs_dir, "cpu", [0, 1], holder="chat-holding-both", kind="chat"):
         page = new_page(app.url)
         set_number(page, "max_steps", 3)

@@ -156,6 +156,19 @@ def test_a_loss_reads_the_same_in_the_status_line_the_runs_table_and_compare(tmp
     assert f"| `{RUN}` | 0 | 2 |" in last and f"| `{RUN[:-1]}d` | 5.756 | 2 |" in last
 
 
+@pytest.mark.fast
+def test_compares_legend_labels_fit_the_legend_and_are_all_different():
+    """Issue 47: Vega cut the ids of one sweep's runs to the same text (the browser test shows it drawn)."""
+    short, *sweep = ["tiny-sft-abc123", "20261206-103855-sft-builtin-tiny-qwen3-24ef7f",
+                     "20261206-103855-sft-builtin-tiny-qwen3-9a1b2c"]
+    assert compare.legend_labels([short, *sweep]) == {short: short, sweep[0]: "…iltin-tiny-qwen3-24ef7f",
+                                                      sweep[1]: "…iltin-tiny-qwen3-9a1b2c"}
+    same_end = [f"2026010{n}-120000-{'x' * 40}" for n in range(1, 4)]  # not the studio's ids: numbered
+    labels = compare.legend_labels(same_end)
+    assert list(labels.values()) == [f"{n} …{'x' * 21}" for n in range(1, 4)]
+    assert all(len(label) <= compare.LEGEND_CHARS for label in labels.values())
+
+
 # --- plots: none before data, sensible axes for one point --------------------------------------
 @pytest.mark.fast
 def test_plots_are_hidden_until_they_have_data_and_label_a_lone_point_briefly(tmp_path):

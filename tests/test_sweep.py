@@ -80,6 +80,21 @@ def test_values_that_hold_commas_are_given_as_a_yaml_list_each_run_getting_its_v
 
 
 @pytest.mark.fast
+def test_the_train_tabs_grid_box_says_how_to_write_values_in_forms_the_grid_reads():
+    """Issue 47: the box named only KEY=V1,V2; a value that holds commas was left to guess."""
+    from app.sweep_panel import GRID_HELP, parse_lines
+
+    examples = {"learning_rate=1e-4,3e-4": ["1e-4", "3e-4"],
+                "lora_target_modules=[[q_proj, v_proj], [q_proj, k_proj, v_proj]]": ["[q_proj, v_proj]",
+                                                                                     "[q_proj, k_proj, v_proj]"],
+                'KEY=["a,b", c]': ['"a,b"', "c"]}
+    for example, values in examples.items():
+        assert example in GRID_HELP, GRID_HELP
+        assert list(parse_lines(example).values()) == [values]
+    assert "YAML (or JSON) list" in GRID_HELP and "One key a line" in GRID_HELP
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("item, said", [
     ("lora_target_modules=[[q_proj, v_proj], [q_proj", "--grid lora_target_modules='[[q_proj, v_proj], [q_proj' is "
                                                        "not a YAML list"),
