@@ -18,6 +18,7 @@ import pytest
 
 from cli.main import main
 from conftest import RECIPES, run_folders
+from studio_core.data.builtin import ensure_tiny_model
 from studio_core.export.export import OUTPUT_INFO
 from studio_core.machine.hardware import CPU_CORES_ENV, studio_cpus
 from studio_core.rundir import events, folder
@@ -178,7 +179,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def places(tmp_path_factory):
-    """The placeholders of CASES: a runs folder with one finished run, and files a user gets wrong."""
+    """The placeholders of CASES: a runs folder with one finished run (its saved model the built-in
+    one's files), and files a user gets wrong."""
     t = tmp_path_factory.mktemp("cli-errors")
     (t / "afile").write_text("a file, not a folder\n")
     (t / "adir").mkdir()
@@ -188,7 +190,7 @@ def places(tmp_path_factory):
     (t / "prompts.jsonl").write_text('{"prompt": "What colour is the studio mascot?"}\n')  # no answer to compare
     (t / "empty.jsonl").write_text("")
     run_dir = t / "runs" / RUN
-    (run_dir / folder.OUTPUT).mkdir(parents=True)
+    shutil.copytree(ensure_tiny_model(), run_dir / folder.OUTPUT)
     RunSpec.load(RECIPES / "tiny-sft.yaml").save(run_dir / folder.SPEC)
     events.append(run_dir / folder.EVENTS, events.status("finished", exit_code=0))
     folder.write_json(run_dir / folder.OUTPUT / OUTPUT_INFO, {"kind": "full", "trainer": "sft", "base_model":

@@ -119,6 +119,17 @@ def test_an_events_file_that_lost_its_beginning_is_damage_and_the_start_time_sta
 
 
 @pytest.mark.fast
+def test_a_run_file_that_cannot_be_read_is_damage_not_a_traceback(tmp_path, capsys):
+    """One folder.read_json reads every JSON file of a run, and vLLM's plan the models' configs: a
+    file that cannot be read (here a folder where launch.json should be) reads as none."""
+    runs = tmp_path / "runs"
+    (make_run(runs) / folder.LAUNCH).mkdir()
+    assert "launch.json cannot be read: how it was launched is unknown" in RunManager(runs).view(RUN).damage()
+    code, out, err = cli(["runs", "--runs-dir", str(runs)], capsys)
+    assert code == 0 and "damaged: launch.json cannot be read" in out and "Traceback" not in out + err, err
+
+
+@pytest.mark.fast
 def test_a_whole_events_file_is_no_damage(tmp_path):
     runs = tmp_path / "runs"
     make_run(runs, launch={"created": time.time(), "backend": "local", "cores": [0]})

@@ -206,3 +206,26 @@ def test_a_config_check_child_that_cannot_answer_is_replaced(monkeypatch, tmp_pa
     finally:
         mute.kill()
         mute.wait()
+
+
+@pytest.mark.fast
+def test_a_config_check_child_that_ends_idle_is_reaped(monkeypatch, tmp_path):
+    """The check child ends by itself once idle; it is reaped then, never left defunct under the
+    app for as long as the app lives."""
+    import time
+
+    import psutil
+
+    from studio_core.recipe import trl_schema
+
+    monkeypatch.setattr(trl_schema, "CHECK_IDLE_S", 1)
+    monkeypatch.setattr(trl_schema, "_checker", None)
+    monkeypatch.setattr(trl_schema, "_passed", set())
+    monkeypatch.setattr(trl_schema, "_passed_file", lambda key: tmp_path / "passed" / "check")
+    assert plan.trl_problems(SFT.with_overrides(["logging_steps=9"]), cpu_hardware()) == []
+    child = psutil.Process(trl_schema._checker.pid)
+    deadline = time.monotonic() + 60
+    while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.2)  # idle for a second: it ends
+    time.sleep(1)
+    assert not child.is_running(), "the idle check child was left defunct"

@@ -339,3 +339,85 @@ def test_export_of_an_adapter_whose_base_is_gone_is_refused_before_the_child(tmp
                                          f"load that base: {base}: it has a config.json but no weights")
     assert not (tmp_path / "export").exists()
 
+
+
+# --- a weight file cut off, a pickle, a run's own saved model (issue 47) ------------------------
+
+def cut_off(path: Path) -> None:
+    """The file's header and half of its tensors' bytes: a download or a copy cut off."""
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    path.write_bytes(data[:start + (len(data) - start) // 2])
+
+
+@pytest.mark.fast
+def test_a_safetensors_file_cut_off_after_its_header_is_named_incomplete(tmp_path):
+    folder = copied(tmp_path)
+    cut_off(folder / "model.safetensors")
+    message = only(sources.check_model(str(folder)))
+    assert f"{folder / 'model.safetensors'} is incomplete (its header says its tensors end at byte " in message
+    assert "download it again, or save the model again" in message
+
+
+def test_a_pytorch_model_bin_folder_passes_with_its_pickle_left_unloaded(saved, tmp_path):
+    """pytorch_model.bin has no header to read and is never loaded before launch (a pickle can run
+    code): it is checked for being there, not refused as weights lacking every tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder = copied(tmp_path, saved)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    assert sources.check_model(str(folder)) == []
+
+
+def run_folder(runs_dir: Path, run_id: str, spec: RunSpec, info: dict) -> Path:
+    """A finished run's folder as the studio reads it: its spec.yaml, and its output/ with the
+    saved model's studio_output.json."""
+    run_dir = runs_dir / run_id
+    (run_dir / "output").mkdir(parents=True)
+    spec.save(run_dir / "spec.yaml")
+    (run_dir / "output" / "studio_output.json").write_text(json.dumps({"trainer": "sft", "task": "text-generation",
+                                                                         **info}))
+    return run_dir
+
+
+def test_chat_eval_and_serve_refuse_a_run_whose_saved_model_was_cut_off(tmp_path):
+    runs_dir, run_id = tmp_path / "runs", "20260101-000000-tiny-sft-abcdef"
+    run_dir = run_folder(runs_dir, run_id, tiny(), {"kind": "full", "base_model": BUILTIN_MODEL})
+    shutil.copytree(ensure_tiny_model(), run_dir / "output", dirs_exist_ok=True)
+    cut_off(run_dir / "output" / "model.safetensors")
+    for argv in (["chat", run_id, "--prompt", "Hello"], ["eval", run_id, "--data", "builtin:qa"],
+                 ["serve", run_id, "--plan"]):
+        done = launch_py(*argv, "--runs-dir", str(runs_dir))
+        said = done.stdout + done.stderr
+        assert done.returncode != 0, (argv, said)
+        assert f"run {run_id}'s saved model in {run_dir / 'output'} cannot be loaded" in said, (argv, said)
+        assert f"{run_dir / 'output' / 'model.safetensors'} is incomplete" in said and "train the run again" in said
+        assert "Traceback" not in said
+    assert not (run_dir / "eval").exists()
+
+
+def test_chat_of_a_lora_run_checks_its_adapter_and_its_base(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from studio_core.serve.chat import ChatError, resolve
+
+    base = copied(tmp_path)
+    runs_dir, run_id = tmp_path / "runs", "20260101-000000-tiny-sft-lora-abcdef"
+    run_dir = run_folder(runs_dir, run_id, tiny(f"model_name_or_path={base}", "use_peft=true"),
+                         {"kind": "adapter", "base_model": str(base), "base_model_path": str(base)})
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules="all-linear"))
+    model.save_pretrained(run_dir / "output")
+    assert resolve(run_id, runs_dir).adapter == str(run_dir / "output")
+    cut_off(run_dir / "output" / "adapter_model.safetensors")
+    with pytest.raises(ChatError) as refused:
+        resolve(run_id, runs_dir)
+    assert f"{run_dir / 'output' / 'adapter_model.safetensors'} is incomplete" in str(refused.value)
+    model.save_pretrained(run_dir / "output")  # whole again; now its base loses its weights
+    (base / "model.safetensors").unlink()
+    with pytest.raises(ChatError) as refused:
+        resolve(run_id, runs_dir)
+    assert str(refused.value).startswith(f"run {run_id} is a LoRA adapter on {base}, which cannot be loaded: "
+                                         f"{base}: it has a config.json but no weights")

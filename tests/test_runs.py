@@ -90,8 +90,9 @@ def ranks(procs: dict[int, psutil.Process]) -> dict[str, psutil.Process]:
 
 
 def broken_model(folder: Path) -> Path:
-    """A copy of the tiny model whose weights file is cut short: the pre-launch check reads
-    only config.json, so validation passes, and loading the weights fails in the worker."""
+    """A copy of the tiny model whose first tensor has a type safetensors does not know: its
+    names, shapes and lengths are whole, so the pre-launch model check (which reads no tensor)
+    passes, and loading the weights fails in the worker."""
     import shutil
 
     from studio_core.data.builtin import ensure_tiny_model
@@ -99,7 +100,9 @@ def broken_model(folder: Path) -> Path:
     path = folder / "broken-model"
     shutil.copytree(ensure_tiny_model(), path)
     weights = path / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:4096])
+    data = weights.read_bytes()
+    assert b'"dtype":"F32"' in data[:4096]
+    weights.write_bytes(data.replace(b'"dtype":"F32"', b'"dtype":"Q32"', 1))  # the same length: offsets hold
     return path
 
 

@@ -4,15 +4,24 @@ Face cache, or (`config_only`) a Hub model's config.json fetched alone (sources.
 First here, with JSON only: config.json is an object of settings, its `architectures` a list
 naming a causal LM, no code of its own unless that is allowed, its sizes whole numbers above 0;
 the weight files are there (model.safetensors, or model.safetensors.index.json and every shard
-it names, or pytorch_model.bin) and each safetensors header reads. Then Transformers says the
+it names, or pytorch_model.bin), each safetensors header reads and each file is as long as its
+header says (a file cut off after its header is named incomplete). Then Transformers says the
 rest, in a child process (model_child.py), as Transformers and torch stay out of the web app's
 process: the config through AutoConfig (an architecture it knows), the weights' names and shapes
 against the model that config builds on the meta device (no tensor is read or made), the
 tokenizer through AutoTokenizer. A folder that passed is remembered in the studio's cache while
 its files, the check and Transformers' version stay the same, so each plan does not ask again.
 
-A model with its own code (auto_map, allowed by trust_remote_code) gets the JSON checks and the
-weight files only: its code is not run before launch. Each problem is a phrase that follows the model's name.
+Checked less, and said so here (a damage left unchecked fails when the model loads):
+- pytorch_model.bin (a pickle: never loaded before launch, as loading one can run code): only that
+  it is there; not its tensors, their names and shapes, nor the shards of pytorch_model.bin.index.json.
+- a quantized model (quantization_config): everything but the tensors' names and shapes (packed).
+- a model with its own code (auto_map, allowed by trust_remote_code): the JSON checks and the
+  weight files only; no AutoConfig, meta model or tokenizer, as its code is not run before launch.
+
+A run's saved model (`output_problems`, for chat, evaluation and serving of a run) is checked by
+its files only: the run wrote it with save_pretrained, Transformers took it then, and what can
+change since is its files. Each problem is a phrase that follows the model's name.
 """
 
 from __future__ import annotations
@@ -34,8 +43,10 @@ SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_val
 COUNTS = ("num_experts", "num_local_experts")
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's save_pretrained
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 SAVED_WHOLE = "give the whole folder save_pretrained wrote"
+REDO = "download it again, or save the model again"  # a weight file cut off
 CHECK_VERSION = 1  # bump when the checks change: a folder passed by older checks is checked again
 CHILD_TIMEOUT_S = 180  # importing torch and Transformers on a busy machine, then a meta model
 
@@ -123,19 +134,42 @@ def has_weights(folder: Path) -> bool:
     return any((folder / name).is_file() for name in (SAFETENSORS, SAFETENSORS_INDEX, *TORCH_WEIGHTS))
 
 
-def weight_file_problems(folder: Path) -> list[str]:
-    """Weight files there, every shard an index names there, each safetensors header readable."""
+def weight_file_problems(folder: Path, fix: str = REDO) -> list[str]:
+    """Weight files there, every shard an index names there, each safetensors file whole (header_problems)."""
     if not has_weights(folder):
         return [f"it has a config.json but no weights ({SAFETENSORS}, or {SAFETENSORS_INDEX} and its shards, or "
                 f"{TORCH_WEIGHTS[0]}); {SAVED_WHOLE}, or copy its weight files in"]
     files, problems = safetensors_files(folder)
+    return problems + header_problems(files, fix)
+
+
+def header_problems(files: list[Path], fix: str = REDO) -> list[str]:
+    """Each safetensors file's header readable, and the file as long as it says (no tensor read);
+    `fix`: what to do with a file cut off."""
+    problems = []
     for path in files:
         try:
             read_header(path)
+        except Incomplete as error:
+            problems.append(f"{path} is incomplete ({error}): its download or save was cut off; {fix}")
         except ValueError as error:
             problems.append(f"{path} is not a readable safetensors file ({error}); copy it again from where the "
                             "model was saved")
     return problems
+
+
+def output_problems(folder: Path, adapter: bool) -> list[str]:
+    """A run's saved model (a LoRA run's adapter) by its files: config.json, the weight files, each
+    safetensors file's header and length. The run wrote it with save_pretrained: Transformers'
+    side is not asked again."""
+    fix = "copy the run's output folder back whole, or train the run again"
+    if not adapter:
+        _, problems = read_config(folder / "config.json")
+        return problems or weight_file_problems(folder, fix)
+    found = [folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()]
+    if not found:
+        return [f"it has no adapter weights ({ADAPTER_WEIGHTS[0]}); {fix}"]
+    return header_problems([path for path in found if path.suffix == ".safetensors"], fix)
 
 
 def safetensors_files(folder: Path) -> tuple[list[Path], list[str]]:
@@ -160,9 +194,14 @@ def safetensors_files(folder: Path) -> tuple[list[Path], list[str]]:
     return [folder / name for name in shards], []
 
 
+class Incomplete(ValueError):
+    """A safetensors file shorter than its header says: the end of its tensors is missing."""
+
+
 def read_header(path: Path) -> dict[str, list[int]]:
     """{tensor name: shape} from a safetensors file's JSON header (its 8-byte length, then the JSON);
-    no tensor is read. ValueError says what is wrong."""
+    no tensor is read. ValueError says what is wrong; Incomplete when the file ends before the
+    tensors its header places (data_offsets) do."""
     with path.open("rb") as handle:
         start = handle.read(8)
         if len(start) < 8:
@@ -176,14 +215,22 @@ def read_header(path: Path) -> dict[str, list[int]]:
     header = json.loads(raw)  # JSONDecodeError and UnicodeDecodeError are ValueErrors
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
-    shapes = {}
+    shapes, end = {}, 0
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
             raise ValueError(f"its header gives tensor {name} no shape")
+        offsets = entry.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"its header gives tensor {name} no place in the file (data_offsets)")
         shapes[name] = shape
+        end = max(end, offsets[1])
+    length = path.stat().st_size
+    if 8 + size + end > length:
+        raise Incomplete(f"its header says its tensors end at byte {8 + size + end}, the file has {length} bytes")
     return shapes
 
 

@@ -6,9 +6,10 @@ starts it), so that Transformers and torch stay out of the web app's process:
 prints a JSON list of problems, each a phrase after the model's name ([]: Transformers takes it).
 The config through AutoConfig (an architecture this Transformers knows, its own validation of the
 fields, sizes whole numbers above 0 by Transformers' names); unless --config-only, the weights'
-names and shapes (the safetensors headers) against the model the config builds on the meta device,
-each name mapped as Transformers' loader maps it (its renamings, the base model's prefix), and
-the tokenizer through AutoTokenizer. No tensor is read or made; the tokenizer is loaded.
+names and shapes (the safetensors headers; not of pytorch_model.bin, nor of a quantized model)
+against the model the config builds on the meta device, each name mapped as Transformers' loader
+maps it (its renamings, the base model's prefix), and the tokenizer through AutoTokenizer. No
+tensor is read or made; the tokenizer is loaded.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def meta_model(config):
 
 def weight_problems(folder: Path, model) -> list[str]:
     """The saved tensors against the model's parameters: none missing, none of another shape.
-    Not for quantized weights (packed shapes) nor pytorch_model.bin (no header to read)."""
-    if getattr(model.config, "quantization_config", None):
-        return []
+    Not for quantized weights (packed shapes) nor pytorch_model.bin (a pickle, never loaded here:
+    it has no header to read)."""
     files, _ = safetensors_files(folder)  # model_check has said what is wrong with them
+    if getattr(model.config, "quantization_config", None) or not files:
+        return []
     saved = {name: (shape, path) for path in files for name, shape in read_header(path).items()}
     expected = {name: list(parameter.shape) for name, parameter in model.named_parameters()}  # tied ones once
     mapped = loaded_names(model, list(saved))

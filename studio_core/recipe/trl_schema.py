@@ -271,6 +271,8 @@ def _ask(requests: list[dict]) -> list:
                 _checker_log = tempfile.TemporaryFile()
                 _checker = subprocess.Popen([sys.executable, "-c", _CONFIG_CHECK, str(CHECK_IDLE_S)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_checker_log)
+                # reaped when it ends (idle, or killed with the terminal's Ctrl-C): never left defunct
+                threading.Thread(target=_checker.wait, name="reap-config-check", daemon=True).start()
             try:
                 _checker.stdin.write(line.encode())
                 _checker.stdin.flush()

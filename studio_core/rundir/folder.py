@@ -147,10 +147,10 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def read_json(path: Path) -> dict:
-    """The JSON object in the file; {} when it is missing or not one."""
+    """The JSON object in the file; {} when it is missing, cannot be read or is not one."""
     try:
         data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return {}
     return data if isinstance(data, dict) else {}
 

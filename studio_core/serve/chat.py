@@ -39,6 +39,7 @@ from studio_core.machine import children, leases
 from studio_core.serve.batching import BATCH_BUCKETS, SMALLEST_LENGTH, EnginePlan, engine_plan
 from studio_core.serve.row_adapters import config_problem
 from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.data import model_check
 from studio_core.data.sources import check_model
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.device_env import device_env, flags_problem
@@ -89,7 +90,7 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
                         f"runs folder (--runs-dir {outside.parent}), or its model folder {outside / folder.OUTPUT}")
     if folder.is_run_id(name) and folder.is_run(run_dir):
         try:
-            folder.read_spec(run_dir)  # a damaged run folder is named the way every command names it
+            spec = folder.read_spec(run_dir)  # a damaged run folder is named the way every command names it
         except folder.DamagedRun as error:
             raise ChatError(str(error)) from None
         output = run_dir / folder.OUTPUT
@@ -102,7 +103,15 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
                             "answers, so there is nothing to chat with; export it to use it")
         base = _model_path(info["base_model"])
         untrained = ("base",) if info["base_model"] == BUILTIN_MODEL else ()
-        if info["kind"] == "adapter":
+        problems = model_check.output_problems(output, adapter=info["kind"] == "adapter")
+        if problems:
+            raise ChatError(f"run {name}'s saved model in {output} cannot be loaded: {'; '.join(problems)}")
+        if info["kind"] == "adapter":  # and its base, checked as a run's model is before launch
+            problems = check_model(info["base_model"], bool(spec.get("trust_remote_code")))
+            if problems:
+                said = "; ".join(p.removeprefix("model_name_or_path: ") for p in problems)
+                raise ChatError(f"run {name} is a LoRA adapter on {info['base_model']}, which cannot be loaded: "
+                                f"{said}")
             return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base,
                               untrained=untrained)
         return ChatTarget(name, model=str(output), tokenizer=str(output), base=base, untrained=untrained)
@@ -235,11 +244,11 @@ class ChatProcess:
         compiles (`on_warmup` gets each {"done", "total"} as it comes; `compiled`: on the CPU too);
         `also`: more LoRA runs on the same base, each its own model name, their requests decoded
         in the same batches (each row its own adapter). `info["engine"]` says how it answers."""
-        target = resolve(name, runs_dir)
+        target, adapters = served([name, *also], runs_dir, max_batch)
         setup = {"target": asdict(target), "max_cache_len": max_cache_len, "kind": "chat", "max_batch": max_batch,
                  "compile": compiled}
         if also:
-            setup["adapters"] = adapters_of(target, [resolve(other, runs_dir) for other in also], max_batch)
+            setup["adapters"] = adapters
         proc, events, stderr_tail, _ = cls.spawn("studio_core.serve.chat_worker", setup, runs_dir, hardware, cores)
         try:
             first = events.get(timeout=LOAD_TIMEOUT_S)

@@ -51,7 +51,7 @@ from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.cores import parse_cores
 from studio_core.machine.device_env import device_env
 from studio_core.machine.procs import die_with_parent, kill_run_processes
-from studio_core.rundir.folder import OUTPUT_INFO, file_safe
+from studio_core.rundir.folder import OUTPUT_INFO, file_safe, read_json
 from studio_core.serve.chat import ChatError, ChatTarget, served, template_kwargs
 from studio_core.serve.vllm_env import SETUP_HINT, VllmEnv, configured_python, find
 
@@ -80,7 +80,7 @@ class VllmPlan:
 def plan(names: list[str], runs_dir: str | Path, max_batch: int) -> VllmPlan:
     """The plan for serving `names` (runs or a model) with vLLM; ChatError saying what to change."""
     first, adapters = served(names, runs_dir, max_batch)
-    config = _read_json(Path(first.model) / "config.json")
+    config = read_json(Path(first.model) / "config.json")
     kwargs = _template_kwargs(first.tokenizer)
     if not adapters:
         return VllmPlan(first.model, first.label, config=config, template_kwargs=kwargs)
@@ -113,7 +113,7 @@ def problem(serving: VllmPlan, env: VllmEnv, backend: str, max_cache_len: int | 
         return (f"the model takes at most {longest} tokens (max_position_embeddings); give --max-cache-len {longest} "
                 "or less")
     for run, folder in serving.adapters.items():
-        config = _read_json(Path(folder) / "adapter_config.json")
+        config = read_json(Path(folder) / "adapter_config.json")
         if config.get("use_dora"):
             return f"run {run} is a DoRA adapter, which vLLM does not serve"
         if config.get("modules_to_save"):
@@ -323,7 +323,7 @@ def _start_watched(argv: list[str], **popen) -> subprocess.Popen:
 
 def _base_name(target: ChatTarget) -> str:
     """The base model's name at /v1 beside the adapters: as the run names it (a Hub id, the built-in)."""
-    info = _read_json(Path(target.adapter) / OUTPUT_INFO)
+    info = read_json(Path(target.adapter) / OUTPUT_INFO)
     return str(info.get("base_model") or target.model)
 
 
@@ -339,17 +339,9 @@ def _template_kwargs(tokenizer_folder: str) -> dict:
 
 
 def _adapter_rank(folder: str) -> int:
-    config = _read_json(Path(folder) / "adapter_config.json")
+    config = read_json(Path(folder) / "adapter_config.json")
     ranks = [config.get("r") or 8, *(config.get("rank_pattern") or {}).values()]
     return max(int(r) for r in ranks)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _signal_group(pgid: int, sig: int) -> None:
