@@ -19,7 +19,6 @@ import re
 import socket
 from pathlib import Path
 
-import openai
 import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark, runs_dir  # noqa: F401 (fixtures)
@@ -67,6 +66,8 @@ def frame_cells(table) -> list[dict]:
 
 
 def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
+    import openai
+
     run_id = full_run(app, sft_runs)
     load_in_chat(page, run_id)
     expect(page.locator("#chat-status")).to_contain_text("The base model is untrained")  # the random built-in
@@ -231,6 +232,8 @@ def test_evaluate_a_trained_run_against_its_base(page, app, sft_runs, tmp_path):
 
 
 def test_the_chat_tab_serves_two_lora_runs_of_one_base_together(page, app, sft_runs):
+    import openai
+
     from test_serve_adapters import blank_copy
 
     sft_runs.copy_to(app.runs_dir, "lora")

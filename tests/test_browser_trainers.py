@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
-from app.run_panel import trainer_frame
 from studio_browser import drawn_lines, expect, record_texts, run_state, set_number, texts_shown
 from studio_core.recipe import trainers
 from test_trainers import STEPS, check_trained
@@ -20,6 +19,8 @@ from test_trainers import STEPS, check_trained
 @pytest.mark.parametrize(("trainer", "steps"), [(key, STEPS[key]) for key in trainers.TRAINERS if key != "sft"])
 def test_each_trainer_from_the_page(page, app, trainer, steps, tmp_path):
     """Also the full training of each (test_trainers trains their LoRA recipes), checked as there."""
+    from app.run_panel import trainer_frame
+
     entry = trainers.get(trainer)
     page.get_by_label(entry.label).check()
     expect(page.locator("#dataset input").first).to_have_value(entry.sample)

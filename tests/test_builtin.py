@@ -7,8 +7,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from datasets import load_dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from studio_core.data import builtin  # noqa: E402
 from studio_core.data.builtin import (  # noqa: E402
@@ -50,6 +48,8 @@ def test_default_root_under_cache_dir(monkeypatch, tmp_path):
 
 
 def test_folder_reloads_offline(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     assert (model_dir / "config.json").is_file()
     assert (model_dir / "model.safetensors").is_file()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -66,6 +66,8 @@ def test_folder_reloads_offline(model_dir):
 
 
 def test_special_tokens(model_dir):
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert tokenizer.eos_token == "<|im_end|>"
     assert tokenizer.pad_token == "<|endoftext|>"
@@ -82,6 +84,8 @@ def test_special_tokens(model_dir):
 
 
 def test_chat_template(model_dir):
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = tokenizer.apply_chat_template(SAMPLE, tokenize=False)
     assert text.startswith("<|im_start|>system\nYou are a friendly assistant.<|im_end|>\n")
@@ -108,6 +112,8 @@ def test_build_is_deterministic(model_dir, tmp_path):
 
 
 def test_losing_a_build_race_uses_the_winners_folder(monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path / "tiny-qwen3"
     real_build = builtin._build
 
@@ -122,6 +128,8 @@ def test_losing_a_build_race_uses_the_winners_folder(monkeypatch, tmp_path):
 
 
 def test_concurrent_builds_leave_one_complete_folder(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path / "tiny-qwen3"
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(ensure_tiny_model, [root, root]))
@@ -132,6 +140,8 @@ def test_concurrent_builds_leave_one_complete_folder(tmp_path):
 
 @pytest.mark.parametrize("name", builtin.CORPUS_DATASETS)  # the others: tests/test_data_check.py
 def test_datasets_load(name):
+    from datasets import load_dataset
+
     ds = load_dataset("json", data_files=str(BUILTIN_DATASETS[name]), split="train")
     assert "messages" in ds.column_names
     assert len(ds) >= 10

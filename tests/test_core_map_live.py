@@ -3,10 +3,8 @@ others" while another run held both cores; later both busy while one was free)."
 
 from __future__ import annotations
 
-import gradio as gr
 import pytest
 
-from app import train_tab
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.machine.leases import acquire
 from studio_core.runs.manager import RunManager
@@ -17,6 +15,9 @@ HOLDER = "20261129-120000-sft-aaaaaa"
 
 @pytest.fixture
 def tab(tmp_path):
+    import gradio as gr
+    from app import train_tab
+
     manager = RunManager(tmp_path / "runs")
     hardware = cpu_hardware()
     with gr.Blocks() as demo:
@@ -24,7 +25,9 @@ def tab(tmp_path):
     return demo, form, manager, hardware
 
 
-def handler(demo: gr.Blocks, name: str):
+def handler(demo, name: str):
+    import gradio as gr
+
     found = [f for f in demo.fns.values() if f.name == name]
     assert found, f"the tab has no {name}"
     return found[0]
@@ -42,6 +45,8 @@ def states(core_map: str) -> list[str]:
 
 
 def test_the_core_map_is_drawn_again_from_the_leases_taken_and_given_back_meanwhile(tab):
+    import gradio as gr
+
     demo, form, manager, hardware = tab
     free_map, _ = tick(demo, form, "")
     assert "0 held by others" in free_map and "busy" not in states(free_map)
@@ -58,6 +63,8 @@ def test_the_core_map_is_drawn_again_from_the_leases_taken_and_given_back_meanwh
 
 
 def test_the_map_is_drawn_again_on_a_timer_that_runs_while_the_layout_box_is_open(tab):
+    import gradio as gr
+
     demo, form, _, _ = tab
     timer_id = handler(demo, "on_core_tick").targets[0][0]
     timer = demo.blocks[timer_id]

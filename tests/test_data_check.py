@@ -9,8 +9,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from datasets import Dataset, load_dataset
-from trl.data_utils import is_conversational
 
 from studio_core.recipe import trainers
 from studio_core.data.builtin import BUILTIN_DATASETS
@@ -79,6 +77,8 @@ def test_detects_every_trl_type_in_both_formats(tmp_path, suffix, kind, fmt, rec
 
 @pytest.mark.parametrize(("kind", "fmt", "record"), CASES, ids=[f"{t}-{f}" for t, f, _ in CASES])
 def test_trl_is_conversational_agrees(kind, fmt, record):
+    from trl.data_utils import is_conversational
+
     assert is_conversational(record) == (detect([record]).format == "conversational")
 
 
@@ -222,6 +222,8 @@ ROWS = [{"prompt": "The studio mascot is", "completion": " teal."},
 @pytest.mark.parametrize("layout", ["data.jsonl", "data.json", "data.csv", "data.parquet", "pretty.json",
                                     "pretty.jsonl", "strings.json"])
 def test_reads_records_as_datasets_does(tmp_path, layout):
+    from datasets import load_dataset
+
     path = tmp_path / layout
     if layout.startswith("pretty"):  # objects one after another, each over several lines
         path.write_text("".join(json.dumps(r, indent=2) + "\n" for r in ROWS))
@@ -318,6 +320,8 @@ MAP_ROWS = [{"question": "q1", "answer": "a1", "id": 1}, {"question": "q2", "ans
     (None, [], MAP_ROWS),
 ])
 def test_column_map_matches_datasets(column_map, keep, expected):
+    from datasets import Dataset
+
     before = json.dumps(MAP_ROWS)
     assert apply_column_map(MAP_ROWS, column_map, keep) == expected
     assert json.dumps(MAP_ROWS) == before  # pure: the input rows are untouched
@@ -336,6 +340,8 @@ def test_column_map_matches_datasets(column_map, keep, expected):
     ({}, "id", "studio.keep_columns: must be a list of column names"),
 ])
 def test_bad_mappings(column_map, keep, message):
+    from datasets import Dataset
+
     assert any(message in p for p in check_mapping(["question", "answer", "id"], column_map, keep))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         apply_column_map(MAP_ROWS, column_map, keep)
@@ -410,6 +416,9 @@ def _qa_answers() -> set[str]:
 
 
 def test_preference_sample():
+    from datasets import load_dataset
+    from trl.data_utils import is_conversational
+
     dataset = load_dataset("json", data_files=str(DATA / "preference.jsonl"), split="train")
     assert 30 <= len(dataset) <= 60 and dataset.column_names == ["prompt", "chosen", "rejected"]
     found = detect(read_rows(DATA / "preference.jsonl"))
@@ -424,6 +433,9 @@ def test_preference_sample():
 
 
 def test_prompts_sample():
+    from datasets import load_dataset
+    from trl.data_utils import is_conversational
+
     dataset = load_dataset("json", data_files=str(DATA / "prompts.jsonl"), split="train")
     assert 30 <= len(dataset) <= 60 and dataset.column_names == ["prompt", "reference"]
     found = detect(read_rows(DATA / "prompts.jsonl"))

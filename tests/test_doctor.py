@@ -16,7 +16,6 @@ import shutil
 
 import pytest
 
-from app.train_tab import hardware_text
 from conftest import launch_py
 from hub_standin import HubStandIn
 from imds_standin import ImdsStandIn
@@ -104,6 +103,8 @@ def test_a_folder_that_cannot_be_written_fails(tmp_path):
 
 @pytest.mark.fast
 def test_torch_xla_next_to_torch_neuronx_fails_with_the_fix(tmp_path, monkeypatch):
+    from app.train_tab import hardware_text
+
     (tmp_path / "torch_xla").mkdir()
     (tmp_path / "torch_xla" / "__init__.py").write_text("")
     assert doctor.torch_xla("neuron").ok

@@ -16,10 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from huggingface_hub import ModelCard
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from child_env import with_child_environment
 from hub_standin import HubStandIn, point_hub_client_at
@@ -37,6 +35,8 @@ TOKEN, READ_ONLY, WRONG = "hf_alice_write_0123456789", "hf_alice_read_0123456789
 
 
 def answer(model, tokenizer, question: str) -> str:
+    import torch
+
     ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                         enable_thinking=False, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
@@ -89,6 +89,8 @@ def standin(monkeypatch):
 
 
 def test_full_and_merged_exports_load_and_answer_with_plain_transformers(exports):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     question, expected = QA[0][0]["content"], QA[0][1]["content"]
     for kind in ("full", "merged"):
         folder = exports[kind]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import gradio as gr
 import pytest
 
-from app import export_tab
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.runs.manager import RunManager
 
@@ -13,6 +11,9 @@ pytestmark = pytest.mark.fast
 
 
 def test_export_says_exporting_before_it_is_done(tmp_path):
+    import gradio as gr
+    from app import export_tab
+
     manager = RunManager(tmp_path / "runs")
     with gr.Blocks() as demo:
         export_tab.build(manager, cpu_hardware(), demo)

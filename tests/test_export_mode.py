@@ -8,7 +8,6 @@ import stat
 
 import pytest
 from safetensors.torch import save_file
-import torch
 
 from studio_core.export.export import same_mode
 
@@ -16,6 +15,8 @@ pytestmark = pytest.mark.fast
 
 
 def test_the_weights_get_the_mode_of_the_files_written_beside_them(tmp_path):
+    import torch
+
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     os.chmod(tmp_path / "model.safetensors", 0o600)  # as safetensors leaves it on some systems
     (tmp_path / "README.md").write_text("card")

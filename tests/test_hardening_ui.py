@@ -21,11 +21,9 @@ import sys
 import threading
 from pathlib import Path
 
-import gradio as gr
 import psutil
 import pytest
 
-from app import compare, doctor_tab, run_panel, runs_tab
 from hub_standin import HubStandIn
 from studio_core.doctor import doctor
 from studio_core.runs import history
@@ -78,6 +76,8 @@ COMPILED = [at(0, ev.status("starting")), at(1, ev.status("running", world_size=
 
 @pytest.mark.fast
 def test_the_compile_panel_says_what_it_counts_and_so_far_only_while_the_run_goes(tmp_path):
+    from app import run_panel
+
     run_dir = write_run(tmp_path / "runs", COMPILED)
     going(run_dir)
     view = RunManager(tmp_path / "runs").view(RUN)
@@ -110,6 +110,8 @@ FULL_END = {"loss": 0.1283, "mean_token_accuracy": 0.9659, "entropy": 0.471, "le
 
 @pytest.mark.fast
 def test_a_high_loss_beside_right_tokens_is_explained_on_the_run_page_and_beside_its_scores(tmp_path):
+    from app import run_panel, runs_tab
+
     runs = tmp_path / "runs"
     ended = [at(0, ev.status("starting")), at(1, ev.status("running", max_steps=300)),
              at(5, ev.metrics(300, 100.0, LORA_END)), at(6, ev.status("finished", exit_code=0))]
@@ -137,6 +139,8 @@ def test_a_high_loss_beside_right_tokens_is_explained_on_the_run_page_and_beside
 # --- one format for a loss --------------------------------------------------------------------
 @pytest.mark.fast
 def test_a_loss_reads_the_same_in_the_status_line_the_runs_table_and_compare(tmp_path):
+    from app import compare, run_panel, runs_tab
+
     from studio_core.runs.view import format_loss
 
     assert [format_loss(x) for x in (-0.0, 0.0, 5.75612, 0.12834, -1.5e-9, None)] == \
@@ -159,6 +163,8 @@ def test_a_loss_reads_the_same_in_the_status_line_the_runs_table_and_compare(tmp
 @pytest.mark.fast
 def test_compares_legend_labels_fit_the_legend_and_are_all_different():
     """Issue 47: Vega cut the ids of one sweep's runs to the same text (the browser test shows it drawn)."""
+    from app import compare
+
     short, *sweep = ["tiny-sft-abc123", "20261206-103855-sft-builtin-tiny-qwen3-24ef7f",
                      "20261206-103855-sft-builtin-tiny-qwen3-9a1b2c"]
     assert compare.legend_labels([short, *sweep]) == {short: short, sweep[0]: "…iltin-tiny-qwen3-24ef7f",
@@ -172,6 +178,9 @@ def test_compares_legend_labels_fit_the_legend_and_are_all_different():
 # --- plots: none before data, sensible axes for one point --------------------------------------
 @pytest.mark.fast
 def test_plots_are_hidden_until_they_have_data_and_label_a_lone_point_briefly(tmp_path):
+    import gradio as gr
+    from app import run_panel
+
     with gr.Blocks():
         panel = run_panel.RunPanel()
     manager = RunManager(tmp_path / "runs")
@@ -227,6 +236,8 @@ def _cli_hub_line(env: dict) -> str:
 def _tab_hub_row(env: dict, monkeypatch) -> tuple[doctor.Check, str]:
     """The hub check as the Doctor tab gets it, in this (the app's) process with the same
     environment: huggingface_hub read it at import, so its constants are set as it would have."""
+    from app import doctor_tab
+
     from huggingface_hub import constants
 
     for name, value in env.items():
@@ -239,6 +250,8 @@ def _tab_hub_row(env: dict, monkeypatch) -> tuple[doctor.Check, str]:
 
 @pytest.mark.fast
 def test_the_doctor_tab_and_the_cli_give_the_hub_the_same_verdict_in_the_same_environment(monkeypatch):
+    from app import doctor_tab
+
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotTheHub)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
@@ -269,6 +282,8 @@ def test_the_doctor_tab_and_the_cli_give_the_hub_the_same_verdict_in_the_same_en
 # --- element ids --------------------------------------------------------------------------------
 @pytest.mark.fast
 def test_every_element_id_in_the_page_is_unique(tmp_path):
+    import gradio as gr
+
     from app.main import build_app
 
     demo = build_app(tmp_path / "runs", cpu_hardware())

@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from studio_core.rundir.checkpoints import is_complete, is_disk_full, list_checkpoints, non_finite, remove_incomplete
 from studio_core.machine.hardware import cpu_hardware
@@ -58,6 +57,8 @@ def test_only_complete_checkpoints_are_listed_and_the_partial_ones_are_removed(t
 
 @pytest.mark.fast
 def test_a_full_disk_is_told_from_its_real_errors(tmp_path):
+    import torch
+
     with pytest.raises(OSError) as plain:  # the kernel's own ENOSPC
         with open("/dev/full", "wb") as full:
             full.write(b"x")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from app.train_form import form_values, report_choices, spec_from_form
 from studio_core.runs import history
 from studio_core.recipe import trainers
 from studio_core.machine.hardware import cpu_hardware
@@ -125,6 +124,8 @@ def assert_same_run(original: RunSpec, made: RunSpec) -> None:
 
 
 def test_clone_is_the_recipe_without_what_the_planner_added(runs):
+    from app.train_form import form_values, spec_from_form
+
     manager, specs, views = runs
     for name in ("sft-b", "dpo"):
         assert "use_cpu" in views[name].spec and "disable_tqdm" in views[name].spec  # added for this machine
@@ -137,6 +138,8 @@ def test_clone_is_the_recipe_without_what_the_planner_added(runs):
 @pytest.mark.fast
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
 def test_every_recipe_goes_through_the_train_form_unchanged(recipe):
+    from app.train_form import form_values, spec_from_form
+
     spec = RunSpec.load(RECIPES / recipe)
     values = form_values(spec)
     assert_same_run(spec, spec_from_form(values))
@@ -147,6 +150,8 @@ def test_every_recipe_goes_through_the_train_form_unchanged(recipe):
 @pytest.mark.fast
 def test_what_the_train_form_cannot_hold():
     # reward functions only exist for GRPO: another trainer's are dropped (validation refuses them anyway)
+    from app.train_form import form_values, spec_from_form
+
     sft = RunSpec.load(RECIPES / "tiny-sft.yaml").with_overrides(["rewards=[{name: length, target: 5}]"])
     assert spec_from_form(form_values(sft)).rewards == []
     # keep_columns is a comma-separated box: a column name with a comma becomes two names
@@ -159,6 +164,8 @@ def test_what_the_train_form_cannot_hold():
 
 @pytest.mark.fast
 def test_values_a_widget_cannot_hold_go_to_the_extra_box():
+    from app.train_form import form_values, spec_from_form
+
     spec = RunSpec.load(RECIPES / "tiny-dpo.yaml").with_overrides(
         ["save_strategy=epoch", "loss_type=[sigmoid, hinge]", "warmup_steps=0.1", "report_to=tensorboard"])
     values = form_values(spec, trackers=["none"])
@@ -175,6 +182,8 @@ def test_values_a_widget_cannot_hold_go_to_the_extra_box():
 
 @pytest.mark.fast
 def test_report_to_offers_what_is_installed_and_says_where_to_open_it(tmp_path):
+    from app.train_form import report_choices
+
     installed = [name for name in ("tensorboard", "trackio") if importlib.util.find_spec(name)]
     assert report_choices() == ["none", *installed] == ["none", "tensorboard", "trackio"]  # requirements.txt
     run = tmp_path / "run folder"  # a space, quoted in the commands

@@ -17,7 +17,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import psutil
 import pytest
 
@@ -121,7 +120,9 @@ def server(trained_runs, tmp_path_factory):
     assert KEY not in proc.stdout.read() + proc.stderr.read()  # never printed
 
 
-def client(server, key: str | None = KEY, **options) -> openai.OpenAI:
+def client(server, key: str | None = KEY, **options):
+    import openai
+
     return openai.OpenAI(base_url=server["url"], api_key=key, max_retries=0, **options)
 
 
@@ -261,6 +262,8 @@ def test_a_client_that_leaves_frees_its_row_at_once(server, endless):
 
 
 def test_a_burst_of_two_hundred_requests_is_answered_or_refused_and_memory_comes_back(server):
+    import openai
+
     worker = next(child for child in psutil.Process(server["proc"].pid).children(recursive=True)
                   if "studio_core.serve.chat_worker" in child.cmdline())
     api = client(server, timeout=300)
@@ -295,6 +298,8 @@ def test_a_burst_of_two_hundred_requests_is_answered_or_refused_and_memory_comes
     (dict(model="gpt-4o"), 404, "model_not_found", "is not served here"),
 ])
 def test_bad_requests_get_openai_errors_that_say_what_to_change(server, call, status, code, says):
+    import openai
+
     request = {"model": server["model"], "messages": question(0), **call}
     with pytest.raises(openai.APIStatusError) as raised:
         client(server).chat.completions.create(**request)

@@ -5,15 +5,16 @@ model, queued while a lease taken here holds both CPU cores."""
 
 from __future__ import annotations
 
-import gradio as gr
 
-from app import run_panel
 from studio_core.machine import leases
 from studio_core.machine.hardware import cpu_hardware
 from test_runs import tiny
 
 
 def test_a_queued_resume_says_it_resumed_once_it_leaves_the_queue(manager):
+    import gradio as gr
+    from app import run_panel
+
     hardware = cpu_hardware()
     run = manager.start(tiny("max_steps=6", "save_strategy=steps", "save_steps=6"), hardware)
     manager.stop_and_save(run.id)  # a checkpoint at step 1, then a stop
@@ -44,6 +45,8 @@ def test_a_queued_resume_says_it_resumed_once_it_leaves_the_queue(manager):
 
 
 def test_a_queued_runs_progress_says_queued_not_step_0_of_unknown(manager):
+    from app import run_panel
+
     hardware = cpu_hardware()
     with leases.acquire(manager.runs_dir, "cpu", [0, 1], holder="chat-holding-both", kind="chat"):
         view = manager.start(tiny("max_steps=3"), hardware, queue_if_busy=True)
@@ -61,6 +64,9 @@ def test_a_queued_resume_leaving_the_queue_is_never_said_to_be_stopped(manager):
     "left the queue: it is stopped" (the run reads as its last attempt ended until its supervisor
     is there). The queue runner's steps up to its submit, done here under its lock: the run's
     events say it resumes and starts, its place is gone, no process of it is there yet."""
+    import gradio as gr
+    from app import run_panel
+
     from studio_core.rundir import events, folder
     from studio_core.runs import queue
 
@@ -90,6 +96,9 @@ def test_a_queued_resume_leaving_the_queue_is_never_said_to_be_stopped(manager):
 
 def test_a_queued_start_says_it_started_once_it_leaves_the_queue(manager):
     """Start's "Queued run X ... Stop cancels it." becomes "left the queue and started", not a resume."""
+    import gradio as gr
+    from app import run_panel
+
     hardware = cpu_hardware()
     with gr.Blocks() as demo:
         run_id, message = gr.State(None), gr.Markdown("")

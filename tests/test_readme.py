@@ -31,8 +31,6 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
 
 from conftest import run_folders
 from hub_standin import HubStandIn
@@ -179,6 +177,9 @@ def after_train(s: Session, args: list[str], done: subprocess.CompletedProcess) 
 
 def finished_run(s: Session, run_id: str, done: subprocess.CompletedProcess, expected: RunSpec) -> None:
     """A followed run that finished: what `train` printed, and what its folder holds."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     view = s.manager.view(run_id)
     assert f"Run {run_id}: finished (exit code 0)" in done.stdout
     assert f"Model saved in {view.dir / 'output'}" in done.stdout

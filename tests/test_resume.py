@@ -13,7 +13,6 @@ import signal
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from cli.main import main as cli_main
@@ -42,6 +41,8 @@ def times(view) -> tuple:
 
 
 def test_stop_and_save_then_resume_matches_an_uninterrupted_run(manager):
+    import torch
+
     hardware = cpu_hardware()
     straight = manager.wait(manager.start(tiny(*SAVED), hardware).id)
     assert straight.live_state == "finished", straight.error_text

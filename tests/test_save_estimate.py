@@ -4,7 +4,6 @@ the save writes, so a small model's run is not stopped as "the disk is full" on 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from studio_core.data.builtin import ensure_tiny_model
 from studio_core.rundir import checkpoints
@@ -13,6 +12,8 @@ from studio_core.rundir.checkpoints import disk_full_text, save_bytes
 
 def small_model_and_optimizer():
     """About 1.8 MB of tensors: 154k float32 parameters and Adam's two states for each."""
+    import torch
+
     model = torch.nn.Linear(256, 600)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 256)).sum().backward()

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 from safetensors.torch import load_file, save_file
 
@@ -46,6 +45,8 @@ def serve(manager, *names: str, extra: tuple[str, ...] = ()) -> subprocess.Popen
 
 
 def test_two_lora_runs_on_one_base_are_two_models_decoded_together(two_adapters, tmp_path):
+    import openai
+
     manager, lora, blank, _ = two_adapters
     key = tmp_path / "key"
     key.write_text(KEY)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from app.chat_tab import lora_runs_beside
 from studio_core.export.export import OUTPUT_INFO
 from studio_core.rundir import folder
 from studio_core.runs.manager import RunManager
@@ -22,6 +21,8 @@ def saved(runs, run_id: str, kind: str, base: str = "builtin:tiny-qwen3") -> str
 
 
 def test_the_other_runs_are_the_lora_runs_of_the_loaded_runs_base(tmp_path):
+    from app.chat_tab import lora_runs_beside
+
     runs = tmp_path / "runs"
     loaded = saved(runs, "20250101-000000-lora-a-000001", "adapter")
     sibling = saved(runs, "20250101-000001-lora-b-000002", "adapter")

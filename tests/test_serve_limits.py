@@ -19,7 +19,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import openai
 import pytest
 
 from studio_core.data.builtin import BUILTIN_MODEL
@@ -138,7 +137,9 @@ def stats(server) -> dict:
     return json.load(urllib.request.urlopen(server["url"] + "/studio/stats", timeout=30))
 
 
-def api(server) -> openai.OpenAI:
+def api(server):
+    import openai
+
     return openai.OpenAI(base_url=server["url"], api_key="unused", max_retries=0, timeout=300)
 
 
@@ -208,6 +209,8 @@ def read_response(connection: socket.socket) -> tuple[str, bytes]:
 
 def ask_refused(server, text: str, refused: list) -> None:
     """Ask with `text` as the message; the refusal (an APIStatusError) goes to `refused`."""
+    import openai
+
     try:
         api(server).chat.completions.create(model=BUILTIN_MODEL, messages=[{"role": "user", "content": text}],
                                             max_tokens=16)

@@ -3,7 +3,6 @@ user's Slurm settings checked, a Slurm plan and its batch script, the form's Slu
 
 import pytest
 
-from app.train_form import form_values, spec_from_form
 from studio_core.backends.slurm.backend import batch_script, slurm_ending
 from studio_core.backends.slurm.options import SlurmOptions
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
@@ -104,6 +103,8 @@ def test_a_slurm_plan_names_no_core_sets_efa_on_trainium_and_submits_one_supervi
 
 
 def test_the_form_s_slurm_widgets_make_the_spec_and_back():
+    from app.train_form import form_values, spec_from_form
+
     spec = RunSpec.load("recipes/tiny-sft.yaml").with_overrides(["studio.run_on=slurm", "studio.nodes=2"])
     spec.layout.options = SlurmOptions(partition="trn", time="30", sbatch_args=["--comment=a b", "--qos=high"])
     values = form_values(spec, trackers=["none"])

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import gradio as gr
 import pytest
 
-from app import compare, run_panel
 from studio_core.runs.manager import RunManager
 
 pytestmark = pytest.mark.fast
 
 
 def test_every_step_axis_is_written_without_exponents(tmp_path):
+    import gradio as gr
+    from app import compare, run_panel
+
     with gr.Blocks() as demo:
         panel = run_panel.RunPanel()
         compare.build(RunManager(tmp_path / "runs"))

@@ -8,6 +8,7 @@ Read from the source with `ast`, so these checks need no import of the modules t
 
 import ast
 import re
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,11 @@ def imports(path: Path, known: set[str]) -> set[str]:
     return found
 
 
-GRAPH = {name: imports(path, set(modules())) - {name} for name, path in modules().items()}
+@lru_cache(maxsize=1)
+def graph() -> dict[str, set[str]]:
+    """Each module's project imports (made when a test first asks: not while the suite is collected)."""
+    known = modules()
+    return {name: imports(path, set(known)) - {name} for name, path in known.items()}
 
 
 def test_there_are_no_import_cycles():
@@ -69,7 +74,7 @@ def test_there_are_no_import_cycles():
 
     def visit(name: str, path: list[str]) -> None:
         state[name] = 1
-        for dependency in sorted(GRAPH[name]):
+        for dependency in sorted(graph()[name]):
             if state.get(dependency) == 1:
                 cycle = path[path.index(dependency):] + [dependency]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
@@ -77,7 +82,7 @@ def test_there_are_no_import_cycles():
                 visit(dependency, path + [dependency])
         state[name] = 2
 
-    for name in sorted(GRAPH):
+    for name in sorted(graph()):
         if name not in state:
             visit(name, [name])
 
@@ -86,10 +91,10 @@ def test_dependencies_point_one_way():
     for name, path in modules().items():
         text = path.read_text()
         if name.startswith("studio_core"):
-            assert not any(m.startswith(("app", "cli")) for m in GRAPH[name]), name
+            assert not any(m.startswith(("app", "cli")) for m in graph()[name]), name
             assert not re.search(r"^\s*(import|from) gradio", text, re.M), f"{name} imports gradio"
         if name.startswith("app"):
-            assert not any(m.startswith("cli") for m in GRAPH[name]), name
+            assert not any(m.startswith("cli") for m in graph()[name]), name
 
 
 # studio_core's folders, bottom to top: a module imports only from its own folder or from one
@@ -108,7 +113,7 @@ def test_studio_core_is_in_folders_and_none_imports_from_a_folder_above_its_own(
              and name.count(".") == 1 and name.split(".")[1] not in FOLDERS]
     assert loose == [], f"modules at studio_core's top level: put each in its folder {FOLDERS}"
     assert {folder_of(name) for name in modules() if folder_of(name)} == set(FOLDERS)
-    upward = [f"{name} -> {use}" for name, uses in GRAPH.items() if folder_of(name)
+    upward = [f"{name} -> {use}" for name, uses in graph().items() if folder_of(name)
               for use in uses if folder_of(use) and FOLDERS.index(folder_of(use)) > FOLDERS.index(folder_of(name))]
     assert upward == []
 
@@ -116,19 +121,19 @@ def test_studio_core_is_in_folders_and_none_imports_from_a_folder_above_its_own(
 def test_the_folder_order_check_sees_an_upward_import():
     """The check above reads what it should: rundir/ below recipe/ is kept, so the run folder names the spec's file
     without reading a spec (recipe.spec.load_spec reads it)."""
-    assert "studio_core.rundir.folder" in GRAPH["studio_core.recipe.spec"]
+    assert "studio_core.rundir.folder" in graph()["studio_core.recipe.spec"]
     assert FOLDERS.index(folder_of("studio_core.recipe.spec")) > FOLDERS.index(folder_of("studio_core.rundir.folder"))
 
 
 def test_entry_points_are_not_imported_as_libraries():
-    for name, uses in GRAPH.items():
+    for name, uses in graph().items():
         assert not uses & ENTRY_POINTS, f"{name} imports {uses & ENTRY_POINTS}"
 
 
 def test_the_app_and_the_command_line_reach_the_engine_through_its_front_doors():
-    assert FRONT_DOORS <= set(GRAPH), sorted(FRONT_DOORS - set(GRAPH))  # each door is a module
+    assert FRONT_DOORS <= set(graph()), sorted(FRONT_DOORS - set(graph()))  # each door is a module
     through_the_side = {name: sorted(use for use in uses if use.startswith("studio_core") and use not in FRONT_DOORS)
-                        for name, uses in GRAPH.items() if name.startswith(("app", "cli"))}
+                        for name, uses in graph().items() if name.startswith(("app", "cli"))}
     assert {name: uses for name, uses in through_the_side.items() if uses} == {}
 
 

@@ -11,11 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import gradio as gr
 import pytest
 
-from app import train_tab
-from app.train_form import form_values, spec_from_form
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.recipe.spec import RunSpec, SpecError
 from studio_core.recipe.validate import validate
@@ -27,15 +24,20 @@ TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny-sft.yaml"
 @pytest.fixture
 def tab(tmp_path):
     """The Train tab over a runs folder of its own: (its Blocks, its form, the manager)."""
+    import gradio as gr
+    from app import train_tab
+
     manager = RunManager(tmp_path / "runs")
     with gr.Blocks() as demo:
         form, _ = train_tab.build(manager, cpu_hardware(), gr.State(None))
     return demo, form, manager
 
 
-def handler(demo: gr.Blocks, name: str, output=None):
+def handler(demo, name: str, output=None):
     """The tab's event function of this name (and, where two share the name, with this output); one
     function wired to several events (each widget's change) is the same function each time."""
+    import gradio as gr
+
     found = [f for f in demo.fns.values() if f.name == name and (output is None or output in f.outputs)]
     assert len({f.fn for f in found}) == 1, found
     return found[0]
@@ -70,6 +72,8 @@ def test_a_learning_rate_that_is_no_number_is_refused_as_typed(tab, typed, why):
 
 @pytest.mark.fast
 def test_every_number_box_is_said_at_once_under_its_label_and_a_blank_one_keeps_its_meaning():
+    from app.train_form import form_values, spec_from_form
+
     from app.train_form import read_number
 
     values = form_values(RunSpec.load(TINY), trackers=["none"]) | {"target": "this machine", "lnc": 2}
@@ -92,6 +96,8 @@ def test_every_number_box_is_said_at_once_under_its_label_and_a_blank_one_keeps_
 @pytest.mark.fast
 def test_max_steps_below_zero_is_refused_the_same_from_the_form_and_the_recipe():
     """TRL trains by num_train_epochs for any max_steps below 0: -5 trained 3 epochs, unsaid."""
+    from app.train_form import form_values, spec_from_form
+
     recipe = RunSpec.load(TINY)
     values = form_values(recipe, trackers=["none"]) | {"target": "this machine", "lnc": 2}
     from_form = validate(spec_from_form(values | {"max_steps": "-5"}))
@@ -139,6 +145,8 @@ def test_the_core_map_says_which_cluster_picks_the_nodes(tab):
 
 
 def test_the_plan_shown_goes_once_the_form_no_longer_holds_what_it_was_made_of(tab):
+    import gradio as gr
+
     demo, form, _ = tab
     message, plan, made_of = call(handler(demo, "on_preview"), form, {})
     assert plan["visible"] and "torch.distributed.run" in plan["value"]

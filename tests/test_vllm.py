@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import openai
 import psutil
 import pytest
 
@@ -84,6 +83,8 @@ def test_the_plan_names_what_vllm_loads_and_refuses_what_it_cannot(trained_runs,
 
 @needs_vllm
 def test_lora_runs_through_vllm_answer_as_trained_and_a_stop_leaves_nothing(trained_runs, tmp_path):
+    import openai
+
     manager, ids = trained_runs
     blank = blank_copy(manager.runs_dir, ids["lora"], "-vllm-blank")
     key = tmp_path / "key"
@@ -144,6 +145,8 @@ def test_a_vllm_that_fails_to_start_is_reported_by_its_own_error(trained_runs, t
 
 @needs_vllm
 def test_the_chat_tabs_serve_box_serves_a_full_run_through_vllm(trained_runs):
+    import openai
+
     from app.chat_tab import ChatHolder
 
     manager, ids = trained_runs
