@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from studio_core.recipe import trainers
@@ -49,6 +47,9 @@ CASES = [(t, fmt, rows[i]) for t, rows in RECORDS.items() for i, fmt in enumerat
 
 def write(path: Path, rows: list[dict]) -> Path:
     """Write rows in the format the suffix names, the way people write such files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     if path.suffix == ".jsonl":
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     elif path.suffix == ".json":

@@ -28,7 +28,6 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 FAKE = TESTS / "fake_device.py"
 sys.path.insert(0, str(TESTS))
-from fake_device import LOG_ENV, NAME_ENV, sitecustomize_dir  # noqa: E402
 
 MISMATCH = "Expected all tensors to be on the same device"
 
@@ -36,6 +35,8 @@ MISMATCH = "Expected all tensors to be on the same device"
 def on_fake_device(script: str, tmp_path: Path, timeout: float = 300) -> dict:
     """Run `script` in a child Python on the fake "neuron" device; the JSON of its last stdout line.
     Fails with the child's error (a device mismatch among them) if it does not end well."""
+    from fake_device import LOG_ENV, NAME_ENV
+
     path, log = tmp_path / "script.py", tmp_path / "mismatches.log"
     path.write_text(script)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -51,6 +52,8 @@ def on_fake_device(script: str, tmp_path: Path, timeout: float = 300) -> dict:
 def fake_children(tmp_path, monkeypatch):
     """Every child the studio starts in this test (the chat process, the evaluation process) runs
     on the fake "neuron" device; yields the file its device mismatches are written to."""
+    from fake_device import LOG_ENV, NAME_ENV, sitecustomize_dir
+
     folder = sitecustomize_dir(tmp_path / "fake-site")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv(NAME_ENV, "neuron")
@@ -63,8 +66,10 @@ def fake_children(tmp_path, monkeypatch):
 # --- the rule, in this process --------------------------------------------------------------
 @pytest.mark.fast
 def test_importing_the_fake_device_leaves_this_process_and_its_children_compiling():
-    """This module imports fake_device at collection, in every test process: the device's switches
-    (Dynamo off) belong to the child processes that install it, or no run of the suite compiles."""
+    """Importing fake_device (this module's tests do, in the test processes) leaves this process
+    as it was: the device's switches (Dynamo off) belong to the child processes that install it,
+    or no later run of the suite compiles."""
+    import fake_device  # noqa: F401
     import torch._dynamo
 
     assert "TORCH_COMPILE_DISABLE" not in os.environ and not torch._dynamo.config.disable

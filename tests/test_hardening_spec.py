@@ -208,7 +208,6 @@ def test_a_config_check_child_that_cannot_answer_is_replaced(monkeypatch, tmp_pa
         mute.wait()
 
 
-@pytest.mark.fast
 def test_a_config_check_child_that_ends_idle_is_reaped(monkeypatch, tmp_path):
     """The check child ends by itself once idle; it is reaped then, never left defunct under the
     app for as long as the app lives."""

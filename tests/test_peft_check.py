@@ -8,12 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import peft
 import pytest
-import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen3Config
-from trl import ModelConfig, get_peft_config
 
 from studio_core.recipe.peft_check import ALL_LINEAR, TASK_TYPES, peft_problems
 
@@ -105,6 +101,9 @@ def test_every_recipe_passes():
 
 
 def test_the_names_and_defaults_are_trl_and_peft_own():
+    import peft
+    from trl import ModelConfig
+
     fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     read = {"use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
             "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora"}
@@ -124,25 +123,36 @@ def test_import_stays_light():
 
 # --- the same values through real TRL and PEFT ------------------------------------------------
 
-TINY = Qwen3Config(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=4, num_labels=1, pad_token_id=0)
+def tiny():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=4, num_labels=1, pad_token_id=0)
 
 
 def config(settings: dict):
     """The LoraConfig the worker would make (ModelConfig -> trl.get_peft_config)."""
+    from trl import ModelConfig, get_peft_config
+
     return get_peft_config(ModelConfig(model_name_or_path="tiny", use_peft=True, **settings))
 
 
 def adapted(lora_config):
     """The tiny model with the adapter on, as peft.get_peft_model puts it there."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     torch.manual_seed(0)
     auto = AutoModelForSequenceClassification if lora_config.task_type == "SEQ_CLS" else AutoModelForCausalLM
-    return peft.get_peft_model(auto.from_config(TINY), lora_config)
+    return peft.get_peft_model(auto.from_config(tiny()), lora_config)
 
 
 def step(model) -> float:
     """One forward and backward pass; the gradient the adapter's B matrices get (they start at 0,
     so it is what the first step moves)."""
+    import torch
+
     model.train()
     model(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits.float().pow(2).mean().backward()
     return sum(float(p.grad.abs().sum()) for name, p in model.named_parameters()
