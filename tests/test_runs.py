@@ -130,13 +130,15 @@ def test_two_processes_run_data_parallel(two_process_runs):
 
 
 # --- stopping and crashing --------------------------------------------------------------
-def test_stop_ends_the_run_and_every_process_of_it(manager):
-    view = manager.start(tiny(*LONG), cpu_hardware())
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_stop_ends_the_run_and_every_process_of_it(manager, nproc):
+    """One process: the supervisor and the worker it started; two: the supervisor, torchrun and its ranks."""
+    view = manager.start(tiny(*LONG, f"studio.nproc={nproc}"), cpu_hardware())
     wait_until_training(manager, view.id)
     procs = marked_processes(view.id)
     supervisor_pid = json.loads((view.dir / "supervisor.json").read_text())["pid"]
     assert supervisor_pid in procs
-    assert len(procs) >= 3 and "0" in ranks(procs)  # supervisor, torchrun, the rank
+    assert len(procs) >= (2 if nproc == 1 else 4) and set(ranks(procs)) == {str(r) for r in range(nproc)}
 
     view = manager.stop(view.id)
     assert view.state == "stopped" and view.live_state == "stopped"
