@@ -86,7 +86,7 @@ class RunControls:
         # the queue, and then says what became of it
         waiting, waits_for = gr.Timer(QUEUED_LOOK_S, active=False), gr.State(None)
         for queuing in (resumed, *queued_by):
-            queuing.then(lambda r: waiting_for(manager, r), run_id, [waits_for, waiting], show_progress="hidden")
+            queuing.then(waiting_for, [run_id, message], [waits_for, waiting], show_progress="hidden")
         waiting.tick(lambda r, said: left_queue(manager, r, said), [waits_for, message], [message, waiting],
                      show_progress="hidden")
         return resumed
@@ -152,10 +152,11 @@ def resumed_text(view: RunView) -> str:
     return f"Run `{view.id}` resumed from step {view.step}" + (f" ({loads.rstrip('/').rsplit('/', 1)[-1]})." if loads else ".")
 
 
-def waiting_for(manager: RunManager, run_id: str | None) -> tuple:
-    """(the run a Resume queued, or None; its timer, running while there is one)."""
-    view = manager.view_or_none(run_id) if run_id else None
-    queued = view is not None and view.live_state == "queued"
+def waiting_for(run_id: str | None, said: str | None) -> tuple:
+    """(the run a Start or Resume queued, or None; its timer, running while the message says the run
+    waits). Read from the message, not the run: on a busy machine the run may have left the queue
+    before this is asked, and the next tick still says what became of it."""
+    queued = bool(run_id) and bool(said) and f"`{run_id}`" in said and said.endswith(CANCELS)
     return (run_id if queued else None), gr.Timer(active=queued)
 
 

@@ -18,6 +18,8 @@ from cli.options import CommandLineError, runs_folder
 from studio_core.machine.cores import parse_cores
 
 
+CLOSE_LIMIT_S = 8  # the app ends this long after Ctrl-C at the latest
+
 def cmd_serve(args) -> int:
     if args.setup_vllm:
         return setup_vllm(args)
@@ -50,6 +52,11 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:
         print("Stopped (Ctrl-C); runs go on.", file=sys.stderr, flush=True)
     finally:
+        # a close that hangs (seen once on a loaded CI machine) must not keep Ctrl-C from ending the
+        # app: it keeps no state, and its chat processes end when their stdin closes
+        watchdog = threading.Timer(CLOSE_LIMIT_S, os._exit, args=(0,))
+        watchdog.daemon = True
+        watchdog.start()
         # Gradio's own block_thread() closes only the server, which then waits 5 s for the open pages'
         # heartbeat streams; close() ends them first
         demo.close(verbose=False)

@@ -46,6 +46,15 @@ def run_folders(runs_dir):
     return [p for p in runs_dir.iterdir() if not p.name.startswith(".")]
 
 
+def make_unloadable(weights: Path) -> None:
+    """Make a safetensors file unloadable while the studio's checks still pass it: its first tensor
+    gets a type safetensors does not know (the same length, so its header and size hold). A file
+    cut short is refused before launch, chat, eval or serve; this one fails only in the loader."""
+    data = weights.read_bytes()
+    assert b'"dtype":"F32"' in data[:4096], weights
+    weights.write_bytes(data.replace(b'"dtype":"F32"', b'"dtype":"Q32"', 1))
+
+
 def launch_py(*args: str, env: dict | None = None, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
     """`launch.py ARGS` as a user runs it, from the repository root, in this environment plus `env`."""
     return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=REPO, capture_output=True,

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
+from conftest import make_unloadable
 from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.serve.chat import ChatProcess
 from studio_core.evaluate.evaluation import EvalError, EvalProcess, EvalRequest, check_request, read_rows_file
@@ -86,11 +87,12 @@ def test_a_set_of_only_over_long_prompts_is_refused_before_loading_and_a_longer_
     run_dir = runs_dir / ids["full"]
     shutil.copytree(manager.runs_dir / ids["full"], run_dir)
     data = write_rows(tmp_path / "long.jsonl", [long_row(120), long_row(130)])
-    # the model's weights put aside: a refusal that loaded the model would fail on them instead
+    # the model's weights made unloadable (kept aside): a refusal that loaded the model would fail on them instead
     weights = sorted((run_dir / "output").glob("*.safetensors"))
     assert weights
     for path in weights:
-        path.rename(tmp_path / path.name)
+        shutil.copy2(path, tmp_path / path.name)
+        make_unloadable(path)
     request = EvalRequest(ids["full"], data=data, metrics=("exact_match",), max_new_tokens=8)
     evaluation = EvalProcess.start(request, runs_dir, cpu_hardware())
     seen = []
@@ -103,7 +105,7 @@ def test_a_set_of_only_over_long_prompts_is_refused_before_loading_and_a_longer_
     assert not (run_dir / "eval").exists() or not list((run_dir / "eval").glob("*/summary.json"))
 
     for path in weights:
-        (tmp_path / path.name).rename(run_dir / "output" / path.name)
+        (tmp_path / path.name).replace(run_dir / "output" / path.name)
     longer = EvalRequest(ids["full"], data=data, metrics=("answer_tokens",), max_new_tokens=8, max_cache_len=1032)
     done = list(EvalProcess.start(longer, runs_dir, cpu_hardware()).events())[-1]
     summary = done["summary"]

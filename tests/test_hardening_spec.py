@@ -228,3 +228,26 @@ def test_a_config_check_child_that_ends_idle_is_reaped(monkeypatch, tmp_path):
         time.sleep(0.2)  # idle for a second: it ends
     time.sleep(1)
     assert not child.is_running(), "the idle check child was left defunct"
+
+
+@pytest.mark.fast
+def test_the_config_check_child_starts_early_only_when_a_verdict_is_not_kept(monkeypatch, tmp_path):
+    """manager.check starts the child before the model and data checks (it imports TRL meanwhile),
+    but only when it will be asked: a kept verdict starts nothing."""
+    from studio_core.recipe import trl_schema
+
+    kept = tmp_path / "kept"
+    monkeypatch.setattr(trl_schema, "_checker", None)
+    monkeypatch.setattr(trl_schema, "_passed", set())
+    monkeypatch.setattr(trl_schema, "_passed_file", lambda key: kept)
+    plan.prepare_trl_check(SFT.with_overrides(["logging_steps=11"]), cpu_hardware())
+    started = trl_schema._checker
+    try:
+        assert started is not None and started.poll() is None  # loading TRL, not yet asked
+        kept.touch()
+        monkeypatch.setattr(trl_schema, "_checker", None)
+        plan.prepare_trl_check(SFT.with_overrides(["logging_steps=11"]), cpu_hardware())
+        assert trl_schema._checker is None
+    finally:
+        started.kill()
+        started.wait()

@@ -29,7 +29,7 @@ def test_a_queued_resume_says_it_resumed_once_it_leaves_the_queue(manager):
     with leases.acquire(manager.runs_dir, "cpu", [0, 1], holder="chat-holding-both", kind="chat"):
         said = resume.fn(run.id)
         assert "queued to resume from step 1" in said and said.endswith("Stop cancels it."), said
-        waited, timer = waits.fn(run.id)
+        waited, timer = waits.fn(run.id, said)
         assert waited == run.id and timer.active
         assert tick.fn(waited, said) == (gr.update(), gr.update())  # still queued: said as it was
     # resumed: between leaving the queue and its "starting" event the run still reads as it was (stopped)
@@ -88,7 +88,9 @@ def test_a_queued_resume_leaving_the_queue_is_never_said_to_be_stopped(manager):
             events.append(run.dir / folder.EVENTS, events.resume(chosen["step"], chosen["path"]))
             events.append(run.dir / folder.EVENTS, events.status("starting"))
             queue.leave(run.dir)
-    assert manager.view(run.id).state == "starting"  # its events say so (it reads as stopped until its supervisor is up)
+    view = manager.view(run.id)
+    # its events say so, and the last attempt's ended.json and supervisor.json do not make it read as stopped
+    assert view.state == "starting" and view.live_state == "starting" and view.error_text is None
     text, timer = tick.fn(run.id, said)
     assert text.startswith(f"Run `{run.id}` resumed from step 1") and not timer.active, text
     assert "stopped" not in text

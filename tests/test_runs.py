@@ -23,7 +23,7 @@ from studio_core.machine.procs import kill_run_processes
 from studio_core.rundir.folder import new_run_id
 from studio_core.runs.manager import RunManager
 from studio_core.runs.view import RunView
-from conftest import launch_py, run_folders
+from conftest import launch_py, make_unloadable, run_folders
 from studio_core.recipe.spec import RunSpec, SpecError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,10 +99,7 @@ def broken_model(folder: Path) -> Path:
 
     path = folder / "broken-model"
     shutil.copytree(ensure_tiny_model(), path)
-    weights = path / "model.safetensors"
-    data = weights.read_bytes()
-    assert b'"dtype":"F32"' in data[:4096]
-    weights.write_bytes(data.replace(b'"dtype":"F32"', b'"dtype":"Q32"', 1))  # the same length: offsets hold
+    make_unloadable(path / "model.safetensors")
     return path
 
 

@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 
+from conftest import make_unloadable
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.machine.leases import holders
 from studio_core.serve import vllm_env
@@ -134,7 +135,7 @@ def test_a_vllm_that_fails_to_start_is_reported_by_its_own_error(trained_runs, t
 
     shutil.copytree(manager.runs_dir / ids["full"], manager.runs_dir / broken)
     weights = manager.runs_dir / broken / "output" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])  # cut short: vLLM cannot read its header's tensors
+    make_unloadable(weights)  # passes the studio's file checks; vLLM cannot load it
     done = serve(broken, "--runs-dir", str(manager.runs_dir), "--engine", "vllm", "--port", str(free_port()))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Cannot serve: vLLM ended with exit code" in done.stderr and "its whole log: " in done.stderr

@@ -218,7 +218,8 @@ class RunBackend(ABC):
     @abstractmethod
     def ending(self, run_dir: Path, created: float) -> Ending | None:
         """For a run that is not alive and has no final status: how it ended, or None while it
-        may still be starting (`created`: when its folder was made). Reads only."""
+        may still be starting (`created`: when its latest attempt began: its folder was made, or
+        it was resumed). Reads only."""
 
     def record_ending(self, run_dir: Path, created: float) -> Ending | None:
         """`ending`, written into the run's events when the place would forget it (a cluster

@@ -84,15 +84,27 @@ class LocalBackend(RunBackend):
             raise RuntimeError(f"processes of run {run_dir.name} survived SIGKILL: {[p.pid for p in left]}")
 
     def ending(self, run_dir: Path, created: float) -> Ending | None:
-        if not (run_dir / SUPERVISOR).exists() and time.time() - created < STARTING_GRACE_S:
+        # a supervisor.json or ended.json from before this attempt began is the last attempt's:
+        # a resumed run whose new supervisor is not up yet is starting, not how it ended before
+        if not _written_since(run_dir / SUPERVISOR, created) and time.time() - created < STARTING_GRACE_S:
             return None
-        record = read_json(run_dir / ENDED)
+        record = read_json(run_dir / ENDED) if _written_since(run_dir / ENDED, created) else {}
         if record.get("state") in FINAL_STATES and record.get("reason"):  # e.g. a full disk took the event
             return Ending(record["state"], record["reason"])
         if record.get("state") in FINAL_STATES:  # the events file lost it, the supervisor's record did not
             return Ending(record["state"], f"{EVENTS} does not say how the run ended (deleted or damaged while it "
                           f"ran); its supervisor recorded it: {record['state']}, exit code {record.get('exit_code')}")
         return Ending("failed", LOST)
+
+
+MTIME_SLACK_S = 0.05  # a file's time is the kernel's coarse clock (a tick of 4-10 ms behind time.time())
+
+
+def _written_since(path: Path, moment: float) -> bool:
+    try:
+        return path.stat().st_mtime >= moment - MTIME_SLACK_S
+    except FileNotFoundError:
+        return False
 
 
 def _cores_still_held(run_dir: Path) -> list[int]:

@@ -223,12 +223,26 @@ def _passed_file(key: str) -> Path:
     return cache_dir() / "config-checks" / digest
 
 
+def _kept(key: str) -> bool:
+    return key in _passed or _passed_file(key).exists()
+
+
+def prepare_config_check(requests: list[dict]) -> None:
+    """Start the check child now when a request's verdict is not kept, so that it imports TRL while
+    the caller checks other things (config_problems then asks it); nothing when all are kept."""
+    if all(_kept(json.dumps(r, sort_keys=True, default=repr)) for r in requests):
+        return
+    with _checker_lock:
+        if _checker is None or _checker.poll() is not None:
+            _start_checker()
+
+
 def config_problems(requests: list[dict]) -> list[list[str]]:
     """For each request (trainer, args: the TRL arguments as the planner hands them to the
     worker, given: the keys the user set, run_name, world_size), the problems TRL, Transformers
     or PEFT would raise when the run builds its config, each naming the setting to change."""
     keys = [json.dumps(r, sort_keys=True, default=repr) for r in requests]
-    asked = [i for i, key in enumerate(keys) if key not in _passed and not _passed_file(key).exists()]
+    asked = [i for i, key in enumerate(keys) if not _kept(key)]
     answers = _ask([{**requests[i], "config": trainers.get(requests[i]["trainer"]).config_class}
                     for i in asked]) if asked else []
     found: list[list[str]] = [[] for _ in requests]
@@ -263,16 +277,11 @@ def _messages(request: dict, answer: dict) -> list[str]:
 
 def _ask(requests: list[dict]) -> list:
     """The check child's answers, one per request; the child started when none is up."""
-    global _checker, _checker_log
     line = json.dumps(requests, default=str) + "\n"  # a YAML date, say: sent as its text
     with _checker_lock:
         for _ in range(2):  # the child may be leaving, idle, as it is asked: then a new one, once
             if _checker is None or _checker.poll() is not None:
-                _checker_log = tempfile.TemporaryFile()
-                _checker = subprocess.Popen([sys.executable, "-c", _CONFIG_CHECK, str(CHECK_IDLE_S)],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_checker_log)
-                # reaped when it ends (idle, or killed with the terminal's Ctrl-C): never left defunct
-                threading.Thread(target=_checker.wait, name="reap-config-check", daemon=True).start()
+                _start_checker()
             try:
                 _checker.stdin.write(line.encode())
                 _checker.stdin.flush()
@@ -287,6 +296,16 @@ def _ask(requests: list[dict]) -> list:
             _checker.wait()
         _checker_log.seek(0)
         raise RuntimeError(f"could not ask TRL to check the config:\n{_checker_log.read().decode()[-2000:]}")
+
+
+def _start_checker() -> None:
+    """A new check child (the caller holds _checker_lock), reaped when it ends (idle, or killed
+    with the terminal's Ctrl-C): never left defunct."""
+    global _checker, _checker_log
+    _checker_log = tempfile.TemporaryFile()
+    _checker = subprocess.Popen([sys.executable, "-c", _CONFIG_CHECK, str(CHECK_IDLE_S)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_checker_log)
+    threading.Thread(target=_checker.wait, name="reap-config-check", daemon=True).start()
 
 
 def _read_line(child: subprocess.Popen, timeout_s: float) -> bytes:

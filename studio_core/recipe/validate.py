@@ -35,13 +35,15 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None,
-             elsewhere: bool = False) -> list[str]:
+             elsewhere: bool = False, settings_passed=None) -> list[str]:
     """Every problem that stops this spec from launching, each saying what to change. A user's
     reward files are imported and called only with `run_user_code` (Start, "Check reward
     functions"); otherwise (a plan, a preview) they are only read. What is worth saying but
     does not stop it (records that train, likely not as meant) goes to `warnings`. For a plan
     of another machine (`elsewhere`), a Hub model or dataset not on this one is not fetched
-    nor checked: `warnings` says so."""
+    nor checked: `warnings` says so. `settings_passed(spec)` is called once the spec's own
+    settings passed, before the slower checks of its model and data (the manager starts TRL's
+    config check there, so that it loads meanwhile)."""
     warnings = warnings if warnings is not None else []
     problems: list[str] = []
     try:
@@ -68,6 +70,8 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
     problems += [f"{name}: {names[name]!r} is not text; write it in quotes" for name in not_text]
     if isinstance(spec.run_name, str) and not RUN_NAME.fullmatch(spec.run_name):
         problems.append(f"run_name: {spec.run_name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+    if settings_passed is not None and not problems:
+        settings_passed(spec)
     skipped = sources.not_here(*names_of(spec)) if elsewhere and not not_text else []
     if skipped:
         warnings.append(f"not checked here: {' and '.join(skipped)} (not on this machine, which plans for another; "
@@ -187,8 +191,8 @@ def _check_data(spec: RunSpec, run_user_code: bool, warnings: list[str],
 
 
 def validated(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None,
-              elsewhere: bool = False) -> RunSpec:
-    problems = validate(spec, run_user_code, warnings, elsewhere)
+              elsewhere: bool = False, settings_passed=None) -> RunSpec:
+    problems = validate(spec, run_user_code, warnings, elsewhere, settings_passed)
     if problems:
         raise SpecError(problems)
     return spec

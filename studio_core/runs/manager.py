@@ -29,7 +29,7 @@ from studio_core.machine.cores import format_cores, parse_cores
 from studio_core.machine.hardware import Hardware
 from studio_core.runs import queue
 from studio_core.training.memory import MEMORY_ERROR
-from studio_core.training.plan import Plan, plan, trl_problems
+from studio_core.training.plan import Plan, plan, prepare_trl_check, trl_problems
 from studio_core.rundir import events, folder
 from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES
 from studio_core.runs.view import RunView
@@ -63,7 +63,8 @@ class RunManager:
         called only with `run_user_code` (Start does; a plan or a preview only reads them).
         Warnings about the data go to `warnings`; `elsewhere`: a plan for another machine, which
         does not fetch or check a Hub model or dataset this machine does not have."""
-        spec = with_absolute_paths(validated(spec, run_user_code, warnings, elsewhere))
+        early = (lambda checked: prepare_trl_check(checked, hardware)) if hardware is not None else None
+        spec = with_absolute_paths(validated(spec, run_user_code, warnings, elsewhere, early))
         try:
             backends.get(spec.layout.run_on)
         except KeyError as error:

@@ -98,7 +98,7 @@ class RunView(RunState):
         self.refresh()  # the supervisor may have written its final status just before it ended
         if self.state in FINAL_STATES:
             return self.state
-        ending = self.backend.record_ending(self.dir, self.created)  # kept: the place may forget it
+        ending = self.backend.record_ending(self.dir, self.attempt_began)  # kept: the place may forget it
         return "starting" if ending is None else ending.state
 
     def other(self, run_id: str) -> RunView | None:
@@ -125,7 +125,7 @@ class RunView(RunState):
         if self.reason and self.state in FINAL_STATES:
             return self.reason
         if self.state not in FINAL_STATES and self.live_state not in ACTIVE_STATES:
-            ending = self.backend.ending(self.dir, self.created)
+            ending = self.backend.ending(self.dir, self.attempt_began)
             return ending.reason if ending and ending.state != "finished" else None
         return None
 
@@ -217,6 +217,12 @@ class RunView(RunState):
         """first_start (the time its folder was made for a run that never left the queue), 0 when
         unknown: what listings sort by and backends measure a start's grace from."""
         return self.first_start or self.made() or 0.0
+
+    @property
+    def attempt_began(self) -> float:
+        """When the latest attempt began (its resume, or the run's first start): what a backend
+        measures a start's grace from, and tells this attempt's records from the last one's by."""
+        return self.spans[-1].begin if self.spans and len(self.spans) > 1 else self.created
 
     def going(self) -> bool:
         """Whether an attempt goes on now (a queued resume's last attempt has ended: it waits)."""

@@ -24,9 +24,9 @@ from studio_core.machine.device_env import (RANK_CORES, REASONS, VISIBLE, descri
                                     rank_cores)
 from studio_core.machine.hardware import Hardware
 from studio_core.machine.layout import check_layout
-from studio_core.recipe.spec import RunSpec, resolved, trackers
+from studio_core.recipe.spec import RunSpec, SpecError, resolved, trackers
 from studio_core.recipe.trainers import Default
-from studio_core.recipe.trl_schema import config_problems, trainer_fields
+from studio_core.recipe.trl_schema import config_problems, prepare_config_check, trainer_fields
 
 WORKER_MODULE = "studio_core.training.worker"
 # Where TensorBoard and Trackio (TRL's report_to) write: folders of the run folder, so the run's
@@ -175,12 +175,23 @@ def trl_problems(spec: RunSpec, hardware: Hardware) -> list[str]:
 
 def configs_problems(pairs: list[tuple[RunSpec, Hardware]]) -> list[list[str]]:
     """trl_problems of several specs, in one question to the child."""
-    requests = []
-    for spec, hardware in pairs:
-        final = plan(spec, hardware).spec
-        requests.append({"trainer": spec.trainer, "args": final.args, "given": sorted(spec.args),
-                         "run_name": spec.run_name or "run", "world_size": spec.layout.nproc * spec.layout.nodes})
-    return config_problems(requests)
+    return config_problems([_config_request(spec, hardware) for spec, hardware in pairs])
+
+
+def prepare_trl_check(spec: RunSpec, hardware: Hardware) -> None:
+    """Start the config check's child now when the spec's verdict is not kept (it imports TRL:
+    seconds), so that it loads while the model and data are checked; trl_problems then asks it."""
+    try:
+        request = _config_request(spec, hardware)
+    except (SpecError, ValueError, TypeError, KeyError, OSError):
+        return  # a spec the plan cannot take yet: its checks say why, and the child starts when asked
+    prepare_config_check([request])
+
+
+def _config_request(spec: RunSpec, hardware: Hardware) -> dict:
+    final = plan(spec, hardware).spec
+    return {"trainer": spec.trainer, "args": final.args, "given": sorted(spec.args),
+            "run_name": spec.run_name or "run", "world_size": spec.layout.nproc * spec.layout.nodes}
 
 
 def _spec_cores(spec: RunSpec) -> list[int] | None:
