@@ -3,7 +3,6 @@ OpenAI-compatible endpoint for it (studio_core/serve/openai_api.py), local-only 
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import os
 import shlex
@@ -11,14 +10,11 @@ import signal
 import stat
 import sys
 import threading
-import time
 from pathlib import Path
 
 from cli.options import CommandLineError, runs_folder
 from studio_core.machine.cores import parse_cores
 
-
-CLOSE_LIMIT_S = 8  # the app ends this long after Ctrl-C at the latest
 
 def cmd_serve(args) -> int:
     if args.setup_vllm:
@@ -42,27 +38,11 @@ def cmd_serve(args) -> int:
     from app.main import build_app, launch_settings, queued
 
     demo = build_app(runs_dir)
-    try:
-        # launch() returns once the port answers; the line says so only then, for whoever reads it to connect
-        queued(demo).launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True, quiet=True,
-                            footer_links=["gradio", "settings"], prevent_thread_lock=True, **launch_settings(runs_dir))
-        print(f"Studio on http://{args.host}:{args.port}", flush=True)
-        while demo.is_running:
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        print("Stopped (Ctrl-C); runs go on.", file=sys.stderr, flush=True)
-    finally:
-        # a close that hangs (seen once on a loaded CI machine) must not keep Ctrl-C from ending the
-        # app: it keeps no state, and its chat processes end when their stdin closes
-        watchdog = threading.Timer(CLOSE_LIMIT_S, os._exit, args=(0,))
-        watchdog.daemon = True
-        watchdog.start()
-        # Gradio's own block_thread() closes only the server, which then waits 5 s for the open pages'
-        # heartbeat streams; close() ends them first
-        demo.close(verbose=False)
-        # the interpreter's last collection walks every object of torch, Transformers and Gradio, about a
-        # second on a busy machine, for nothing: the app keeps no state
-        gc.freeze()
+    # launch() returns once the port answers; the line says so only then, for whoever reads it to connect
+    queued(demo).launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True, quiet=True,
+                        footer_links=["gradio", "settings"], prevent_thread_lock=True, **launch_settings(runs_dir))
+    print(f"Studio on http://{args.host}:{args.port}", flush=True)
+    demo.block_thread()
     return 0
 
 
