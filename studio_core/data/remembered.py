@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -126,7 +127,9 @@ def _files(path: Path) -> list:
     return sorted(found)
 
 
+@lru_cache(maxsize=1)
 def _code_digest() -> str:
+    """The studio code this process runs (read once: a file edited since is not the code running)."""
     digest = hashlib.sha256()
     for part in CODE:
         for file in sorted((STUDIO / part).glob("*.py")):
@@ -134,6 +137,7 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
+@lru_cache(maxsize=None)
 def _version(name: str) -> str | None:
     try:
         return version(name)
