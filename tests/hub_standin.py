@@ -346,7 +346,15 @@ outside its namespace (401 GatedRepo, as the Hub answers a gated repo without gr
         data = files[path]
         lfs = path in target["lfs_paths"]
         etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
-        return 200, data, {**commit, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
+        answer = {**commit, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
+        # a range of bytes, as the Hub's file servers give it (get_safetensors_metadata reads a header so)
+        asked = next((v for k, v in request.headers.items() if k.lower() == "range"), "")
+        span = re.fullmatch(r"bytes=(\d+)-(\d*)", asked.strip())
+        if span and int(span[1]) < len(data):
+            first, last = int(span[1]), min(int(span[2] or len(data) - 1), len(data) - 1)
+            answer["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+            return 206, data[first:last + 1], answer
+        return 200, data, answer
 
     def _granted(self, request, repo: str) -> bool:
         account = self._caller(request, required=False)

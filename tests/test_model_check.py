@@ -421,3 +421,40 @@ def test_chat_of_a_lora_run_checks_its_adapter_and_its_base(tmp_path):
         resolve(run_id, runs_dir)
     assert str(refused.value).startswith(f"run {run_id} is a LoRA adapter on {base}, which cannot be loaded: "
                                          f"{base}: it has a config.json but no weights")
+
+
+def upload(hub: HubStandIn, monkeypatch, tmp_path: Path, repo: str, folder: Path, token: str) -> None:
+    from huggingface_hub import HfApi
+
+    point_hub_client_at(hub, monkeypatch)
+    use_hub_cache(tmp_path / "hub", monkeypatch)
+    api = HfApi(endpoint=hub.url, token=token)
+    api.create_repo(repo)
+    api.upload_folder(folder_path=str(folder), repo_id=repo)
+
+
+def test_a_hub_model_not_downloaded_has_its_weights_names_and_shapes_read_on_the_hub(saved, sharded, tmp_path,
+                                                                                       monkeypatch):
+    token = "hf_alice_publish_0123456789"
+    wrong = copied(tmp_path, saved, intermediate_size=96)
+    cut = tmp_path / "cut"
+    shutil.copytree(sharded, cut)
+    last = sorted(cut.glob("model-*.safetensors"))[-1]
+    last.unlink()
+    with HubStandIn(tokens={token: {"user": "alice", "orgs": []}}) as hub:
+        upload(hub, monkeypatch, tmp_path, "alice/fits", saved, token)
+        upload(hub, monkeypatch, tmp_path, "alice/other-shapes", wrong, token)
+        upload(hub, monkeypatch, tmp_path, "alice/sharded", sharded, token)
+        upload(hub, monkeypatch, tmp_path, "alice/shard-gone", cut, token)
+        assert sources.check_model("alice/fits") == []
+        assert sources.check_model("alice/sharded") == []
+        message = only(sources.check_model("alice/other-shapes"))
+        gone = only(sources.check_model("alice/shard-gone"))
+        ranges = [r for r in hub.requests if any(k.lower() == "range" for k in r.headers)]
+    assert message.startswith("model_name_or_path: alice/other-shapes: its weights do not fit its config.json: "
+                              "model.layers.0.mlp.down_proj.weight is [32, 64] in model.safetensors, the config "
+                              "makes it [32, 96]")
+    assert gone.startswith("model_name_or_path: alice/shard-gone: a weight file its model.safetensors.index.json "
+                           "names is not on the Hub") and last.name in gone
+    assert ranges, "the headers are read by range, not by downloading the weights"
+    assert not any((tmp_path / "hub").rglob("*.safetensors")), "no weight file was downloaded"

@@ -1,5 +1,6 @@
 """A model's folder, checked before anything loads it: a local folder, a model in the Hugging
-Face cache, or (`config_only`) a Hub model's config.json fetched alone (sources.check_model).
+Face cache, or (`config_only`) a Hub model's config.json fetched alone, with its weights' headers
+read on the Hub (sources.check_model).
 
 First here, with JSON only: config.json is an object of settings, its `architectures` a list
 naming a causal LM, no code of its own unless that is allowed, its sizes whole numbers above 0;
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from importlib.metadata import version
 from pathlib import Path
@@ -47,21 +49,28 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's s
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 SAVED_WHOLE = "give the whole folder save_pretrained wrote"
 REDO = "download it again, or save the model again"  # a weight file cut off
-CHECK_VERSION = 1  # bump when the checks change: a folder passed by older checks is checked again
+CHECK_VERSION = 2  # bump when the checks change: a folder passed by older checks is checked again
 CHILD_TIMEOUT_S = 180  # importing torch and Transformers on a busy machine, then a meta model
 
 
-def check_folder(folder: Path, trust_remote_code: bool = False, config_only: bool = False) -> list[str]:
+def check_folder(folder: Path, trust_remote_code: bool = False, config_only: bool = False,
+                 hub_weights: dict[str, list] | None = None) -> list[str]:
     """What stops the model in `folder` from loading, each a phrase after its name; [] when it
-    loads. `config_only`: the folder holds config.json alone (a Hub model not downloaded)."""
-    config, problems = read_config(folder / "config.json")
-    if config is not None:
-        problems = config_problems(config, trust_remote_code)
+    loads. `config_only`: the folder holds config.json alone (a Hub model not downloaded), and
+    `hub_weights` ({tensor name: [shape, file name]}, read from the headers on the Hub) stands for
+    its weight files' headers, or None where the Hub has none to read (pytorch_model.bin)."""
+    config, problems = json_problems(folder, trust_remote_code)
     if not problems and not config_only:
         problems = weight_file_problems(folder)
     if problems or (trust_remote_code and auto_map(config)):
         return problems  # a model's own code is not run before launch
-    return transformers_problems(folder, config_only)
+    return transformers_problems(folder, config_only, hub_weights)
+
+
+def json_problems(folder: Path, trust_remote_code: bool) -> tuple[dict | None, list[str]]:
+    """(config.json's settings or None, what its JSON alone says is wrong): no child, no Transformers."""
+    config, problems = read_config(folder / "config.json")
+    return config, (config_problems(config, trust_remote_code) if config is not None else problems)
 
 
 def read_config(path: Path) -> tuple[dict | None, list[str]]:
@@ -234,17 +243,28 @@ def read_header(path: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def transformers_problems(folder: Path, config_only: bool) -> list[str]:
+def transformers_problems(folder: Path, config_only: bool, hub_weights: dict | None = None) -> list[str]:
     """What Transformers finds (model_child.py, in a child process); a pass is remembered."""
-    passed = cache_dir() / "model-checks" / f"{stamp(folder, config_only)}.passed"
+    checks = cache_dir() / "model-checks"
+    key = stamp(folder, config_only, hub_weights)
+    passed = checks / f"{key}.passed"
     if passed.exists():
         return []
+    args: list[object] = ["--config-only"] if config_only else []
+    if hub_weights:  # too long for a command line: a file beside the passes, gone after the check
+        checks.mkdir(parents=True, exist_ok=True)
+        weights_file = checks / f"{key}.{os.getpid()}.hub-weights.json"
+        weights_file.write_text(json.dumps(hub_weights), encoding="utf-8")
+        args += ["--hub-weights", weights_file]
     try:
-        done = children.run("studio_core.data.model_child", folder, *(["--config-only"] if config_only else []),
+        done = children.run("studio_core.data.model_child", folder, *args,
                             env={"HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return [f"Transformers' check of it did not finish within {CHILD_TIMEOUT_S} s (is the machine very busy?); "
                 "try again"]
+    finally:
+        if hub_weights:
+            weights_file.unlink(missing_ok=True)
     problems = answer(done)
     if problems is None:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -265,11 +285,12 @@ def answer(done: subprocess.CompletedProcess) -> list[str] | None:
     return problems if isinstance(problems, list) and all(isinstance(p, str) for p in problems) else None
 
 
-def stamp(folder: Path, config_only: bool) -> str:
+def stamp(folder: Path, config_only: bool, hub_weights: dict | None = None) -> str:
     """The check's and Transformers' versions and what is checked, as one key: config.json's text
-    alone (the same config passes wherever it is), else the folder and its files' sizes and times."""
+    and the Hub's weight headers (the same config passes wherever it is), else the folder and its
+    files' sizes and times."""
     if config_only:
-        checked = ["config", hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()]
+        checked = ["config", hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(), hub_weights]
     else:
         checked = [str(folder.resolve()), sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                                  for p in folder.iterdir() if p.is_file())]

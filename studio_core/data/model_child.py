@@ -1,15 +1,17 @@
 """The model check's Transformers side, in a child process (model_check.transformers_problems
 starts it), so that Transformers and torch stay out of the web app's process:
 
-    python -m studio_core.data.model_child FOLDER [--config-only]
+    python -m studio_core.data.model_child FOLDER [--config-only [--hub-weights FILE]]
 
 prints a JSON list of problems, each a phrase after the model's name ([]: Transformers takes it).
 The config through AutoConfig (an architecture this Transformers knows, its own validation of the
 fields, sizes whole numbers above 0 by Transformers' names); unless --config-only, the weights'
 names and shapes (the safetensors headers; not of pytorch_model.bin, nor of a quantized model)
 against the model the config builds on the meta device, each name mapped as Transformers' loader
-maps it (its renamings, the base model's prefix), and the tokenizer through AutoTokenizer. No
-tensor is read or made; the tokenizer is loaded.
+maps it (its renamings, the base model's prefix), and the tokenizer through AutoTokenizer. A Hub
+model not downloaded (--config-only) has its weights' names and shapes checked where the studio
+read their headers on the Hub (--hub-weights: a JSON {name: [shape, file]}); its tokenizer is not
+on this machine to load. No tensor is read or made; the tokenizer is loaded.
 """
 
 from __future__ import annotations
@@ -26,14 +28,19 @@ TEXT_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
 SHOWN = 3  # names shown of a list of tensors
 
 
-def problems(folder: Path, config_only: bool) -> list[str]:
+def problems(folder: Path, config_only: bool, hub_weights: Path | None = None) -> list[str]:
     config, found = load_config(folder)
-    if found or config_only:
+    if found or (config_only and hub_weights is None):
         return found
     model, found = meta_model(config)
     if found:
         return found
-    return weight_problems(folder, model) + tokenizer_problems(folder)
+    if hub_weights is not None:
+        saved = {name: (shape, file) for name, (shape, file) in json.loads(hub_weights.read_text()).items()}
+        return weight_problems(model, saved)
+    files, _ = safetensors_files(folder)  # model_check has said what is wrong with them
+    saved = {name: (shape, path.name) for path in files for name, shape in read_header(path).items()}
+    return weight_problems(model, saved) + tokenizer_problems(folder)
 
 
 def load_config(folder: Path):
@@ -75,14 +82,12 @@ def meta_model(config):
                       f"{SAVED_WHOLE}"]
 
 
-def weight_problems(folder: Path, model) -> list[str]:
-    """The saved tensors against the model's parameters: none missing, none of another shape.
-    Not for quantized weights (packed shapes) nor pytorch_model.bin (a pickle, never loaded here:
-    it has no header to read)."""
-    files, _ = safetensors_files(folder)  # model_check has said what is wrong with them
-    if getattr(model.config, "quantization_config", None) or not files:
+def weight_problems(model, saved: dict[str, tuple[list[int], str]]) -> list[str]:
+    """The saved tensors ({name: (shape, file name)}) against the model's parameters: none missing,
+    none of another shape. Not for quantized weights (packed shapes) nor pytorch_model.bin (a
+    pickle, never loaded here: it has no header to read, so `saved` is empty)."""
+    if getattr(model.config, "quantization_config", None) or not saved:
         return []
-    saved = {name: (shape, path) for path in files for name, shape in read_header(path).items()}
     expected = {name: list(parameter.shape) for name, parameter in model.named_parameters()}  # tied ones once
     mapped = loaded_names(model, list(saved))
     found = {name for name, _ in mapped.values() if name is not None}
@@ -92,9 +97,9 @@ def weight_problems(folder: Path, model) -> list[str]:
     wrong = [(key, saved[key], expected[name]) for key, (name, converted) in sorted(mapped.items())
              if name in expected and not converted and saved[key][0] != expected[name]]
     if wrong:
-        key, (shape, path), should = wrong[0]
+        key, (shape, file), should = wrong[0]
         more = f" ({len(wrong)} tensors differ)" if len(wrong) > 1 else ""
-        return [f"its weights do not fit its config.json: {key} is {shape} in {path.name}, the config makes it "
+        return [f"its weights do not fit its config.json: {key} is {shape} in {file}, the config makes it "
                 f"{should}{more}; config.json and the weights are of different models: give the config.json saved "
                 "with these weights"]
     if missing:
@@ -151,7 +156,8 @@ def one_line(error: BaseException) -> str:
 
 
 def main(argv: list[str]) -> None:
-    print(json.dumps(problems(Path(argv[0]), "--config-only" in argv[1:])))
+    hub_weights = Path(argv[argv.index("--hub-weights") + 1]) if "--hub-weights" in argv else None
+    print(json.dumps(problems(Path(argv[0]), "--config-only" in argv[1:], hub_weights)))
 
 
 if __name__ == "__main__":

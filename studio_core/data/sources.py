@@ -4,7 +4,7 @@ A model is the built-in tiny one, a local folder, or a Hub id; a dataset is a bu
 sample, a local file (JSONL, JSON, CSV, Parquet) or folder, or a Hub id. The checks here are
 cheap enough for every plan: a model on this machine is checked whole by model_check (config,
 weight headers, tokenizer; no weights loaded), a Hub model not on it by its config.json (a few
-kB) and its list of files; data_check reads a file's first rows, and the worker does the real
+kB), its list of files and its weights' headers read on the Hub; data_check reads a file's first rows, and the worker does the real
 loading and checks a Hub dataset's first rows.
 """
 
@@ -46,7 +46,7 @@ def not_here(model: str, dataset: str) -> list[str]:
 def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
     """What stops the model from loading, each saying what to change; [] when it loads. A folder
     (or a Hub model in the local cache) is checked whole by model_check: config, weights, tokenizer;
-    a Hub model not downloaded by its config.json and its list of files on the Hub."""
+    a Hub model not downloaded by its config.json, its list of files and its weights' headers on the Hub."""
     if not name:
         return ["model_name_or_path: empty; give a Hub id, a local folder, or builtin:tiny-qwen3"]
     if name == BUILTIN_MODEL:
@@ -91,10 +91,11 @@ def _downloaded(name: str, cache: str | Path | None = None) -> Path | None:
 
 
 def _check_on_the_hub(name: str, trust_remote_code: bool) -> list[str]:
-    """A Hub model not on this machine: only its config.json (a few kB) is fetched, and its list of
-    files asked, each with a short timeout, so that a typo, a gated or private repo, a model that is
-    not a causal LM or has no weights, or a Hub that cannot be reached is refused before launch,
-    not as a raw error in the run."""
+    """A Hub model not on this machine: only its config.json (a few kB) is fetched, its list of
+    files asked and its safetensors headers read (huggingface_hub reads each file's first 100 kB),
+    each with a short timeout, so that a typo, a gated or private repo, a model that is not a causal
+    LM, has no weights or weights of another shape, or a Hub that cannot be reached is refused
+    before launch, not as a raw error in the run."""
     from httpx2 import TransportError  # huggingface_hub's HTTP client
     from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
 
@@ -102,16 +103,37 @@ def _check_on_the_hub(name: str, trust_remote_code: bool) -> list[str]:
         # one request without retries first: hf_hub_download retries an unreachable Hub for ~20 s
         get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=HUB_CHECK_TIMEOUT_S)
         path = Path(hf_hub_download(name, "config.json", etag_timeout=HUB_CHECK_TIMEOUT_S))
+        _, problems = model_check.json_problems(path.parent, trust_remote_code)
+        if problems:  # not a causal LM, say: nothing more is asked of the Hub
+            return _named(name, problems)
+        files = [sibling.rfilename for sibling in HfApi().model_info(name, timeout=HUB_CHECK_TIMEOUT_S).siblings or []]
+        file_problems = _hub_file_problems(name, files)
+        hub_weights, header_problems = (None, []) if file_problems else _hub_weights(name, files)
     except (OSError, TransportError) as error:  # the Hub's own errors are OSErrors
         return _hub_problem(name, error)
-    problems = model_check.check_folder(path.parent, trust_remote_code, config_only=True)
-    if problems:
-        return _named(name, problems)
+    problems = model_check.check_folder(path.parent, trust_remote_code, config_only=True, hub_weights=hub_weights)
+    return _named(name, problems) or file_problems or header_problems
+
+
+def _hub_weights(name: str, files: list[str]) -> tuple[dict[str, list] | None, list[str]]:
+    """({tensor name: [shape, file]} from the safetensors headers on the Hub, or None where it has
+    only pytorch_model.bin, whose pickle has no header), and what is wrong with a header."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RemoteEntryNotFoundError, SafetensorsParsingError
+
+    if not any(f in files for f in (model_check.SAFETENSORS, model_check.SAFETENSORS_INDEX)):
+        return None, []
     try:
-        files = [sibling.rfilename for sibling in HfApi().model_info(name, timeout=HUB_CHECK_TIMEOUT_S).siblings or []]
-    except (OSError, TransportError) as error:
-        return _hub_problem(name, error)
-    return _hub_file_problems(name, files)
+        found = HfApi().get_safetensors_metadata(name, timeout=HUB_CHECK_TIMEOUT_S)
+    except SafetensorsParsingError as error:
+        return None, [f"model_name_or_path: {name}: a weight file's header on the Hub cannot be read ({error}); "
+                      "the repo's weights are damaged: tell its owner, or give another model"]
+    except RemoteEntryNotFoundError as error:  # a shard its index names
+        return None, [f"model_name_or_path: {name}: a weight file its {model_check.SAFETENSORS_INDEX} names is not "
+                      f"on the Hub ({error.response.url if error.response is not None else error}); the repo is "
+                      "incomplete: tell its owner, or give another model"]
+    return {tensor: [info.shape, file] for file, metadata in found.files_metadata.items()
+            for tensor, info in metadata.tensors.items()}, []
 
 
 def _hub_file_problems(name: str, files: list[str]) -> list[str]:
