@@ -19,11 +19,13 @@ from studio_core.runs.manager import RunManager
 
 # A table's column header wraps between its words, not inside one: Gradio's wrapped Dataframe let a word
 # break anywhere (a narrow column's "step" read "ste" over "p"). A column sized by its content is now as
-# wide as its header's longest word; one whose width the page fixes (the Runs table's, in a window
-# narrower than about 1200 px) breaks a longer word rather than hide its end.
+# wide as its header's longest word. The Runs table's columns are fixed shares of its width: in a
+# window narrower than about 1200 px they would be too narrow for "trainer" or "started", so the
+# table keeps that width and scrolls sideways there.
 CSS = (".run-status {font-size: 1.05em} .run-log textarea {font-family: monospace; font-size: 0.8em} "
        ".field-help {font-size: 0.85em; color: var(--block-info-text-color)} "
-       "th span.header.text {word-break: normal; overflow-wrap: break-word}")
+       "th span.header.text {word-break: normal; overflow-wrap: break-word} "
+       "#runs-table table {min-width: 1150px}")
 # A log box follows its end as the run writes, and stays where the user scrolled up to read
 # (Gradio's own autoscroll left it at the top when its value was replaced by the timer). Each
 # box remembers whether it was at its end before new text came.

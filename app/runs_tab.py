@@ -22,7 +22,7 @@ from studio_core.machine.sizes import format_size
 
 # State and steps share a column, so that training and wall time fit beside the rest: with these
 # widths and wrapped cells (gr.Dataframe(wrap=True, column_widths=COLUMN_WIDTHS)) the table fits
-# a 1400 px wide window without scrolling sideways.
+# a 1200 px wide window without scrolling sideways; in a narrower one it scrolls (main.CSS).
 COLUMNS = ["run", "state · steps", "trainer", "model", "dataset", "started", "training", "wall", "final loss", "size"]
 COLUMN_WIDTHS = ["19%", "11%", "7%", "12%", "12%", "10%", "8%", "7.5%", "6%", "7.5%"]
 ALL = "all"

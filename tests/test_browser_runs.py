@@ -186,14 +186,25 @@ def test_table_headers_break_between_words_never_inside_one(page, sweep_of_two):
     expect(page.locator("#sweep-table")).to_contain_text(ids[1], timeout=SLOW)
     expect(page.locator("#compare-diff")).to_contain_text("learning_rate", timeout=SLOW)
     expect(page.locator("#runs-table")).to_contain_text(ids[1], timeout=SLOW)
-    deadline = time.monotonic() + 10  # the tables size their columns once drawn
-    while True:
-        broken = {table: broken_header_words(page.locator(table))
-                  for table in ("#sweep-table", "#compare-diff", "#runs-table")}
-        if not any(broken.values()) or time.monotonic() > deadline:
-            break
-        page.wait_for_timeout(250)
-    assert not any(broken.values()), broken
+    for width in (1400, 1000):  # a narrow window: the Runs table scrolls sideways, its words stay whole
+        page.set_viewport_size({"width": width, "height": 900})
+        deadline = time.monotonic() + 10  # the tables size their columns once drawn
+        while True:
+            broken = {table: broken_header_words(page.locator(table))
+                      for table in ("#sweep-table", "#compare-diff", "#runs-table")}
+            if not any(broken.values()) or time.monotonic() > deadline:
+                break
+            page.wait_for_timeout(250)
+        assert not any(broken.values()), (width, broken)
+    # and the narrow window's Runs table can be scrolled to its last column, not cut off
+    scrolls = page.locator("#runs-table table").evaluate("""el => {
+        for (let box = el.parentElement; box; box = box.parentElement) {
+            const style = getComputedStyle(box).overflowX;
+            if (box.scrollWidth > box.clientWidth + 1) return ['auto', 'scroll'].includes(style);
+        }
+        return false;
+    }""")
+    assert scrolls
 
 
 def test_a_run_survives_page_and_app_then_is_stopped_saved_and_resumed_from_the_page(new_page, runs_dir):
