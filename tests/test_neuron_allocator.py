@@ -7,6 +7,7 @@ read from a run folder written with the studio's own event constructors."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -69,3 +70,25 @@ def test_an_allocator_that_could_not_be_read_is_said_and_a_cpu_event_has_none():
     assert describe_allocator({"num_alloc_retries": 3, "num_ooms": 1, "allocated_bytes": {"peak": GIB}}) == (
         "TorchNeuron's allocator at its peak: 1.00 GiB allocated (3 allocation retries, 1 out-of-memory errors)")
     assert "allocator" not in events.peak_memory(GIB, "resident memory", "cpu")
+
+
+def test_on_the_cpu_code_first_run_in_training_is_not_counted_as_the_runs_memory(tmp_path):
+    """Issue 47: the tiny model's runs measured 10-16 MiB above their estimate whatever their size:
+    the libraries' code the first step runs is mapped from files and comes into resident memory
+    then. Here 64 MiB of a file mapped and read after training began rises the high-water mark as
+    much, and is left out; 32 MiB of anonymous memory is counted."""
+    import mmap
+
+    file = tmp_path / "library.so"
+    file.write_bytes(os.urandom(64 * 2**20))
+    peak = PeakMemory()
+    peak.training_begins()
+    with file.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        touched = sum(mapped[i] for i in range(0, len(mapped), mmap.PAGESIZE))  # every page read once
+        held = bytearray(32 * 2**20)  # zero-filled: the kernel maps it; write a byte a page to make it resident
+        for i in range(0, len(held), mmap.PAGESIZE):
+            held[i] = 1
+        measured, how = peak.measured("cpu")
+    assert touched >= 0 and held[0] == 1
+    assert 30 * 2**20 <= measured < 48 * 2**20, measured / 2**20
+    assert "less the libraries' code first run since" in how

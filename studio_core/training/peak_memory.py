@@ -19,8 +19,11 @@ beside the plan's estimate (training/memory.py) in the run's `peak_memory` event
   the process's resident memory rose above its level then (Linux's high-water mark, VmHWM, reset
   at that moment through /proc/self/clear_refs): gradients, the optimizer's state, activations and
   what the C allocator keeps of them, but not the tokenized dataset, the tokenizer or the code
-  imported before training, which a device's memory would not hold either. Where the mark cannot
-  be reset, the mark above the level before the model loaded (all of that included) is said.
+  imported before training, which a device's memory would not hold either. Nor the libraries' code
+  the first steps run: its pages are mapped from files, and come into resident memory as it first
+  runs (about 20 MiB for TRL's SFT step), so what the file-backed part (RssFile) grew since
+  training began is taken off the rise. Where the mark cannot be reset, the mark above the level
+  before the model loaded (all of that included) is said.
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ ALLOCATOR_BYTES = ("allocated_bytes", "reserved_bytes", "active_bytes")
 ALLOCATOR_COUNTS = ("num_ooms", "num_alloc_retries")
 
 
-def high_water_mark() -> int:
-    """The process's peak resident memory in bytes (VmHWM; kilobytes in the file)."""
-    return int(re.search(r"VmHWM:\s+(\d+)", STATUS.read_text()).group(1)) * 1024
+def status_bytes(field: str) -> int:
+    """A memory figure of /proc/self/status in bytes (kilobytes in the file): VmHWM, the peak
+    resident memory; RssFile, the resident pages mapped from files."""
+    return int(re.search(rf"{field}:\s+(\d+)", STATUS.read_text()).group(1)) * 1024
 
 
 def tensor_bytes(*models) -> int:
@@ -110,25 +114,27 @@ class PeakMemory:
 
     def __init__(self):
         self.start_rss = psutil.Process().memory_info().rss
-        self.begin: tuple[int, int] | None = None  # (resident bytes, the models' tensor bytes) at train begin
+        # (resident bytes, its file-backed part, the models' tensor bytes) when training begins
+        self.begin: tuple[int, int, int] | None = None
 
     def training_begins(self, *models) -> None:
         try:
             CLEAR_REFS.write_text("5")  # 5: reset the high-water mark to the memory resident now
         except OSError:
             return  # measured from the model's load instead, and said so
-        self.begin = (psutil.Process().memory_info().rss, tensor_bytes(*models))
+        self.begin = (psutil.Process().memory_info().rss, status_bytes("RssFile"), tensor_bytes(*models))
 
     def measured(self, device: str) -> tuple[int | None, str]:
         """(bytes, how they were measured), or (None, why not)."""
         if device == "cpu":
             if self.begin is None:
-                return max(high_water_mark() - self.start_rss, 0), ("resident memory high-water mark above its "
-                                                                    "level before the model loaded" + CPU_HEAP)
-            rss, tensors = self.begin
-            return tensors + max(high_water_mark() - rss, 0), ("the model's tensors plus the resident memory "
-                                                               "high-water mark above its level when training "
-                                                               "began" + CPU_HEAP)
+                return max(status_bytes("VmHWM") - self.start_rss, 0), ("resident memory high-water mark above "
+                                                                        "its level before the model loaded" + CPU_HEAP)
+            rss, files, tensors = self.begin
+            code = max(status_bytes("RssFile") - files, 0)
+            return tensors + max(status_bytes("VmHWM") - rss - code, 0), (
+                "the model's tensors plus the resident memory high-water mark above its level when training began, "
+                "less the libraries' code first run since" + CPU_HEAP)
         import torch
 
         try:
