@@ -103,7 +103,7 @@ def describe_allocator(allocator: dict | None) -> str | None:
 
 # glibc's heap keeps blocks freed by tensors (and a model's tensors under 128 KiB all come from
 # it), so the CPU's resident peak reads above what a device's allocator would count: bench/memory.py
-# measures with MALLOC_MMAP_THRESHOLD_ set, where its cases read 0.83-1.02 of the estimate, a plain
+# measures with MALLOC_MMAP_THRESHOLD_ set, where its 21 cases read 0.88-1.04 of the estimate, a plain
 # run reads about half (the Qwen3 case: 761 MiB with it, 1.44 GiB without).
 CPU_HEAP = ("; on the CPU it also counts memory freed tensors leave in the C library's heap, so it reads up to "
             "about twice a device's figure")
