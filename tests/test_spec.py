@@ -43,23 +43,24 @@ def test_there_are_recipes():
 @pytest.fixture
 def recipe_hub(monkeypatch, tmp_path):
     """The Hub "on", as a stand-in serving the config.json of every Hub model a recipe names (the
-    check before launch fetches it, and asks for the list of files: weights and a tokenizer there),
-    as the real Hub has them: Qwen3 causal LMs."""
+    check before launch fetches it, asks for the list of files: weights and a tokenizer there, and
+    reads the weights' header), as the real Hub has them: Qwen3 causal LMs."""
     from huggingface_hub import HfApi
 
-    from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
+    from hub_standin import HubStandIn, header_only_safetensors, point_hub_client_at, use_hub_cache
 
     token = "hf_qwen_recipes_0123456789"
     with HubStandIn(tokens={token: {"user": "qwen-bot", "orgs": ["Qwen"]}}) as hub:
         point_hub_client_at(hub, monkeypatch)
         use_hub_cache(tmp_path / "hub-cache", monkeypatch)
         api = HfApi(endpoint=hub.url, token=token)
+        config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+        weights = header_only_safetensors(config)
         for name in sorted({RunSpec.load(r).model_name_or_path for r in RECIPES} - {BUILTIN_MODEL}):
             api.create_repo(name)
-            config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
             api.upload_file(path_or_fileobj=json.dumps(config).encode(), path_in_repo="config.json", repo_id=name)
-            for listed in ("model.safetensors", "tokenizer.json"):  # only their names are asked before launch
-                api.upload_file(path_or_fileobj=b"{}", path_in_repo=listed, repo_id=name)
+            api.upload_file(path_or_fileobj=b"{}", path_in_repo="tokenizer.json", repo_id=name)  # only its name is asked
+            api.upload_file(path_or_fileobj=weights, path_in_repo="model.safetensors", repo_id=name)  # its header is read
         yield hub
 
 
