@@ -442,16 +442,16 @@ def use_hub_cache(folder, monkeypatch) -> None:
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(folder))
 
 
-def header_only_safetensors(config: dict) -> bytes:
-    """A model.safetensors of the model `config` describes, its header alone: each tensor's name and
-    shape (from the model built on the meta device), no data. The studio reads a Hub model's headers
-    before launch; a big model's weights need not be made for that."""
+@functools.lru_cache(maxsize=None)
+def header_only_safetensors(model_type: str) -> bytes:
+    """A model.safetensors of the model_type's default model, its header alone: each tensor's name
+    and shape (from the model built on the meta device), no data. The studio reads a Hub model's
+    headers before launch; a big model's weights need not be made for that."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **settings))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
     header, offset = {}, 0
     for name, tensor in model.state_dict().items():
         size = tensor.numel() * 2

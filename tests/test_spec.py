@@ -55,7 +55,7 @@ def recipe_hub(monkeypatch, tmp_path):
         use_hub_cache(tmp_path / "hub-cache", monkeypatch)
         api = HfApi(endpoint=hub.url, token=token)
         config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
-        weights = header_only_safetensors(config)
+        weights = header_only_safetensors(config["model_type"])
         for name in sorted({RunSpec.load(r).model_name_or_path for r in RECIPES} - {BUILTIN_MODEL}):
             api.create_repo(name)
             api.upload_file(path_or_fileobj=json.dumps(config).encode(), path_in_repo="config.json", repo_id=name)
