@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 
 from cli.main import main as cli_main
-from conftest import RECIPES
+from conftest import RECIPES, launch_py
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
 from studio_core.training import plan
 from studio_core.recipe.spec import RunSpec, SpecError
@@ -251,3 +251,32 @@ def test_the_config_check_child_starts_early_only_when_a_verdict_is_not_kept(mon
     finally:
         started.kill()
         started.wait()
+
+
+def test_a_plan_refused_before_the_config_check_answers_leaves_no_check_child(tmp_path):
+    """The check child starts early (it imports TRL while the rest is checked); a plan refused
+    for its layout exited and left it running, orphaned, until TRL was imported and it read the
+    end of its input."""
+    import shutil
+
+    import psutil
+
+    from studio_core.data.builtin import ensure_tiny_model
+    from studio_core.machine.cache import cache_dir
+    from studio_core.recipe.trl_schema import trl_schema
+
+    cache = tmp_path / "cache"  # the session's model and TRL's fields, but no verdict kept: the child starts
+    ensure_tiny_model()
+    trl_schema()
+    shutil.copytree(cache_dir(), cache, ignore=shutil.ignore_patterns("config-checks"))
+    done = launch_py("plan", str(RECIPES / "tiny-sft.yaml"), "--runs-dir", str(tmp_path / "runs"), "--instance",
+                     "trn2.3xlarge", "--set", "studio.nproc=8", env={"STUDIO_CACHE_DIR": str(cache)}, timeout=120)
+    assert done.returncode != 0 and "use at most 4" in done.stdout + done.stderr
+    left = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if process.environ().get("STUDIO_CACHE_DIR") == str(cache):
+                left.append(" ".join(process.info["cmdline"] or [])[:120])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert left == []

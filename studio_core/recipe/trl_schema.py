@@ -11,6 +11,7 @@ another child, kept up for a while so that asking again costs milliseconds.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -300,12 +301,19 @@ def _ask(requests: list[dict]) -> list:
 
 def _start_checker() -> None:
     """A new check child (the caller holds _checker_lock), reaped when it ends (idle, or killed
-    with the terminal's Ctrl-C): never left defunct."""
+    with the terminal's Ctrl-C): never left defunct; ended when this process exits, so that a plan
+    refused before it asked leaves no child importing TRL behind it."""
     global _checker, _checker_log
     _checker_log = tempfile.TemporaryFile()
     _checker = subprocess.Popen([sys.executable, "-c", _CONFIG_CHECK, str(CHECK_IDLE_S)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_checker_log)
     threading.Thread(target=_checker.wait, name="reap-config-check", daemon=True).start()
+    atexit.register(_end_checker, _checker)
+
+
+def _end_checker(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        child.kill()
 
 
 def _read_line(child: subprocess.Popen, timeout_s: float) -> bytes:
