@@ -149,3 +149,40 @@ def test_datasets_load(name):
         roles = [m["role"] for m in row["messages"]]
         assert roles[-1] == "assistant"
         assert set(roles) <= {"system", "user", "assistant"}
+
+
+MAKER = """
+import sys, time
+from pathlib import Path
+from studio_core.machine.cache import one_maker
+made = Path(sys.argv[1])
+with one_maker("thing"):
+    print("found" if made.exists() else "made", flush=True)
+    if not made.exists():
+        Path(sys.argv[2]).touch()  # inside: the other may start now
+        time.sleep(1.5)
+        made.write_text("x")
+"""
+
+
+def test_processes_that_ask_together_for_a_cached_thing_make_it_once(tmp_path):
+    """The built-in model, the wide sample and TRL's fields were made by every process that asked
+    while none was there yet (a test session's two workers both read TRL at their start)."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    env = {**os.environ, "STUDIO_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    made, inside = tmp_path / "made", tmp_path / "inside"
+    first = subprocess.Popen([sys.executable, "-c", MAKER, str(made), str(inside)], env=env, stdout=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 60
+    while not inside.exists():
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    second = subprocess.run([sys.executable, "-c", MAKER, str(made), str(inside)], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert first.communicate(timeout=60)[0].split() == ["made"]
+    assert second.stdout.split() == ["found"], second.stderr

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from studio_core.machine.cache import cache_dir
+from studio_core.machine.cache import cache_dir, one_maker
 
 BUILTIN_MODEL = "builtin:tiny-qwen3"
 # Bump when the recipe below changes, so a cached folder from an older recipe is not reused.
@@ -114,7 +114,9 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
     so concurrent callers (e.g. torchrun ranks) never see a half-written folder.
     """
     root = Path(root) if root is not None else cache_dir() / "models" / TINY_MODEL_FOLDER
-    with _BUILD_LOCK:
+    if _is_complete(root):
+        return root
+    with _BUILD_LOCK, one_maker(f"model-{root.name}"):
         if _is_complete(root):
             return root
         root.parent.mkdir(parents=True, exist_ok=True)
@@ -233,7 +235,7 @@ def ensure_wide_sample(path: Path | None = None) -> Path:
     path = Path(path) if path is not None else cache_dir() / "data" / WIDE_SAMPLE_FILE
     if path.is_file():
         return path
-    with _BUILD_LOCK:
+    with _BUILD_LOCK, one_maker(f"data-{path.name}"):
         if path.is_file():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from studio_core.recipe import trainers
-from studio_core.machine.cache import cache_dir
+from studio_core.machine.cache import cache_dir, one_maker
 
 # Dataclasses whose fields a recipe may also hold: the model and dataset choice, as
 # TRL's own CLI reads them (`trl sft --config recipe.yaml`).
@@ -89,20 +89,31 @@ def trl_schema() -> dict[str, dict[str, dict]]:
     """{class name: {field: {types, choices, default, help}}} for the trainer configs and extras."""
     path = cache_dir() / f"trl-schema-{version('trl')}.json"
     names = [*trainers.config_classes().values(), *EXTRA_CLASSES]
-    if path.exists():
-        cached = json.loads(path.read_text())
-        if set(names) <= set(cached):  # else a trainer was added since: read TRL again
+    cached = _cached_schema(path, names)
+    if cached is not None:
+        return cached
+    with one_maker(path.name):  # processes asking together read TRL once
+        cached = _cached_schema(path, names)
+        if cached is not None:
             return cached
-    done = subprocess.run(
-        [sys.executable, "-c", _INTROSPECT, *names], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"could not read TRL's config fields:\n{done.stderr[-2000:]}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{id(done)}.tmp")
-    tmp.write_text(done.stdout)
-    tmp.replace(path)
+        done = subprocess.run(
+            [sys.executable, "-c", _INTROSPECT, *names], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"could not read TRL's config fields:\n{done.stderr[-2000:]}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{id(done)}.tmp")
+        tmp.write_text(done.stdout)
+        tmp.replace(path)
     return json.loads(done.stdout)
+
+
+def _cached_schema(path: Path, names: list[str]) -> dict | None:
+    """The schema kept on disk when it has every class asked (else a trainer was added since)."""
+    if not path.exists():
+        return None
+    cached = json.loads(path.read_text())
+    return cached if set(names) <= set(cached) else None
 
 
 def trainer_fields(trainer: str) -> dict[str, dict]:
