@@ -34,7 +34,8 @@ def model_dir(tmp_path_factory):
 def test_public_names():
     assert BUILTIN_MODEL == "builtin:tiny-qwen3"
     assert set(BUILTIN_DATASETS) == {"builtin:qa", "builtin:chat", "builtin:preference",
-                                     "builtin:feedback", "builtin:prompts", "builtin:wide"}  # wide: test_wide_sample
+                                     "builtin:feedback", "builtin:prompts", "builtin:wide",  # wide: test_wide_sample
+                                     "builtin:shapes"}  # images: test_vlm_data
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
+from studio_core.data import sources
 from studio_core.data.builtin import BUILTIN_MODEL, ensure_tiny_model
 from studio_core.machine.hardware import Hardware, instance_hardware
 from studio_core.training.plan import plan
@@ -56,7 +57,7 @@ def recipe_hub(monkeypatch, tmp_path):
         api = HfApi(endpoint=hub.url, token=token)
         config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
         weights = header_only_safetensors(config["model_type"])
-        for name in sorted({RunSpec.load(r).model_name_or_path for r in RECIPES} - {BUILTIN_MODEL}):
+        for name in sorted({RunSpec.load(r).model_name_or_path for r in RECIPES} - set(sources.BUILTIN_MODELS)):
             api.create_repo(name)
             api.upload_file(path_or_fileobj=json.dumps(config).encode(), path_in_repo="config.json", repo_id=name)
             api.upload_file(path_or_fileobj=b"{}", path_in_repo="tokenizer.json", repo_id=name)  # only its name is asked
@@ -75,7 +76,7 @@ def test_every_recipe_loads_validates_and_round_trips(recipe, tmp_path, recipe_h
     assert validate(spec) == []
     # every recipe plans for the trn instance it is sized for; the tiny ones for a 2-core CPU too
     assert plan(spec, instance_hardware("trn2.48xlarge" if spec.layout.nproc > 4 else "trn2.3xlarge")).errors == []
-    if spec.model_name_or_path == BUILTIN_MODEL:
+    if spec.model_name_or_path in sources.BUILTIN_MODELS:
         assert plan(spec, Hardware("cpu", 2, cpu_count=2)).errors == []
     saved = tmp_path / "again.yaml"
     spec.save(saved)

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from studio_core.data.builtin_images import IMAGE_DATASET, ensure_shapes_dataset
 from studio_core.machine.cache import cache_dir, one_maker
 
 BUILTIN_MODEL = "builtin:tiny-qwen3"
@@ -63,16 +64,18 @@ class _BuiltinDatasets(Mapping):
     def __getitem__(self, name: str) -> Path:
         if name == WIDE_DATASET:
             return ensure_wide_sample()
+        if name == IMAGE_DATASET:  # images made on first use
+            return ensure_shapes_dataset() / "train.jsonl"
         return _SAMPLE_FILES[name]
 
     def __contains__(self, name) -> bool:  # without making the file
-        return name in _SAMPLE_FILES or name == WIDE_DATASET
+        return name in _SAMPLE_FILES or name in (WIDE_DATASET, IMAGE_DATASET)
 
     def __iter__(self):
-        return iter([*_SAMPLE_FILES, WIDE_DATASET])
+        return iter([*_SAMPLE_FILES, WIDE_DATASET, IMAGE_DATASET])
 
     def __len__(self) -> int:
-        return len(_SAMPLE_FILES) + 1
+        return len(_SAMPLE_FILES) + 2
 
 
 BUILTIN_DATASETS: Mapping[str, Path] = _BuiltinDatasets()

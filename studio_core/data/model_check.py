@@ -95,16 +95,26 @@ def json_kind(value) -> str:
     return f"the number {json.dumps(value)}"
 
 
+def is_vision(config: dict) -> bool:
+    """A vision-language model: its config holds a vision tower's (LLaVA, Qwen2.5-VL, Idefics3 and
+    SmolVLM, Gemma 3 all write `vision_config`); Transformers' own mapping has the last word
+    (model_child)."""
+    return isinstance(config.get("vision_config"), dict)
+
+
 def config_problems(config: dict, trust_remote_code: bool) -> list[str]:
-    """A causal LM, one that needs no code of its own unless that is allowed, with sane sizes."""
+    """A causal LM or a vision-language model, one that needs no code of its own unless that is
+    allowed, with sane sizes."""
     architectures = config.get("architectures")
     if architectures is not None and not (isinstance(architectures, list)
                                           and all(isinstance(a, str) for a in architectures)):
         return [f"config.json's architectures is {architectures!r}; write a list of class names, e.g. "
                 "[\"Qwen3ForCausalLM\"]"]
-    if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+    generates = ("ForCausalLM", "LMHeadModel") + (("ForConditionalGeneration",) if is_vision(config) else ())
+    if architectures and not any(a.endswith(generates) for a in architectures):
         return [f"it is a {', '.join(architectures)}, not a causal language model; SFT, DPO and GRPO train causal "
-                "LMs (a ...ForCausalLM), e.g. Qwen/Qwen3-0.6B"]
+                "LMs (a ...ForCausalLM), e.g. Qwen/Qwen3-0.6B, or vision-language models (a "
+                "...ForConditionalGeneration with a vision_config), e.g. HuggingFaceTB/SmolVLM-256M-Instruct"]
     if "AutoModelForCausalLM" in auto_map(config) and not trust_remote_code:
         return ["it runs its own Python code (auto_map in config.json); set trust_remote_code: true only if you "
                 "trust its authors"]

@@ -40,7 +40,8 @@ def problems(folder: Path, config_only: bool, hub_weights: Path | None = None) -
         return weight_problems(model, saved)
     files, _ = safetensors_files(folder)  # model_check has said what is wrong with them
     saved = {name: (shape, path.name) for path in files for name, shape in read_header(path).items()}
-    return weight_problems(model, saved) + tokenizer_problems(folder)
+    vision = getattr(model.config, "vision_config", None) is not None
+    return weight_problems(model, saved) + (processor_problems(folder) if vision else tokenizer_problems(folder))
 
 
 def load_config(folder: Path):
@@ -66,17 +67,24 @@ def load_config(folder: Path):
 
 
 def meta_model(config):
-    """The causal LM the config describes, on the meta device (shapes only, no memory)."""
+    """The causal LM (or vision-language model: a config with a vision tower's) the config
+    describes, on the meta device (shapes only, no memory)."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return None, [f"Transformers has no causal language model for its model_type {config.model_type!r}; give a "
-                      "causal LM (a ...ForCausalLM), e.g. Qwen/Qwen3-0.6B"]
+    vision = getattr(config, "vision_config", None) is not None
+    mapping, auto = ((MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, AutoModelForImageTextToText) if vision
+                     else (MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM))
+    if type(config) not in mapping:
+        what = "vision-language model (image-text-to-text)" if vision else "causal language model"
+        return None, [f"Transformers has no {what} for its model_type {config.model_type!r}; give a "
+                      "causal LM (a ...ForCausalLM), e.g. Qwen/Qwen3-0.6B, or a vision-language model Transformers "
+                      "loads with AutoModelForImageTextToText"]
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config), []
+            return auto.from_config(config), []
     except Exception as error:  # whatever the model's own constructor raises on this config
         return None, [f"Transformers cannot build the model its config.json describes ({one_line(error)}); "
                       f"{SAVED_WHOLE}"]
@@ -142,6 +150,23 @@ def tokenizer_problems(folder: Path) -> list[str]:
         return [f"its tokenizer does not load ({one_line(error)}); {save}"]
     if not tokenizer("Hello world", add_special_tokens=False)["input_ids"]:
         return [f"it has no tokenizer (AutoTokenizer makes an empty one: it encodes text to no tokens); {save}"]
+    return []
+
+
+def processor_problems(folder: Path) -> list[str]:
+    """A vision-language model's processor loads through AutoProcessor and has both halves: an
+    image processor for its pictures and a tokenizer for its text."""
+    from transformers import AutoProcessor
+
+    save = "copy in the processor files saved with the model (processor.save_pretrained writes them)"
+    try:
+        processor = AutoProcessor.from_pretrained(folder)
+    except Exception as error:  # a processor's loading raises many types
+        return [f"its processor does not load ({one_line(error)}); {save}"]
+    missing = [part for part in ("image_processor", "tokenizer") if getattr(processor, part, None) is None]
+    if missing:
+        return [f"its processor has no {' and no '.join(missing)} (AutoProcessor gave a "
+                f"{type(processor).__name__}); {save}"]
     return []
 
 

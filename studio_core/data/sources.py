@@ -17,10 +17,12 @@ from huggingface_hub import constants, try_to_load_from_cache
 
 from studio_core.data import model_check
 from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL, TINY_ARCHITECTURE, TINY_VOCAB
+from studio_core.data.builtin_vlm import BUILTIN_VLM, TINY_VLM_CONFIG
 from studio_core.data.files import check_folder
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+BUILTIN_MODELS = (BUILTIN_MODEL, BUILTIN_VLM)  # each made on first use from a config, no download
 HUB_CHECK_TIMEOUT_S = 5  # a model's config.json, fetched before launch: the page must not wait long
 # any one of them: a Hub model has a tokenizer to load
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -49,10 +51,11 @@ def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
     a Hub model not downloaded by its config.json, its list of files and its weights' headers on the Hub."""
     if not name:
         return ["model_name_or_path: empty; give a Hub id, a local folder, or builtin:tiny-qwen3"]
-    if name == BUILTIN_MODEL:
+    if name in BUILTIN_MODELS:
         return []
     if name.startswith("builtin:"):
-        return [f"model_name_or_path: {name!r} is not a built-in model; the built-in one is {BUILTIN_MODEL}"]
+        return [f"model_name_or_path: {name!r} is not a built-in model; the built-in ones are "
+                f"{' and '.join(BUILTIN_MODELS)}"]
     if _looks_local(name):
         folder = Path(name).expanduser()
         if not folder.is_dir():
@@ -181,6 +184,8 @@ def model_config(name: str) -> dict | None:
     The built-in model's shape is known without building it."""
     if name == BUILTIN_MODEL:
         return {**TINY_ARCHITECTURE, "model_type": "qwen3", "vocab_size": TINY_VOCAB, "tie_word_embeddings": True}
+    if name == BUILTIN_VLM:
+        return TINY_VLM_CONFIG
     if _looks_local(name):
         path = Path(name).expanduser() / "config.json"
     else:

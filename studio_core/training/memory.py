@@ -17,6 +17,8 @@ The estimate is for the busiest core (rank 0) and counts, per core:
   attention scores too with eager attention;
 - a reference model for DPO and KTO when the whole model trains (with LoRA the base is the
   reference); DPO's batches hold the chosen and the rejected answers, twice the sequences;
+- a vision-language model's vision tower and projector (vision_parts): their weights, what
+  trains of them, and their activations for one image per sample;
 - for GRPO and RLOO the generation's KV cache (keys and values of every layer for every
   sequence generated at once, prompt plus completion).
 
@@ -173,13 +175,21 @@ def read_shape(config: dict | None) -> tuple[Shape | None, str]:
         layers, kv_heads = config_size(text, "num_hidden_layers"), config_size(text, "num_key_value_heads", heads)
         shape = Shape(model_type, hidden, layers, heads, kv_heads, config_size(text, "head_dim", hidden // heads),
                       intermediate, config_size(text, "vocab_size", 151936),
-                      bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))), experts,
+                      tied(config, text), experts,
                       config_size(text, "moe_intermediate_size", intermediate) if experts else 0)
     except KeyError as error:
         return None, f"its config.json lacks a size the estimate needs ({error.args[0]})"
     except ValueError as error:
         return None, f"its config.json's {error}"
     return shape, ""
+
+
+def tied(config: dict, text: dict) -> bool:
+    """Whether the LM head is the embeddings: a composite model's (a VLM's) own setting says it for
+    its text model (Transformers ties at the top), else the text model's."""
+    if text is not config and "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    return bool(text.get("tie_word_embeddings", False))
 
 
 def config_size(config: dict, key: str, default: int | None = None, least: int = 1) -> int:
@@ -347,13 +357,15 @@ def estimate(trainer: str, layout, args: dict, hardware, config: dict | None) ->
         parts["reference model"] = weights
     kept = activations(shape, args, entry, tp)
     parts.update(kept)
+    vision, vision_unknown = vision_parts(config, args, entry, weight, lora)
+    parts.update(vision)
     if entry.generates:
         parts["generation cache"] = generation_cache(shape, args, tp, weight)
     notes = {}
     if hardware.backend == "neuron":  # the CPU and CUDA backends have no such runtime
         costs, notes = runtime_costs(hardware, layout, next(iter(kept.values())))  # the layers' activations
         parts.update(costs)
-    not_counted = []
+    not_counted = [vision_unknown] if vision_unknown else []
     if not entry.generates and "max_length" in args and not args["max_length"]:
         not_counted.append(f"samples longer than {DEFAULT_LENGTH} tokens (max_length is off: counted as "
                            f"{DEFAULT_LENGTH}, TRL's default)")
@@ -429,6 +441,41 @@ def lora_kept(shape: Shape, args: dict, q: float, width: float) -> float:
               "mlp": h if {"gate_proj", "up_proj"} & set(names) else 0,
               "down": width if "down_proj" in names else 0}  # o_proj's input, attention's output, is kept anyway
     return sum(shared.values()) + rank * len(names)
+
+
+def vision_parts(config: dict, args: dict, entry: trainers.Trainer, weight: int,
+                 lora: bool) -> tuple[dict[str, float], str]:
+    """A vision-language model's vision tower and projector (LLaVA's: a ViT of `vision_config`'s
+    sizes, then two linears to the text model's width): their weights, their gradients and
+    optimizer state where the whole model trains (LoRA: counted frozen), and what the tower's
+    layers keep for the backward pass for one image of `image_size` per sample (layer_kept on the
+    tower's sizes: its attention sees the image's patches, its MLP is counted as wide as a gated
+    one, a little above a ViT's). -> (parts, what could not be counted or "")."""
+    vision = config.get("vision_config") if isinstance(config, dict) else None
+    if not isinstance(vision, dict):
+        return {}, ""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    try:
+        h, layers = config_size(vision, "hidden_size"), config_size(vision, "num_hidden_layers")
+        heads, width = config_size(vision, "num_attention_heads"), config_size(vision, "intermediate_size")
+        patch, image = config_size(vision, "patch_size"), config_size(vision, "image_size")
+        text_hidden, channels = config_size(text, "hidden_size"), config_size(vision, "num_channels", 3)
+    except (KeyError, ValueError) as error:
+        return {}, f"the vision tower (its vision_config: {error})"
+    per_image = (image // patch) ** 2
+    tower = layers * (4 * h * h + 2 * h * width + 9 * h + width) + (channels * patch * patch + per_image + 3) * h
+    params = tower + h * text_hidden + text_hidden * text_hidden + 2 * text_hidden  # the projector
+    parts = {"vision tower and projector": params * weight}
+    if not lora:
+        parts["their gradients and optimizer state"] = params * weight * (1 + ADAM_STATES)
+    shape = Shape("vision", h, layers, heads, heads, h // heads, width, 0, True)
+    images = int(args.get("per_device_train_batch_size") or 8) * entry.sequences_per_example
+    per_layer = layer_kept(shape, args, per_image, 1)
+    checkpointing = args.get("gradient_checkpointing", True)
+    kept = layers * h + per_layer if checkpointing else layers * per_layer
+    act = 2 if args.get("bf16") or args.get("fp16") else 4
+    parts["vision activations"] = images * per_image * kept * act
+    return parts, ""
 
 
 def generation_cache(shape: Shape, args: dict, tp: int, weight: int) -> float:

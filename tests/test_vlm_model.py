@@ -1,0 +1,93 @@
+"""Issue 49, the model side of vision-language fine-tuning: the built-in tiny VLM (a LLaVA built
+offline from a config) loads with plain Transformers, the studio knows its shape without building
+it, its folder passes the model check as a VLM (AutoModelForImageTextToText on the meta device,
+its processor through AutoProcessor), a damaged one is refused saying what to change, and the
+memory estimate counts its vision tower.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from studio_core.data import sources
+from studio_core.data.builtin_vlm import BUILTIN_VLM, TINY_VLM_CONFIG, VLM_IMAGE_TOKENS, ensure_tiny_vlm
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.recipe.spec import RunSpec
+from studio_core.training import memory
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-vlm-sft.yaml"
+
+
+def copied(tmp_path: Path) -> Path:
+    folder = tmp_path / "vlm"
+    shutil.copytree(ensure_tiny_vlm(), folder)
+    return folder
+
+
+def test_the_built_in_vlm_loads_with_plain_transformers_and_answers_about_an_image():
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = ensure_tiny_vlm()
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What shape is this?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=prompt, images=[Image.new("RGB", (50, 40), (200, 30, 30))], return_tensors="pt")
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert int((inputs["input_ids"] == image_token).sum()) == VLM_IMAGE_TOKENS  # any image size: the same count
+    out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_the_shape_the_studio_knows_is_the_built_models():
+    built = json.loads((ensure_tiny_vlm() / "config.json").read_text())
+    for section in ("text_config", "vision_config"):
+        for key, value in TINY_VLM_CONFIG[section].items():
+            assert built[section][key] == value, (section, key)
+    assert built["architectures"] == TINY_VLM_CONFIG["architectures"]
+    assert sources.model_config(BUILTIN_VLM) is TINY_VLM_CONFIG  # no build in the web app's process
+
+
+def test_a_vlm_folder_passes_the_model_check_and_its_damage_is_named(tmp_path):
+    assert sources.check_model(BUILTIN_VLM) == []
+    assert sources.check_model(str(ensure_tiny_vlm())) == []
+    no_processor = copied(tmp_path / "a")
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        (no_processor / name).unlink(missing_ok=True)
+    [message] = sources.check_model(str(no_processor))
+    assert "its processor" in message and "processor.save_pretrained" in message, message
+    wider = copied(tmp_path / "b")
+    config = json.loads((wider / "config.json").read_text())
+    config["vision_config"]["hidden_size"] = 96
+    (wider / "config.json").write_text(json.dumps(config))
+    [message] = sources.check_model(str(wider))
+    assert "its weights do not fit its config.json" in message and "the config makes it [64, 96]" in message, message
+
+
+@pytest.mark.fast
+def test_a_generation_model_without_a_vision_tower_is_still_refused(tmp_path):
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"],
+                                                    "model_type": "t5"}))
+    [message] = sources.check_model(str(folder))
+    assert "not a causal language model" in message and "vision-language" in message
+
+
+@pytest.mark.fast
+def test_the_memory_estimate_counts_the_vision_tower_and_its_activations():
+    spec = RunSpec.load(RECIPE)
+    vlm = memory.estimate("sft", spec.layout, spec.args, cpu_hardware(), TINY_VLM_CONFIG)
+    assert {"vision tower and projector", "their gradients and optimizer state", "vision activations"} <= set(vlm.parts)
+    twice = memory.estimate("sft", spec.layout, {**spec.args, "per_device_train_batch_size": 32}, cpu_hardware(),
+                            TINY_VLM_CONFIG)
+    assert twice.parts["vision activations"] == 2 * vlm.parts["vision activations"]  # an image a sample
+    lora = memory.estimate("sft", spec.layout, {**spec.args, "use_peft": True}, cpu_hardware(), TINY_VLM_CONFIG)
+    assert "their gradients and optimizer state" not in lora.parts  # the tower frozen
+    text = memory.estimate("sft", spec.layout, spec.args, cpu_hardware(), sources.model_config("builtin:tiny-qwen3"))
+    assert not any("vision" in part for part in text.parts)
