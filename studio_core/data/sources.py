@@ -17,7 +17,8 @@ from huggingface_hub import constants, try_to_load_from_cache
 
 from studio_core.data import model_check
 from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL, TINY_ARCHITECTURE, TINY_VOCAB
-from studio_core.data.builtin_vlm import BUILTIN_VLM, TINY_VLM_CONFIG
+from studio_core.data.builtin import ensure_tiny_model
+from studio_core.data.builtin_vlm import BUILTIN_VLM, TINY_VLM_CONFIG, ensure_tiny_vlm
 from studio_core.data.files import check_folder
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -75,6 +76,22 @@ def check_model(name: str, trust_remote_code: bool = False) -> list[str]:
         return [f"model_name_or_path: {name}: {what}, and the Hub is off (HF_HUB_OFFLINE=1): download it first "
                 f"(hf download {name}, with the Hub on), or give a local folder"]
     return _check_on_the_hub(name, trust_remote_code)
+
+
+def builtin_folder(name: str) -> Path | None:
+    """A built-in model's folder, built on first use (imports torch and Transformers: not for the
+    web app's process); None for any other name."""
+    if name == BUILTIN_MODEL:
+        return ensure_tiny_model()
+    if name == BUILTIN_VLM:
+        return ensure_tiny_vlm()
+    return None
+
+
+def is_vision_model(name: str) -> bool:
+    """Whether the model (built-in, a folder, or a Hub model in the cache) is a vision-language model,
+    by its config.json alone (False where it is not on this machine)."""
+    return model_check.is_vision(model_config(name) or {})
 
 
 def _named(name: str, problems: list[str]) -> list[str]:

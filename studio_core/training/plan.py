@@ -16,8 +16,7 @@ from pathlib import Path
 from studio_core import backends
 from studio_core.recipe import eval_data, trainers
 from studio_core.training import memory, padding, precompile
-from studio_core.data import sources
-from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.data import model_check, sources
 from studio_core.machine.children import REPO_ROOT
 from studio_core.machine.cores import format_cores, parse_cores
 from studio_core.machine.device_env import (RANK_CORES, REASONS, VISIBLE, describe_rank_cores, device_env, flags_problem,
@@ -42,6 +41,12 @@ RECOMPILE_LIMITS = "torch._dynamo.config.recompile_limit, accumulated_recompile_
 COMMON_DEFAULTS = (
     Default("disable_tqdm", True, "progress streams as events; tqdm's bar would flood train.log"),
     Default("logging_first_step", True, "the first loss shows at step 1, not after logging_steps"),
+)
+# A vision-language model's (model_check.is_vision), before the backend's: a default met first is the one kept.
+VISION_DEFAULTS = (
+    Default("ddp_find_unused_parameters", True, "a vision-language model has weights its forward does not use "
+            "(LLaVA reads its vision tower's hidden states before the tower's last norm and pooling head): DDP "
+            "must look for them, or it stops at the second step"),
 )
 BACKEND_DEFAULTS = {
     "cpu": (
@@ -108,8 +113,9 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     applied: list[tuple[str, object, str]] = []
     warnings: list[str] = list(hardware.problems)  # found by detection on this machine
     known = trainer_fields(spec.trainer)
-    defaults = (*COMMON_DEFAULTS, *BACKEND_DEFAULTS[hardware.backend], *trainer.defaults,
-                *(trainer.neuron_defaults if hardware.backend == "neuron" else ()))
+    vision = model_check.is_vision(model_config or {})
+    defaults = (*(VISION_DEFAULTS if vision else ()), *COMMON_DEFAULTS, *BACKEND_DEFAULTS[hardware.backend],
+                *trainer.defaults, *(trainer.neuron_defaults if hardware.backend == "neuron" else ()))
     for default in (d for d in defaults if d.key in known and (d.when is None or d.when(args))):
         if default.key not in args:
             args[default.key] = default.value
@@ -308,7 +314,8 @@ def _environment(spec: RunSpec, hardware: Hardware, run_id: str, compile_cache, 
         "STUDIO_RUN_ID": run_id,  # marks every process of the run, so stop can find them all
         "HF_HUB_DISABLE_TELEMETRY": "1",
     }
-    local_model = spec.model_name_or_path == BUILTIN_MODEL or Path(spec.model_name_or_path).expanduser().exists()
+    local_model = (spec.model_name_or_path in sources.BUILTIN_MODELS
+                   or Path(spec.model_name_or_path).expanduser().exists())
     local_data = sources.dataset_file(spec.dataset_name) is not None or Path(spec.dataset_name).expanduser().exists()
     if local_model and local_data:
         env["HF_HUB_OFFLINE"] = "1"

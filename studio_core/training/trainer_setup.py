@@ -18,8 +18,6 @@ import os
 from pathlib import Path
 
 from studio_core.data import sources
-from studio_core.data.builtin import BUILTIN_MODEL, ensure_tiny_model
-from studio_core.data.builtin_vlm import BUILTIN_VLM, ensure_tiny_vlm
 from studio_core.data.downloads import download_with_progress
 from studio_core.machine.layout import mesh_sizes
 from studio_core.recipe.rewards import HUB_TOKENS, reward_functions
@@ -60,10 +58,8 @@ def build_trainer(spec: RunSpec, run_dir: Path, dataset, eval_dataset, callbacks
     model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)}
     script_fields = {f.name for f in dataclasses.fields(trl.ScriptArguments)}
     model_path = spec.model_name_or_path
-    if model_path == BUILTIN_MODEL:
-        model_path = str(ensure_tiny_model())
-    elif model_path == BUILTIN_VLM:
-        model_path = str(ensure_tiny_vlm())
+    if model_path in sources.BUILTIN_MODELS:
+        model_path = str(sources.builtin_folder(model_path))
     elif log is not None and sources.HUB_ID.match(model_path) and not Path(model_path).exists():
         download_with_progress(model_path, log)
     user_code = trainer_spec.rewards and any(isinstance(e, dict) and "file" in e for e in spec.rewards or [])
