@@ -8,6 +8,12 @@ format as TRL does, and `fit_problems` says what to change for a trainer, in the
 `studio.column_map` (rename) and `studio.keep_columns` (keep only these, after renaming), which
 `prepare_dataset` applies in the worker as `apply_column_map` does here; `suggest_fix` gives
 those keys as data, for the page to apply in one click. `data_scan.scan_file` reads the whole file.
+
+A dataset with an `images` column (a list of images a record) or an `image` column (one) is
+*vision* data, as TRL's trainers tell (`"image" in sample or "images" in sample`): `detect` names
+the column (`DatasetKind.images`, `.vision`), and `fit_problems` refuses a trainer that TRL 1.16
+does not train on images of that type (IMAGE_DATA_TYPES).
+
 This runs in the web app's process: stdlib and pyarrow only, never `datasets`, torch or trl.
 """
 
@@ -28,6 +34,21 @@ TYPE_COLUMNS = {
 }
 # Columns TRL's trainers read besides the type's own; never reported as surplus.
 TRL_EXTRAS = frozenset({"images", "image", "tools", "chat_template_kwargs"})
+IMAGE_COLUMNS = ("images", "image")  # TRL's: a list of images a record, or one (read first when both are there)
+# The dataset types each TRL trainer class trains on with images, in TRL 1.16: SFT's
+# DataCollatorForVisionLanguageModeling (messages or text, prompt and completion); DPO's
+# DataCollatorForVisionPreference reads `prompt` (image data skips the prompt's extraction from
+# `chosen` and `rejected`); KTO refuses paired image data ("Vision datasets must be in unpaired
+# format"); GRPO and RLOO take images with their prompts, conversational only ("Multimodal training
+# requires conversational prompts"). RewardTrainer reads no images.
+IMAGE_DATA_TYPES = {
+    "SFTTrainer": ("language_modeling", "prompt_completion"),
+    "DPOTrainer": ("preference",),
+    "KTOTrainer": ("unpaired_preference",),
+    "GRPOTrainer": ("prompt_only", "prompt_completion"),
+    "RLOOTrainer": ("prompt_only", "prompt_completion"),
+}
+IMAGE_CHATS_ONLY = ("GRPOTrainer", "RLOOTrainer")
 _GUESSES = {  # usual names for a column, in order of preference (compared case-insensitively)
     "prompt": ("question", "instruction", "query", "input", "problem"),
     "completion": ("answer", "response", "output", "solution", "target", "reply"),
@@ -45,6 +66,12 @@ class DatasetKind:
     description: str  # for people, e.g. "preference data (conversational) in `prompt`, `chosen`, `rejected`"
     used: tuple[str, ...] = ()  # the columns TRL reads this type from
     formats: dict[str, str] = field(default_factory=dict)  # format of each used column
+    images: str = ""  # the column TRL reads images from (IMAGE_COLUMNS), "" for text data
+
+    @property
+    def vision(self) -> bool:
+        """Vision data: TRL hands each record's images to the model's processor with its text."""
+        return bool(self.images)
 
 
 def detect(rows: list[dict], text_field: str = "text") -> DatasetKind:
@@ -71,8 +98,9 @@ def detect(rows: list[dict], text_field: str = "text") -> DatasetKind:
     fmt = (found.pop() if found in ({"conversational"}, {"standard"})
            else "mixed" if found == {"conversational", "standard"} else "invalid")
     detail = fmt if fmt in ("conversational", "standard") else ", ".join(f"`{c}` {f}" for c, f in formats.items())
-    return DatasetKind(kind, fmt, columns, f"{kind.replace('_', '-')} data ({detail}) in {_names(used)}",
-                       used, formats)
+    images = next((c for c in IMAGE_COLUMNS if c in present), "")
+    return DatasetKind(kind, fmt, columns, f"{kind.replace('_', '-')} data ({detail}) in {_names(used)}"
+                       + (f", with images in `{images}`" if images else ""), used, formats, images)
 
 
 def _value_format(value) -> str:
@@ -100,6 +128,40 @@ def fit_problems(kind: DatasetKind, trainer: str, extra_columns_ok: set[str] = f
         keep = ", ".join(_wanted(kind))
         problems.append(f"dataset: {entry.name} would not use {_names(surplus)}, since TRL reads "
                         f"this as {kind.description}; keep only {keep} with studio.keep_columns: [{keep}]")
+    return problems + (_image_problems(kind, entry) if kind.vision else [])
+
+
+def _image_problems(kind: DatasetKind, entry: trainers.Trainer) -> list[str]:
+    """What stops `entry` from training on this vision data (IMAGE_DATA_TYPES), each with the fix."""
+    problems = []
+    if set(IMAGE_COLUMNS) <= set(kind.columns):
+        keep = ", ".join(c for c in kind.columns if c != "images")
+        problems.append("dataset: has both `image` and `images`; TRL makes `image` each record's only image and "
+                        f"drops `images`: keep one of them, e.g. studio.keep_columns: [{keep}]")
+    types = IMAGE_DATA_TYPES.get(entry.trainer_class, ())
+    takers = [t.name for t in trainers.TRAINERS.values()
+              if kind.type in IMAGE_DATA_TYPES.get(t.trainer_class, ()) and kind.type in t.data_types]
+    others = f"; or train it with {' or '.join(takers)}" if takers else ""
+    if not types:
+        keep = ", ".join(c for c in kind.columns if c not in IMAGE_COLUMNS)
+        use = takers or [t.name for t in trainers.TRAINERS.values() if t.trainer_class in IMAGE_DATA_TYPES]
+        problems.append(f"dataset: {entry.name} does not train on images (TRL's {entry.trainer_class} reads no "
+                        f"`{kind.images}` column); train on this data with {' or '.join(use)}, or leave the images "
+                        f"out with studio.keep_columns: [{keep}]")
+    elif kind.type not in types:
+        fix = {"preference_implicit": "give each record its prompt, with the image placeholders, in a `prompt` "
+                                      "column, and only the answers in `chosen` and `rejected`",
+               "preference": "unpair it: one record per answer, with `prompt`, `completion`, and `label` (true for "
+                             "the chosen answer, false for the rejected one)"}.get(kind.type, "")
+        named = " or ".join(t.replace("_", "-") for t in types)
+        problems.append(f"dataset: {entry.name} trains on images only in {named} data (TRL's {entry.trainer_class}); "
+                        f"this dataset has {kind.description}"
+                        f"{': ' + fix if fix else ''}{others}")
+    elif entry.trainer_class in IMAGE_CHATS_ONLY and kind.format != "conversational":
+        problems.append(f"dataset: {entry.name} trains on images only with conversational prompts (TRL's "
+                        f"{entry.trainer_class}); this dataset has {kind.description}: write each prompt as a list "
+                        'of messages, e.g. [{"role": "user", "content": [{"type": "image"}, {"type": "text", '
+                        '"text": "What is in the picture?"}]}]')
     return problems
 
 

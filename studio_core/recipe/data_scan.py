@@ -8,14 +8,29 @@ records far longer than max_length. `check_spec_file` adds what only the model's
 tells, when it is on this machine: the first records rendered through its chat template as TRL
 renders them, and the longest ones counted in its tokens (each text cut to what max_length can
 keep first: a 20 MB record needs only enough of it to know that it will be cut). The type and format come from the first rows
-(studio_core.recipe.data_check). This runs in the web app's process: stdlib and pyarrow only (and
-transformers' tokenizer classes, without torch), never `datasets`, torch or trl.
+(studio_core.recipe.data_check).
+
+Vision data (an `images` or `image` column, data_check.DatasetKind.vision): messages may hold
+parts ({"type": "text", "text": ...} and {"type": "image"} placeholders), and ImageCheck opens
+each distinct image of a local file once, with Pillow, before launch: a path is relative to the
+data file's folder (as train_data.with_images loads it); a missing file, one that is not an
+image, a URL (the run never downloads one), more pixels than Pillow's MAX_IMAGE_PIXELS, an
+animated image, a mode other than 8-bit RGB, greyscale or palette, and a record whose image
+placeholders do not match its images (TRL's prepare_multimodal_messages would stop the run) are
+refused. A record with no images and no placeholders trains as text: TRL's collators take an
+empty list, and pass no images for a batch of such records.
+
+This runs in the web app's process: stdlib, pyarrow and Pillow only (and transformers' tokenizer
+classes, without torch), never `datasets`, torch or trl.
 """
 
 from __future__ import annotations
 
 import heapq
+import io
 import json
+import re
+import warnings
 from pathlib import Path
 
 from functools import lru_cache
@@ -50,6 +65,15 @@ ORDER_CASES = {
 }
 
 
+# Pillow's image modes that processors read as they are (8 bits a channel, converted to RGB)
+STILL_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")
+MODE_NAMES = {"CMYK": "CMYK (print colours)", "YCbCr": "YCbCr", "LAB": "Lab", "HSV": "HSV", "I": "32-bit integer",
+              "F": "32-bit float", "I;16": "16-bit greyscale", "I;16B": "16-bit greyscale",
+              "I;16L": "16-bit greyscale", "I;16N": "16-bit greyscale"}
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|data:)")  # a URL, or an image inline (a data: URI)
+SHOWN = 160  # characters of a value (an image's path) a message shows at most
+
+
 class Scan(list):
     """scan_file's answer: the refusals, a list of messages as before (empty: the file may be
     trained on), `warnings`: records that train, but likely not as meant, `rows`: the records
@@ -80,9 +104,11 @@ def scan_file(path: Path, column_map: dict | None = None, keep_columns: list | N
         return Scan([f"dataset: {error}"])
     renamed = {new: old for old, new in (column_map or {}).items()}
     columns = {renamed.get(c, c): c for c in kind.used}  # name in the file -> name TRL sees
-    read = records(path, columns=list(columns) + [c for c in ("tools", "chat_template_kwargs")
-                                                  if path.suffix.lower() != ".parquet"])
-    scan = scan_records(read, kind, columns, f"dataset: {path}", limit, most)
+    images = renamed.get(kind.images, kind.images)
+    read = records(path, columns=list(columns) + [images] * kind.vision + [
+        c for c in ("tools", "chat_template_kwargs") if path.suffix.lower() != ".parquet"])
+    scan = scan_records(read, kind, columns, f"dataset: {path}", limit, most,
+                        ImageCheck(images, path.parent) if kind.vision else None)
     if max_length:
         scan.warnings += long_warnings(scan, f"dataset: {path}", max_length, None, most)
     return scan
@@ -143,22 +169,30 @@ def max_length(spec) -> int | None:
 def scan_dataset(dataset, column_map: dict | None, text_field: str = "text", limit: int = SCAN_LIMIT,
                  most: int = 5, what: str = "dataset") -> Scan:
     """scan_file over a `datasets.Dataset` as loaded (before the column map), rows numbered from 1:
-    the same checks for a Hub dataset or a folder, which are read only in the run."""
-    head = [dict(row) for row in dataset.select(range(min(5, len(dataset))))]
+    the same checks for a Hub dataset or a folder, which are read only in the run. Its images are
+    read as stored (a path, or bytes), not decoded, and only looked for (ImageCheck without a folder)."""
+    head = dataset.select(range(min(5, len(dataset)))).to_list()  # its images as stored, not opened
     if not head:
         return Scan()
     kind = detect(apply_column_map(head, column_map, None), text_field)
     renamed = {new: old for old, new in (column_map or {}).items()}
     columns = {renamed.get(c, c): c for c in kind.used}
     wanted = [c for c in [*columns, "tools", "chat_template_kwargs"] if c in dataset.column_names]
-    rows = ((f"row {i + 1}", row) for i, row in enumerate(dataset.select_columns(wanted)))
-    return scan_records(rows, kind, columns, what, limit, most)
+    rows = iter(dataset.select_columns(wanted))
+    images = renamed.get(kind.images, kind.images)
+    if kind.vision and images in dataset.column_names:
+        stored = (row for batch in dataset.select_columns([images]).with_format("arrow").iter(batch_size=1024)
+                  for row in batch.to_pylist())
+        rows = ({**row, **image} for row, image in zip(rows, stored))
+    rows = ((f"row {i + 1}", row) for i, row in enumerate(rows))
+    return scan_records(rows, kind, columns, what, limit, most, ImageCheck(images, None) if kind.vision else None)
 
 
 def scan_records(rows, kind: DatasetKind, columns: dict[str, str], what: str, limit: int = SCAN_LIMIT,
-                 most: int = 5) -> Scan:
+                 most: int = 5, images: ImageCheck | None = None) -> Scan:
     """The scan of (where, record or ValueError) pairs; `what` begins every message (e.g.
-    "dataset: FILE"); `columns`: the record's name of each column TRL reads -> TRL's name."""
+    "dataset: FILE"); `columns`: the record's name of each column TRL reads -> TRL's name;
+    `images`: the check of each record's images, for vision data."""
     problems, bad, read, first, longest = [], 0, 0, [], []
     order: dict[str, list] = {}  # kind of disorder -> [records, places, the first one's detail]
     try:
@@ -166,7 +200,8 @@ def scan_records(rows, kind: DatasetKind, columns: dict[str, str], what: str, li
             if read == limit:
                 break
             read += 1
-            problem = str(record) if isinstance(record, ValueError) else _record_problem(record, columns, kind)
+            problem = str(record) if isinstance(record, ValueError) else (
+                _record_problem(record, columns, kind) or (images.problem(record, columns, kind) if images else ""))
             bad += bool(problem)
             if problem and bad <= most:
                 problems.append(f"{what.split(':')[0]}: {problem}" if isinstance(record, ValueError)
@@ -236,7 +271,8 @@ def _record_problem(record: dict, columns: dict[str, str], kind: DatasetKind) ->
     for column, name in columns.items():
         value = record.get(column)
         problem = ("is missing; every record needs one" if value is None else "" if name == "label"
-                   else _value_problem(value, kind.formats.get(name, "")) or _messages_problem(value, calls))
+                   else _value_problem(value, kind.formats.get(name, ""))
+                   or _messages_problem(value, calls, kind.vision))
         if problem:
             return f"`{column}` {problem}"
     return ""
@@ -259,9 +295,10 @@ def _value_problem(value, fmt: str) -> str:
     return f"is a {type(value).__name__}; it needs {want}"
 
 
-def _messages_problem(value, tool_calls: bool) -> str:
+def _messages_problem(value, tool_calls: bool, parts: bool = False) -> str:
     """The first message (of a list `_value_problem` passed) whose turn the chat template would drop
-    or empty; `tool_calls`: the record has a tool call, so `tool` messages are taken. "" if none."""
+    or empty; `tool_calls`: the record has a tool call, so `tool` messages are taken; `parts`: vision
+    data, whose content may be a list of text parts and image placeholders. "" if none."""
     for number, message in enumerate(value if isinstance(value, list) else [], start=1):
         role, content = message["role"], message.get("content")
         if role == "tool" and not tool_calls:
@@ -273,16 +310,171 @@ def _messages_problem(value, tool_calls: bool) -> str:
             use = f"`{known}`" if known else "`system`, `user` or `assistant` (`tool` for the answer to a tool call)"
             return (f"message {number} has the role `{role}`, which chat templates do not know (Qwen3's drops the "
                     f"turn); change it to {use} in the data")
+        if parts and isinstance(content, list):
+            problem = _parts_problem(content)
+            if problem:
+                return f"message {number} (`{role}`) {problem}"
+            continue
         if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
             if content is None:
                 return f"message {number} (`{role}`) has no `content`; give it its text"
             what = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}.get(
                 type(content), type(content).__name__)
             fix = (f"write it in quotes, {json.dumps(str(content))}" if what == "a number"
+                   else "give each record its image files in an `images` column, e.g. \"images\": "
+                   "[\"images/0001.png\"], or write the message's text as one string"
+                   if what == "a list" and any(isinstance(p, dict) and p.get("type") == "image" for p in content)
                    else "write the message's text as one string")
             return (f"message {number} (`{role}`) has {what} as its `content`, not text (chat templates render it "
                     f"as empty or fail); {fix}")
     return ""
+
+
+def _parts_problem(content: list) -> str:
+    """What is wrong with a message's content of parts (vision data); "" if nothing."""
+    for number, part in enumerate(content, start=1):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image":
+            inline = [key for key in ("image", "url", "path") if part.get(key) is not None]
+            if inline:
+                return (f"part {number} holds its image (`{inline[0]}`); the studio checks and loads images from the "
+                        "record's `images` list: put the image's path there and leave {\"type\": \"image\"} here")
+            continue
+        return (f"part {number} is neither a text part ({{\"type\": \"text\", \"text\": \"...\"}}) nor an image "
+                "placeholder ({\"type\": \"image\"}); write it as one of them")
+    return ""
+
+
+class ImageCheck:
+    """The images of vision data's records, in their column `column` (TRL's `images`: a list a
+    record, or `image`: one), each distinct file checked once (`seen`). `folder`: where a
+    relative path starts (the data file's folder); each image is opened there (image_problem).
+    Without a folder (a dataset loaded in the run, whose paths train_data made absolute) an image is
+    only looked for: opening every image of a Hub dataset on every rank would take long."""
+
+    def __init__(self, column: str, folder: Path | None):
+        self.column, self.folder, self.seen = column, folder, {}
+
+    def problem(self, record: dict, columns: dict[str, str], kind: DatasetKind) -> str:
+        """What is wrong with this record's images, or with its placeholders for them; "" if nothing."""
+        value = record.get(self.column)
+        if kind.images == "image":
+            if value is None:
+                return (f"`{self.column}` is missing; every record needs one, as TRL makes it the record's only "
+                        "image: give it, or put the images in an `images` list, empty for a record without one")
+            found = [value]
+        elif isinstance(value, list) or value is None:
+            found = value or []  # none: the record trains as text, as TRL's collators take it
+        else:
+            return (f"`{self.column}` is {'text' if isinstance(value, str) else _a(value)}, not a list; write it "
+                    f"as a list of image files, e.g. [\"images/0001.png\"]")
+        for number, image in enumerate(found, start=1):
+            problem = self._image_problem(image)
+            if problem:
+                which = f"`{self.column}`" + (f" image {number}" if kind.images == "images" else "")
+                return f"{which} ({_shown(image)}) {problem}"
+        return _placeholder_problem(record, columns, kind, len(found), self.column)
+
+    def _image_problem(self, image) -> str:
+        if isinstance(image, dict) and ("bytes" in image or "path" in image):  # datasets' Image, as stored
+            if image.get("bytes"):
+                return image_problem(image["bytes"]) if self.folder is not None else ""
+            image = image.get("path")
+        if not isinstance(image, str) or not image.strip():
+            return f"is {_a(image)}, not the path of an image file; give the file's path"
+        if URL.match(image):
+            return ("is a URL or inline data, not a file: the run reads images from files and never downloads one; "
+                    "save the image as a file and give its path")
+        path = self.folder / Path(image).expanduser() if self.folder is not None else Path(image).expanduser()
+        if str(path) not in self.seen:
+            looked = f" (looked for {_shown(path)})" if str(path) != image else ""
+            start = " (a relative one starts from the data file's folder)" if self.folder is not None else ""
+            self.seen[str(path)] = (f"is not found{looked}; fix the path{start} or add the file"
+                                    if not path.is_file() else image_problem(path) if self.folder is not None else "")
+        return self.seen[str(path)]
+
+
+def image_problem(source: Path | bytes) -> str:
+    """What stops an image file (or its bytes) from training as meant; "" if nothing: Pillow opens
+    and verifies it, then reads its size, frames and mode."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    shrink = (f"more than Pillow's limit of {(limit or 0) / 1e6:.1f} megapixels (PIL.Image.MAX_IMAGE_PIXELS, its "
+              "guard against decompression bombs); shrink it, e.g. with Pillow: image.thumbnail((2048, 2048)), and "
+              "save it (the model's processor makes every image far smaller anyway)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+                image.verify()  # the whole file; it cannot be read after this
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+                mode, (width, height), frames = image.mode, image.size, getattr(image, "n_frames", 1)
+                animated = frames > 1 and image.format != "MPO"  # a camera's MPO: a photo and its previews
+    except Image.DecompressionBombError:
+        return f"is over twice as large as Pillow opens: {shrink}"
+    except (OSError, SyntaxError, ValueError, EOFError) as error:
+        return f"is not an image Pillow can read ({_shown(str(error))}); give a PNG or JPEG file"
+    if limit and width * height > limit:
+        return f"is {width:,} x {height:,} pixels ({width * height / 1e6:.1f} megapixels), {shrink}"
+    if animated:
+        return (f"is animated ({frames} frames): only its first frame would be used; give a still image, e.g. its "
+                "first frame saved as PNG")
+    if mode not in STILL_MODES:
+        deep = " after scaling its values to 0-255 (.convert clips higher ones)" if mode[0] in "IF" else ""
+        return (f"is a {MODE_NAMES.get(mode, mode)} image (mode {mode}), which the model's processor does not read "
+                f"as 8-bit colours; convert it to RGB{deep}, e.g. with Pillow: "
+                "Image.open(path).convert(\"RGB\").save(\"new.png\")")
+    return ""
+
+
+def _placeholder_problem(record: dict, columns: dict[str, str], kind: DatasetKind, count: int, images: str) -> str:
+    """Whether the record's image placeholders match its `count` images, as TRL's
+    prepare_multimodal_messages counts them: the {"type": "image"} parts of its messages (`messages`,
+    else `prompt`, which get the images; an answer gets none), plus one per image before the first
+    user message whose content is text. Text (standard) data holds the model's own image token
+    instead, which only its processor knows: not checked."""
+    by_name = {name: column for column, name in columns.items()}
+    target = next((name for name in ("messages", "prompt") if name in by_name), None)
+    if target is None:
+        return ""  # no column gets the images: data_check.fit_problems refuses such data
+    for name, column in by_name.items():
+        messages = record.get(column)
+        if kind.formats.get(name) != "conversational" or not isinstance(messages, list):
+            continue
+        placed = sum(1 for m in messages if m.get("role") != "tool" and isinstance(m.get("content"), list)
+                     for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
+        added = count if any(m.get("role") == "user" and isinstance(m.get("content"), str) for m in messages) else 0
+        if name == target and placed + added != count:
+            counted = (f", counting the {added} TRL puts before the first user message whose content is text"
+                       if added else "")
+            return (f"`{column}` has {_count(placed + added, 'image placeholder')} ({{\"type\": \"image\"}} "
+                    f"parts{counted}) but `{images}` has {_count(count, 'image')}; TRL fills the placeholders with "
+                    "the images in order: give one placeholder per image")
+        if name != target and placed:
+            return (f"`{column}` has {_count(placed, 'image placeholder')}; TRL gives the images to `{by_name[target]}`"
+                    " only: move the placeholders there")
+    return ""
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number} {thing}{'' if number == 1 else 's'}"
+
+
+def _a(value) -> str:
+    """A value's kind, in words (for a value that is not what it should be)."""
+    return {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object",
+            type(None): "missing", str: "empty"}.get(type(value), type(value).__name__)
+
+
+def _shown(value) -> str:
+    """A value (an image's path) as a message shows it: at most SHOWN characters; bytes as such."""
+    if isinstance(value, dict):
+        value = value.get("path") or "image bytes"
+    text = str(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN // 2]}...{text[-SHOWN // 2 + 3:]}"
 
 
 def _order_cases(record: dict, columns: dict[str, str]) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """The training and evaluation sets as a run reads them: the worker loads them before the
 model, the shape forecast walks their batches, and the evaluation process reads the same
-held-out rows (studio_core.recipe.eval_data says where they come from). Imports `datasets` (not for
+held-out rows (studio_core.recipe.eval_data says where they come from). A local file's or
+folder's images are loaded as TRL's collators take them (with_images). Imports `datasets` (not for
 the web app's process).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from studio_core.recipe import data_scan, eval_data
+from studio_core.recipe.data_check import IMAGE_COLUMNS
 from studio_core.recipe.dataset_check import check_rows
 from studio_core.data import sources
 from studio_core.rundir import events as ev
@@ -69,9 +71,10 @@ def cut_texts(dataset, chars: int):
         return len(value) > chars if isinstance(value, str) else isinstance(value, list) and any(
             isinstance(m, dict) and isinstance(m.get("content"), str) and len(m["content"]) > chars for m in value)
 
-    if not any(long(v) for row in dataset for v in row.values()):
+    texts = [c for c in dataset.column_names if c not in IMAGE_COLUMNS]  # images are not read, nor decoded
+    if not any(long(v) for row in dataset.select_columns(texts) for v in row.values()):
         return dataset
-    return dataset.map(lambda row: {k: cut(v) for k, v in row.items()})
+    return dataset.map(lambda *values: {k: cut(v) for k, v in zip(texts, values)}, input_columns=texts)
 
 
 def _scan(spec: RunSpec, dataset, what: str, events: Path | None) -> None:
@@ -116,18 +119,44 @@ def load_train_dataset(spec: RunSpec, events: Path | None = None):
 
 
 def load_split(name: str, config: str | None, split: str, events: Path | None = None):
-    """A file or folder as it is; a Hub dataset's split downloaded first (progress as `download`
-    events when `events` is given: rank 0's), then read from the local files. Offline, `datasets`
-    reads its own cache."""
+    """A file or folder as it is, its images taken from its folder (with_images); a Hub dataset's
+    split downloaded first (progress as `download` events when `events` is given: rank 0's), then
+    read from the local files. Offline, `datasets` reads its own cache."""
     from datasets import load_dataset
     from huggingface_hub import constants
 
     path = sources.dataset_file(name)
     if path is not None:
-        return load_dataset(sources.FILE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+        dataset = load_dataset(sources.FILE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+        return with_images(dataset, path.parent)
     if sources.HUB_ID.match(name) and not Path(name).expanduser().exists() and not constants.HF_HUB_OFFLINE:
         found = download_dataset_split(name, config, split, events)
         if found is not None:
             builder, files = found
             return load_dataset(builder, data_files={split.split("[")[0]: files}, split=split)
-    return load_dataset(name, name=config, split=split)
+    dataset = load_dataset(name, name=config, split=split)
+    folder = Path(name).expanduser()
+    return with_images(dataset, folder) if folder.is_dir() else dataset
+
+
+def with_images(dataset, folder: Path):
+    """The dataset with an `images` column of file paths (text) cast to a list of `datasets` images,
+    an `image` column to one, each relative path taken from `folder` (the data file's, or the
+    dataset folder's) first: TRL hands a path on to transformers' load_image, which would read it
+    from the current directory (and download a URL). An absolute path stays as it is, and so
+    do a URL (data_scan refuses it before training) and images that are `datasets` images already
+    (Parquet's, the Hub's). A record without images (null) gets an empty list: it trains as text.
+    The images are read when TRL's collator reads the record, as PIL images."""
+    from datasets import Image, List, Value
+
+    def resolve(path):
+        return str(folder / Path(path).expanduser()) if isinstance(path, str) and not data_scan.URL.match(path) \
+            else path
+
+    for column, text, feature in (("images", List(Value("string")), List(Image())),
+                                  ("image", Value("string"), Image())):
+        if column in dataset.column_names and dataset.features[column] == text:
+            dataset = dataset.map(lambda value: {column: [resolve(p) for p in value or []] if column == "images"
+                                                 else resolve(value)}, input_columns=column)
+            dataset = dataset.cast_column(column, feature)
+    return dataset
