@@ -91,3 +91,15 @@ def test_the_memory_estimate_counts_the_vision_tower_and_its_activations():
     assert "their gradients and optimizer state" not in lora.parts  # the tower frozen
     text = memory.estimate("sft", spec.layout, spec.args, cpu_hardware(), sources.model_config("builtin:tiny-qwen3"))
     assert not any("vision" in part for part in text.parts)
+
+
+@pytest.mark.fast
+def test_a_text_model_with_images_and_a_vlm_with_text_are_refused_before_launch():
+    from studio_core.recipe.validate import validate
+
+    vlm = RunSpec.load(RECIPE)
+    assert validate(vlm) == []
+    [message] = validate(vlm.with_overrides(["model_name_or_path=builtin:tiny-qwen3"]))
+    assert "it has images (`images`), and builtin:tiny-qwen3 is a text model" in message
+    [message] = validate(vlm.with_overrides(["dataset_name=builtin:qa"]))
+    assert "it has no images, and builtin:tiny-vlm is a vision-language model" in message and "builtin:shapes" in message

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from studio_core.data import model_check, sources
 from studio_core.data.files import read_rows
 from studio_core.recipe import data_check, data_scan, rewards
 from studio_core.recipe.data_check import DatasetKind
@@ -50,10 +51,31 @@ def check_first_rows(spec, rows: list[dict], check_rewards=None) -> DatasetCheck
         return check
     check.rows = data_check.apply_column_map(rows, spec.column_map, spec.keep_columns)
     check.kind = data_check.detect(check.rows, text_field=spec.args.get("dataset_text_field", "text"))
-    check.problems = data_check.fit_problems(check.kind, spec.trainer)
+    check.problems = data_check.fit_problems(check.kind, spec.trainer) + model_problems(spec, check.kind)
     if check_rewards is not None and spec.trainer_entry.rewards and not check.problems:
         check.problems += check_rewards(spec.rewards, check.rows)
     return check
+
+
+def model_problems(spec, kind: DatasetKind) -> list[str]:
+    """Images for a vision-language model, text for a text model: TRL hands images to a VLM's
+    processor, and a text model has none (its run would fail at the first batch); a VLM trained on
+    text alone learns nothing of its images. By the model's config.json, where it is on this machine
+    (else the run checks again once it has downloaded it)."""
+    name = spec.model_name_or_path
+    config = sources.model_config(name) if isinstance(name, str) else None  # validate says a name that is not text
+    if config is None:
+        return []
+    vision = model_check.is_vision(config)
+    if kind.vision and not vision:
+        return [f"dataset: it has images (`{kind.images}`), and {spec.model_name_or_path} is a text model: give a "
+                "vision-language model (e.g. builtin:tiny-vlm, or HuggingFaceTB/SmolVLM-256M-Instruct), or leave the "
+                "images out with studio.keep_columns"]
+    if vision and not kind.vision:
+        return [f"dataset: it has no images, and {spec.model_name_or_path} is a vision-language model: give data "
+                "with an `images` column (each record's image files, one {\"type\": \"image\"} part per image in "
+                "its messages), e.g. builtin:shapes, or train a text model on this data"]
+    return []
 
 
 def check_rows(spec, rows: list[dict], check_rewards=rewards.check_rewards) -> list[str]:
