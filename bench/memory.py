@@ -69,6 +69,7 @@ MODELS = {"q40m": ("qwen3", sizes(512, 1536, 8, 8, 4, 32000), True),
           "q45m-v152k": ("qwen3", sizes(256, 768, 4, 4, 2, 151936), True)}
 # (model, trainer, LoRA, batch, max_length, torch_compile, other settings): the first 10 are the
 # bench's first cases, the rest check the activation model on shapes it was not derived from
+VLM = {"dataset": "builtin:shapes", "assistant_only_loss": True}
 CASES = [("builtin", "sft", False, 4, 512, False, {}), ("q40m", "sft", False, 1, 256, False, {}),
          ("q40m", "sft", False, 4, 512, False, {}), ("q40m", "sft", True, 4, 512, False, {}),
          ("q40m", "dpo", False, 1, 256, False, {}), ("q40m", "dpo", True, 4, 256, False, {}),
@@ -82,7 +83,11 @@ CASES = [("builtin", "sft", False, 4, 512, False, {}), ("q40m", "sft", False, 1,
          ("q45m-v152k", "sft", True, 1, 128, False, {}), ("q45m-v152k", "sft", True, 4, 512, False, {}),
          ("l26m-v1k", "sft", False, 8, 512, False, {"dataset": "builtin:wide"}),
          ("builtin", "sft", False, 8, 512, False, {"gradient_checkpointing": False}),
-         ("builtin", "sft", True, 2, 128, False, {})]
+         ("builtin", "sft", True, 2, 128, False, {}),
+         # the built-in VLM on its images (a sample is 91-93 tokens, 64 of them the image's): issue 49
+         ("vlm", "sft", False, 16, 96, False, VLM), ("vlm", "sft", False, 32, 96, False,
+                                                     {**VLM, "gradient_checkpointing": False}),
+         ("vlm", "sft", True, 16, 96, False, VLM)]
 QUICK = [CASES[2], CASES[3], CASES[4]]
 WORDS = "the of and to in is was for on that with as by at from his an were are which this be".split()
 
@@ -134,7 +139,7 @@ def measure(work: Path, args, report: dict) -> None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     report["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
     data = write_data(work)
-    models = {"builtin": "builtin:tiny-qwen3"}
+    models = {"builtin": "builtin:tiny-qwen3", "vlm": "builtin:tiny-vlm"}
     manager, hardware = RunManager(work / "runs"), cpu_hardware()
     report["cases"] = []
     for model, trainer, lora, batch, length, compiled, other in chosen(args):

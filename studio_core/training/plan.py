@@ -47,6 +47,9 @@ VISION_DEFAULTS = (
     Default("ddp_find_unused_parameters", True, "a vision-language model has weights its forward does not use "
             "(LLaVA reads its vision tower's hidden states before the tower's last norm and pooling head): DDP "
             "must look for them, or it stops at the second step"),
+    Default("lora_target_modules", "all-linear", "PEFT knows no default layers to adapt in a vision-language model "
+            "(\"Please specify target_modules\"): every linear layer, the vision tower's too",
+            when=lambda args: bool(args.get("use_peft"))),
 )
 BACKEND_DEFAULTS = {
     "cpu": (
