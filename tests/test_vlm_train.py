@@ -45,3 +45,18 @@ def test_the_tiny_vlm_learns_the_shapes_and_its_saved_folder_answers_with_plain_
             out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
         words |= set(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).split())
     assert words & {"red", "green", "blue"} and words & {"circle", "square", "triangle"}, words
+
+
+def test_a_lora_run_of_the_tiny_vlm_adapts_every_linear_layer_and_saves_its_adapter(tmp_path):
+    """PEFT knows no default layers for LLaVA: without the studio's default the run failed at start."""
+    spec = RunSpec.load(RECIPE).with_overrides(["max_steps=10", "use_peft=true", "learning_rate=5e-3"])
+    manager = RunManager(tmp_path / "runs")
+    view = manager.wait(manager.start(spec, cpu_hardware()).id, timeout=600)
+    assert view.live_state == "finished", view.error_text
+    assert view.spec["lora_target_modules"] == "all-linear"
+    adapter = view.dir / "output" / "adapter_model.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(adapter, "pt") as weights:
+        names = list(weights.keys())
+    assert any("vision_tower" in name for name in names) and any("language_model" in name for name in names)
