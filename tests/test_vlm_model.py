@@ -103,3 +103,29 @@ def test_a_text_model_with_images_and_a_vlm_with_text_are_refused_before_launch(
     assert "it has images (`images`), and builtin:tiny-qwen3 is a text model" in message
     [message] = validate(vlm.with_overrides(["dataset_name=builtin:qa"]))
     assert "it has no images, and builtin:tiny-vlm is a vision-language model" in message and "builtin:shapes" in message
+
+
+def test_chat_eval_and_serve_of_a_vlm_say_they_take_no_images_yet_before_anything_starts(tmp_path):
+    """They load a causal LM and send text: a VLM run failed in the started process with a traceback.
+    The run folder is one as training leaves it (the built VLM's files as its saved model)."""
+    from conftest import launch_py
+    from studio_core.rundir import events, folder
+    from studio_core.rundir.folder import OUTPUT_INFO
+    from studio_core.serve import chat
+
+    runs = tmp_path / "runs"
+    run_id = "20250101-000000-tiny-vlm-sft-abc123"
+    run_dir = runs / run_id
+    shutil.copytree(ensure_tiny_vlm(), run_dir / folder.OUTPUT)
+    RunSpec.load(RECIPE).save(run_dir / folder.SPEC)
+    events.append_all(run_dir / folder.EVENTS, [events.status("starting"), events.status("finished", exit_code=0)])
+    folder.write_json(run_dir / folder.OUTPUT / OUTPUT_INFO, {"kind": "full", "trainer": "sft", "task":
+                                                              "text-generation", "base_model": BUILTIN_VLM})
+    for name in (run_id, BUILTIN_VLM):
+        with pytest.raises(chat.ChatError, match="is a vision-language model: .* AutoModelForImageTextToText"):
+            chat.resolve(name, runs)
+    for line in (["chat", run_id, "--prompt", "hi"], ["eval", run_id], ["serve", run_id, "--backend", "cpu"]):
+        done = launch_py(*line, "--runs-dir", str(runs), timeout=120)
+        assert done.returncode != 0 and "is a vision-language model" in done.stdout + done.stderr, line
+        assert "Traceback" not in done.stdout + done.stderr
+    assert not (run_dir / "eval").exists()

@@ -40,7 +40,7 @@ from studio_core.serve.batching import BATCH_BUCKETS, SMALLEST_LENGTH, EnginePla
 from studio_core.serve.row_adapters import config_problem
 from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.data import model_check
-from studio_core.data.sources import check_model
+from studio_core.data.sources import BUILTIN_MODELS, check_model, is_vision_model
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.device_env import device_env, flags_problem
 from studio_core.machine.hardware import Hardware
@@ -101,6 +101,9 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
         if info.get("task", "text-generation") != "text-generation":
             raise ChatError(f"run {name} trained a reward model: it gives a text a score and does not write "
                             "answers, so there is nothing to chat with; export it to use it")
+        if model_check.is_vision(model_check.read_config(output / "config.json")[0] or {}) or (
+                info["kind"] == "adapter" and is_vision_model(info["base_model"])):
+            raise ChatError(vision_not_yet(f"run {name}"))
         base = _model_path(info["base_model"])
         untrained = ("base",) if info["base_model"] == BUILTIN_MODEL else ()
         problems = model_check.output_problems(output, adapter=info["kind"] == "adapter")
@@ -115,13 +118,23 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
             return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base,
                               untrained=untrained)
         return ChatTarget(name, model=str(output), tokenizer=str(output), base=base, untrained=untrained)
-    if name != BUILTIN_MODEL and "/" not in name and not Path(name).exists():
+    if name not in BUILTIN_MODELS and "/" not in name and not Path(name).exists():
         raise ChatError(f"{name!r} is neither a run in {runs_dir} nor a model folder or Hub id (org/name)")
     problems = check_model(name)  # as a run's model is checked before launch: before a process loads it
     if problems:
         raise ChatError("\n".join(p.removeprefix("model_name_or_path: ") for p in problems))
+    if is_vision_model(name):
+        raise ChatError(vision_not_yet(name))
     path = _model_path(name)
     return ChatTarget(name, model=path, tokenizer=path, untrained=("tuned",) if name == BUILTIN_MODEL else ())
+
+
+def vision_not_yet(what: str) -> str:
+    """Chat, evaluation and serving take text alone so far: a vision-language model is said to be
+    out of their reach before any process starts (training and export take it)."""
+    return (f"{what} is a vision-language model: chatting with it, evaluating it and serving it take images, "
+            "which the studio's chat, evaluation and server do not do yet; export it (launch.py export, or the "
+            "Export tab) and load the export with Transformers' AutoModelForImageTextToText and AutoProcessor")
 
 
 def adapters_of(first: ChatTarget, others: list[ChatTarget], max_batch: int) -> dict[str, str]:
