@@ -19,6 +19,7 @@ from app import fields as option_fields
 from studio_core import backends
 from studio_core.backends import BACKENDS, DEFAULT
 from studio_core.recipe import trainers
+from studio_core.data import sources
 from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL
 from studio_core.machine.hardware import INSTANCES, LNC_VALUES, Hardware, Target
 from studio_core.recipe.spec import TRACKERS, Layout, RunSpec, SpecError
@@ -32,6 +33,8 @@ TARGET_LABELS = option_fields.labels(Target)  # Plan for and LNC, beside --insta
 # The form's starting values suit the built-in tiny model: from random weights, it learns its
 # facts in seconds at this rate. Any other model starts at TRL's default for the trainer.
 TINY_LEARNING_RATE = 2e-3
+# the built-in models' starting learning rates: high, as they start from random weights
+BUILTIN_LEARNING_RATES = {BUILTIN_MODEL: TINY_LEARNING_RATE, sources.BUILTIN_VLM: 1e-3}
 # The number boxes whose label is not the setting's name (the others are labelled with TRL's name).
 WHOLE = re.compile(r"[+-]?[0-9]+")  # a whole number as typed (int() also reads 1_000)
 NUMBER_LABELS = {"eval_fraction": "Hold out for evaluation (fraction)", "precompile_jobs": "Precompile jobs",
@@ -131,9 +134,7 @@ def report_info(choices: list[str]) -> str:
 
 def learning_rate_start(trainer: str, model: str) -> float:
     """The form's starting learning rate: the tiny model's, or TRL's default for the trainer."""
-    if (model or "").strip() == BUILTIN_MODEL:
-        return TINY_LEARNING_RATE
-    return trainer_fields(trainer)["learning_rate"]["default"]
+    return BUILTIN_LEARNING_RATES.get((model or "").strip(), trainer_fields(trainer)["learning_rate"]["default"])
 
 
 def learning_rate_info(trainer: str, model: str, own: bool = False) -> str:
@@ -143,9 +144,9 @@ def learning_rate_info(trainer: str, model: str, own: bool = False) -> str:
                   f"{trainer_fields(trainer)['learning_rate']['default']:g}"
     if own:
         return f"your value; {trl_default}"
-    if (model or "").strip() == BUILTIN_MODEL:
-        return (f"{TINY_LEARNING_RATE:g} and the other starting values suit the built-in tiny model (seconds "
-                f"on a CPU); {trl_default}, set when you pick another model")
+    if (model or "").strip() in BUILTIN_LEARNING_RATES:
+        return (f"{learning_rate_start(trainer, model):g} and the other starting values suit the built-in tiny "
+                f"model (seconds on a CPU); {trl_default}, set when you pick another model")
     return f"{trl_default}; the built-in tiny model starts at {TINY_LEARNING_RATE:g}"
 
 
@@ -189,7 +190,7 @@ class TrainForm:
                                 label="Trainer", info=trainer_info(trainers.DEFAULT), elem_id="trainer")
         with gr.Row():
             # the models in this machine's Hugging Face cache come when the list gets focus (train_tab)
-            w["model"] = gr.Dropdown([BUILTIN_MODEL], value=BUILTIN_MODEL,
+            w["model"] = gr.Dropdown(list(sources.BUILTIN_MODELS), value=BUILTIN_MODEL,
                                      allow_custom_value=True, label="Model", info="built-in tiny model, one "
                                      "in your Hugging Face cache, a Hub id (Qwen/Qwen3-0.6B) or a local folder",
                                      elem_id="model")

@@ -22,7 +22,6 @@ from app.train_form import (TARGET_LABELS, THIS_MACHINE, TINY_LEARNING_RATE, Tra
                             target_hardware, trainer_info)
 from studio_core.recipe import data_check, dataset_check, trainers
 from studio_core.data import sources
-from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.machine.cores import parse_cores
 from studio_core.machine.hardware import Hardware
 from studio_core.machine.layout import check_layout, pick_cores
@@ -361,7 +360,7 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         lambda: gr.update(interactive=True, value=SWEEP), None, sweep_btn, show_progress="hidden")
     form.upload.upload(on_upload, form.upload, w["dataset"])
     # models downloaded since the page was built show up when the list is opened
-    w["model"].focus(lambda: gr.update(choices=[BUILTIN_MODEL, *sources.cached_models()]), None, w["model"],
+    w["model"].focus(lambda: gr.update(choices=[*sources.BUILTIN_MODELS, *sources.cached_models()]), None, w["model"],
                      show_progress="hidden")
     w["trainer"].input(on_trainer, [w["trainer"], w["dataset"]],
                         [*form.trainer_groups.values(), w["trainer"], w["dataset"], w["max_length"], w["run_name"]])
