@@ -48,6 +48,8 @@ TOKEN = "hf_readme_0123456789abcdef"
 
 # README command (as as_line writes its words) -> why this test does not run it
 NOT_RUN = {
+    ".venv/bin/python launch.py train recipes/tiny-vlm-sft.yaml --set max_steps=60":
+        "tests/test_vlm_train.py trains this recipe (120 steps) and loads its saved model with plain Transformers",
     "python3 -m venv .venv && .venv/bin/pip install -r requirements-cpu.txt && .venv/bin/python launch.py":
         "the set-up itself: it made the .venv this test runs in, then serves the web app until it is stopped "
         "(tests/test_serve.py and the browser tests start the app)",
