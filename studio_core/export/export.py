@@ -3,12 +3,13 @@
     python -m studio_core.export.export RUN_DIR OUT_DIR [--merge]   (what export_run starts)
 
 The folder holds the model (a LoRA adapter merged into its base with --merge, else the
-adapter alone; a full run's model as it is; a reward model as the sequence classifier it is)
-in safetensors, the tokenizer with its chat
-template, the generation config, a loss plot (loss.png) and README.md, a model card made
-with huggingface_hub's ModelCard and ModelCardData: base model, datasets, library, tags,
-license when the base model's card says it, the training settings and layout, the final
-metrics, the compilations, the plot, and studio_output.json (export_info: what the folder holds).
+adapter alone; a full run's model as it is; a reward model as the sequence classifier it is;
+a vision-language model as the image-text-to-text model it is) in safetensors, the tokenizer
+with its chat template (a vision-language model's whole processor), the generation config, a
+loss plot (loss.png) and README.md, a model card made with huggingface_hub's ModelCard and
+ModelCardData: base model, datasets, library, tags, license when the base model's card says it,
+the training settings and layout, the final metrics, the compilations, the plot, and
+studio_output.json (export_info: what the folder holds).
 Nothing else from the run folder is copied (not training_args.bin, not the log), and no token
 is ever involved: pushing is studio_core.export.hub.
 
@@ -41,7 +42,8 @@ from studio_core.machine.hardware import Hardware, pin_to_cpu_cores
 from studio_core.rundir import events, folder
 from studio_core.runs.view import format_loss
 from studio_core.rundir.folder import OUTPUT_INFO
-from studio_core.data.sources import HUB_ID, check_model
+from studio_core.data.builtin_vlm import BUILTIN_VLM
+from studio_core.data.sources import BUILTIN_MODELS, HUB_ID, builtin_folder, check_model, is_vision_model
 from studio_core.recipe.spec import RunSpec, load_spec
 from studio_core.recipe.validate import SECRET_FIELDS, holds_token
 
@@ -138,10 +140,12 @@ def check_out(run_dir: Path, out_dir: Path) -> None:
 
 
 def check_base(run_dir: Path, info: dict, trust_remote_code: bool) -> None:
-    """An adapter's base model, which the export loads from where the run loaded it: checked as a
-    run's model is before launch (sources.check_model), so that a base moved or damaged since the
-    run is named here, not as the child's traceback."""
-    path = info.get("base_model_path") or info["base_model"]
+    """An adapter's base model, which the export loads from where the run loaded it (a built-in one
+    from the folder the studio builds it in again, base_folder): checked as a run's model is before
+    launch (sources.check_model), so that a base moved or damaged since the run is named here, not
+    as the child's traceback."""
+    builtin = info["base_model"] in BUILTIN_MODELS
+    path = info["base_model"] if builtin else info.get("base_model_path") or info["base_model"]
     problems = check_model(path, trust_remote_code)
     if problems:
         said = "; ".join(p.removeprefix("model_name_or_path: ") for p in problems)
@@ -164,6 +168,19 @@ def read_output_info(run_dir: Path) -> dict:
     return info
 
 
+def base_folder(info: dict) -> str:
+    """Where an adapter's base loads from: a built-in base's folder (built again if its cache is
+    gone; this imports torch), else where the run loaded it."""
+    return str(builtin_folder(info["base_model"]) or info.get("base_model_path") or info["base_model"])
+
+
+def is_vision_run(run_dir: Path, info: dict) -> bool:
+    """Whether the run trained a vision-language model: by its saved model's config, or by its
+    base's for an adapter."""
+    base = info.get("base_model_path") or info["base_model"]
+    return is_vision_model(str(run_dir / folder.OUTPUT if info["kind"] == "full" else base))
+
+
 def run_summary(run_dir: Path) -> dict:
     """What the card tells about the run, from its folder: spec, hardware, metrics, compilations.
     The run's events are folded as the run page folds them: a run resumed from a checkpoint
@@ -180,8 +197,9 @@ def run_summary(run_dir: Path) -> dict:
             "shapes": len(state.shapes), "attempts": state.attempts}
 
 
-def card_data(summary: dict, kind: str, base_license: str | None):
-    """The card's metadata: what the Hub indexes and filters on."""
+def card_data(summary: dict, kind: str, base_license: str | None, vision: bool = False):
+    """The card's metadata: what the Hub indexes and filters on (a vision-language model's
+    pipeline is image-text-to-text)."""
     from huggingface_hub import ModelCardData
 
     spec: RunSpec = summary["spec"]
@@ -190,11 +208,13 @@ def card_data(summary: dict, kind: str, base_license: str | None):
     trainer = spec.trainer_entry
     tags = ["trl", trainer.key, "trn-studio", *(["lora", "peft"] if kind == "adapter" else [])]
     tags += ["reward-model"] if not trainer.chats else []
+    tags += ["vision-language"] if vision else []
     if summary["hardware"].get("backend") == "neuron":
         tags += ["trainium", "neuron"]
     return ModelCardData(base_model=hub_base, datasets=[hub_data] if hub_data else None,
                          library_name="peft" if kind == "adapter" else "transformers", license=base_license,
-                         pipeline_tag=trainer.task, tags=tags, model_name=spec.display_name,
+                         pipeline_tag="image-text-to-text" if vision else trainer.task, tags=tags,
+                         model_name=spec.display_name,
                          eval_results=eval_results(summary.get("evaluations") or [], trainer.task) or None)
 
 
@@ -245,40 +265,43 @@ def _main(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) ->
 def _export(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) -> None:
     import torch
     from huggingface_hub import ModelCard
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification,
+                              AutoProcessor, AutoTokenizer)
 
     info = read_output_info(run_dir)
     output = run_dir / folder.OUTPUT
     summary = run_summary(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(output)
+    vision = is_vision_run(run_dir, info)
+    tokenizer = (AutoProcessor if vision else AutoTokenizer).from_pretrained(output)  # a VLM's: the whole processor
     scores = info.get("task", "text-generation") == "text-classification"  # a reward model: one score
     auto, extra = (AutoModelForSequenceClassification, {"num_labels": 1}) if scores else (AutoModelForCausalLM, {})
+    auto = AutoModelForImageTextToText if vision else auto
     if info["kind"] == "adapter" and not merge:
         from peft import PeftModel
 
-        base = auto.from_pretrained(info["base_model_path"], dtype=torch.float32, **extra)
+        base = auto.from_pretrained(base_folder(info), dtype=torch.float32, **extra)
         model = PeftModel.from_pretrained(base, output)
         model.peft_config["default"].base_model_name_or_path = info["base_model"]  # not the local folder
         kind = "adapter"
     elif info["kind"] == "adapter":
         from peft import PeftModel
 
-        base = auto.from_pretrained(info["base_model_path"], **extra)
+        base = auto.from_pretrained(base_folder(info), **extra)
         model = PeftModel.from_pretrained(base, output).merge_and_unload()
         kind = "merged"
     else:
         model = auto.from_pretrained(output)
         kind = "full"
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)  # with its chat template
+    tokenizer.save_pretrained(out_dir)  # with its chat template (and a VLM's image processor)
     generation = getattr(model.get_base_model() if kind == "adapter" else model, "generation_config", None)
     if generation is not None and not scores:
         generation.save_pretrained(out_dir)
     plot = _loss_plot(summary["losses"], out_dir / "loss.png")
     card = ModelCard.from_template(card_data(summary, "adapter" if kind == "adapter" else "full",
-                                             _base_license(info)),
-                                   template_path=str(CARD_TEMPLATE), **_card_text(summary, kind, info, plot))
+                                             _base_license(info), vision),
+                                   template_path=str(CARD_TEMPLATE), **_card_text(summary, kind, info, plot, vision))
     card.save(out_dir / "README.md")
     (out_dir / OUTPUT_INFO).write_text(json.dumps(export_info(info, kind), indent=2))
     same_mode(out_dir, out_dir / OUTPUT_INFO)
@@ -338,7 +361,7 @@ def _loss_plot(losses: list[tuple[int, float]], path: Path) -> str | None:
     return path.name
 
 
-def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
+def _card_text(summary: dict, kind: str, info: dict, plot: str | None, vision: bool = False) -> dict:
     spec: RunSpec = summary["spec"]
     trainer = spec.trainer_entry
     hardware = summary["hardware"]
@@ -374,7 +397,8 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None) -> dict:
             "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
             "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "",
             "evaluation": _evaluations_text(summary.get("evaluations") or []),
-            "loader": _loader(kind, base, scores=not trainer.chats), "generates": trainer.chats}
+            "loader": _loader(kind, base, scores=not trainer.chats, vision=vision),
+            "generates": trainer.chats and not vision, "vision": vision}
 
 
 def _evaluations_text(found: list[dict]) -> str:
@@ -407,15 +431,21 @@ def _evaluation_text(evaluation: dict) -> str:
     return "\n".join(lines)
 
 
+# each built-in base: what it is, and the studio's function that builds it (the card's usage code imports it)
+BUILTIN_BASES = {BUILTIN_MODEL: ("tiny model", "studio_core.data.builtin", "ensure_tiny_model"),
+                 BUILTIN_VLM: ("tiny vision-language model", "studio_core.data.builtin_vlm", "ensure_tiny_vlm")}
+
+
 def _base_note(base: str, kind: str) -> str:
     """Where the base comes from, when a reader needs to know."""
-    if base == BUILTIN_MODEL:
-        builtin = (f"`{base}`, the Trainium fine-tuning studio's built-in tiny model: the studio builds it offline "
+    if base in BUILTIN_BASES:
+        what, _, build = BUILTIN_BASES[base]
+        builtin = (f"`{base}`, the Trainium fine-tuning studio's built-in {what}: the studio builds it offline "
                    "and it is not on the Hub, so it cannot be downloaded")
         if kind != "adapter":
             return f"Made from {builtin}. This folder holds the whole model: it loads without the studio."
         return (f"The adapter's base model is {builtin}. Loading the adapter needs the studio to rebuild that "
-                "base (`ensure_tiny_model()` below, run from the studio's folder).")
+                f"base (`{build}()` below, run from the studio's folder).")
     if kind != "adapter":
         return ""
     if HUB_ID.match(base):
@@ -423,8 +453,10 @@ def _base_note(base: str, kind: str) -> str:
     return f"The adapter's base model is the local folder `{base}` (not on the Hub): load the adapter on that model."
 
 
-def _loader(kind: str, base: str, scores: bool) -> str:
+def _loader(kind: str, base: str, scores: bool, vision: bool = False) -> str:
     """The card's usage code: it loads the repo named on REPO_LINE (the push fills it in)."""
+    if vision:
+        return _vision_loader(kind, base)
     model, labels = ("ModelForSequenceClassification", ", num_labels=1") if scores else ("ModelForCausalLM", "")
     if kind != "adapter":
         code = (f"from transformers import Auto{model}, AutoTokenizer\n{REPO_LINE}\n"
@@ -444,6 +476,36 @@ def _loader(kind: str, base: str, scores: bool) -> str:
         code += "\n\n" + GENERATE
     return code
 
+
+def _vision_loader(kind: str, base: str) -> str:
+    """A vision-language model's usage code: the model (an adapter on its base) and its processor,
+    asked about the image named on IMAGE_LINE."""
+    code = "from PIL import Image\n"
+    if kind != "adapter":
+        code += f"from transformers import AutoModelForImageTextToText, AutoProcessor\n{REPO_LINE}\n"
+        code += "model = AutoModelForImageTextToText.from_pretrained(repo_id)"
+    else:
+        code += "from peft import PeftModel\nfrom transformers import AutoModelForImageTextToText, AutoProcessor\n"
+        if base in BUILTIN_BASES:
+            _, module, build = BUILTIN_BASES[base]
+            code += f"from {module} import {build}  # the studio rebuilds its built-in base\n"
+            where = f"{build}()"
+        else:
+            where = repr(base)
+        code += (f"{REPO_LINE}\nbase = AutoModelForImageTextToText.from_pretrained({where})\n"
+                 "model = PeftModel.from_pretrained(base, repo_id)")
+    return code + "\nprocessor = AutoProcessor.from_pretrained(repo_id)\n\n" + GENERATE_FROM_IMAGE
+
+
+IMAGE_LINE = 'image = Image.open("your-image.png").convert("RGB")  # replace: the picture to ask about'
+# A vision-language model's answer example: the chat template puts the image's place in the
+# prompt, and the processor turns the image into the tokens that fill it. Plain transformers.
+GENERATE_FROM_IMAGE = IMAGE_LINE + """
+messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+inputs = processor(text=prompt, images=[image], return_tensors="pt")
+output = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+print(processor.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())"""
 
 # The card's answer example. A chat template with a thinking switch (Qwen3's) opens a <think>
 # block unless told enable_thinking=False, and the studio trained the answer after an empty one

@@ -1,0 +1,105 @@
+"""Issue 49: exporting a vision-language run. Real tiny-VLM runs (the recipe, through RunManager)
+are exported, and the exports are loaded with plain Transformers (AutoModelForImageTextToText and
+AutoProcessor): a full run's export answers the held-out shapes images token for token as the
+run's own saved model does, its card is an image-text-to-text card whose example code runs, and a
+LoRA run merges into a full model that answers as its adapter on the base does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from studio_core.data.builtin_images import ensure_shapes_dataset
+from studio_core.data.builtin_vlm import ensure_tiny_vlm
+from studio_core.export.export import card_for_repo, export_run
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.recipe.spec import RunSpec
+from studio_core.runs.manager import RunManager
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-vlm-sft.yaml"
+SHAPES = ensure_shapes_dataset()
+HELD_OUT = [json.loads(line) for line in (SHAPES / "test.jsonl").read_text().splitlines()[:4]]
+
+
+@pytest.fixture(scope="module")
+def vlm_runs(tmp_path_factory):
+    """A full run long enough to name colours and shapes, and a short LoRA run, both finished."""
+    manager = RunManager(tmp_path_factory.mktemp("vlm-export") / "runs")
+    specs = {"full": ["max_steps=60"], "lora": ["max_steps=10", "use_peft=true", "learning_rate=5e-3"]}
+    ids = {kind: manager.start(RunSpec.load(RECIPE).with_overrides(sets), cpu_hardware()).id
+           for kind, sets in specs.items()}
+    for kind, run_id in ids.items():
+        view = manager.wait(run_id, timeout=600)
+        assert view.live_state == "finished", view.error_text
+    return manager, ids
+
+
+def load(folder):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    return AutoModelForImageTextToText.from_pretrained(folder), AutoProcessor.from_pretrained(folder)
+
+
+def greedy(model, processor, row) -> list[int]:
+    """The new tokens the model gives the row's question about its image, greedily."""
+    import torch
+    from PIL import Image
+
+    prompt = processor.apply_chat_template(row["messages"][:1], add_generation_prompt=True)
+    inputs = processor(text=prompt, images=[Image.open(SHAPES / row["images"][0])], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_a_vlm_export_answers_held_out_images_exactly_as_the_runs_own_model(vlm_runs, tmp_path):
+    manager, ids = vlm_runs
+    run_dir = manager.runs_dir / ids["full"]
+    folder = Path(export_run(run_dir, tmp_path / "full")["folder"])
+    assert {"model.safetensors", "config.json", "processor_config.json", "tokenizer.json", "chat_template.jinja",
+            "README.md"} <= {p.name for p in folder.iterdir()}
+    assert not (folder / "training_args.bin").exists()
+    assert json.loads((folder / "studio_output.json").read_text())["kind"] == "full"
+    exported, trained = load(folder), load(run_dir / "output")
+    answers = [greedy(*exported, row) for row in HELD_OUT]
+    assert answers == [greedy(*trained, row) for row in HELD_OUT]
+    said = [exported[1].decode(a, skip_special_tokens=True).strip() for a in answers]
+    assert all(re.search("red|green|blue", text) for text in said), said  # learnt answers, not noise
+
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.pipeline_tag == "image-text-to-text" and card.data.library_name == "transformers"
+    code = re.search(r"```python\n(.*?)```", card_for_repo(card.content, str(folder)), re.S).group(1)
+    assert "AutoModelForCausalLM" not in code and '{"type": "image"}' in code
+    image = SHAPES / HELD_OUT[0]["images"][0]
+    scope, printed = {}, io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code.replace('"your-image.png"', repr(str(image))), scope)  # the card's example, as a reader runs it
+    assert type(scope["model"]).__name__ == "LlavaForConditionalGeneration"
+    assert printed.getvalue().strip().startswith(said[0])  # 64 new tokens, the first 8 as above
+
+
+def test_a_lora_vlm_run_exports_merged_into_a_full_model(vlm_runs, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    manager, ids = vlm_runs
+    run_dir = manager.runs_dir / ids["lora"]
+    folder = Path(export_run(run_dir, tmp_path / "merged", merge=True)["folder"])
+    names = {p.name for p in folder.iterdir()}
+    assert "model.safetensors" in names and "processor_config.json" in names
+    assert not {"adapter_config.json", "adapter_model.safetensors"} & names
+    assert json.loads((folder / "studio_output.json").read_text()) == {
+        "kind": "merged", "trainer": "sft", "task": "text-generation", "base_model": "builtin:tiny-vlm"}
+    assert ModelCard.load(folder / "README.md").data.pipeline_tag == "image-text-to-text"
+    merged, processor = load(folder)
+    adapted = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(ensure_tiny_vlm()),
+                                        run_dir / "output")
+    assert [greedy(merged, processor, row) for row in HELD_OUT[:2]] == \
+        [greedy(adapted, processor, row) for row in HELD_OUT[:2]]
