@@ -103,3 +103,25 @@ def test_a_lora_vlm_run_exports_merged_into_a_full_model(vlm_runs, tmp_path):
                                         run_dir / "output")
     assert [greedy(merged, processor, row) for row in HELD_OUT[:2]] == \
         [greedy(adapted, processor, row) for row in HELD_OUT[:2]]
+
+
+def test_a_pushed_vlm_export_downloads_and_answers_as_the_export(vlm_runs, tmp_path, monkeypatch):
+    """The export pushed to a stand-in Hub (the real huggingface_hub client) comes back whole: the
+    downloaded repo loads with plain Transformers and answers an image as the export does."""
+    from huggingface_hub import snapshot_download
+
+    from hub_standin import HubStandIn, point_hub_client_at, use_hub_cache
+    from studio_core.export import hub
+
+    token = "hf_alice_vlm_push_0123456789"
+    manager, ids = vlm_runs
+    folder = Path(export_run(manager.runs_dir / ids["full"], tmp_path / "full")["folder"])
+    with HubStandIn(tokens={token: {"user": "alice", "orgs": []}}) as standin:
+        point_hub_client_at(standin, monkeypatch)
+        use_hub_cache(tmp_path / "hub-cache", monkeypatch)
+        hub.push(folder, "alice/tiny-vlm-shapes", token, "the token")
+        card = standin.repos["alice/tiny-vlm-shapes"]["files"]["README.md"].decode()
+        pulled = Path(snapshot_download("alice/tiny-vlm-shapes", token=token))
+    assert 'repo_id = "alice/tiny-vlm-shapes"\nmodel = AutoModelForImageTextToText.from_pretrained(repo_id)' in card
+    assert (pulled / "processor_config.json").read_bytes() == (folder / "processor_config.json").read_bytes()
+    assert greedy(*load(pulled), HELD_OUT[0]) == greedy(*load(folder), HELD_OUT[0])
