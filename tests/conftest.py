@@ -135,6 +135,7 @@ SLOW_FILES_FIRST = [
     "test_browser_runs.py", "test_hardening_eval.py", "test_hardening_serve.py", "test_device_placement.py", "test_hardening_runs.py",
     "test_queue.py",
     "test_browser_train.py", "test_trainers.py", "test_browser_trainers.py", "test_resume.py", "test_precompile.py", "test_export.py",
+    "test_vlm_export.py", "test_vlm_train.py", "test_vlm_model.py",
     "test_chat.py", "test_openai_api.py", "test_eval.py", "test_harness.py", "test_browser_chat_export.py",
     "test_history.py", "test_browser_data.py", "test_doctor.py", "test_compile_cache.py", "test_spec.py",
     "test_hub_dataset.py", "test_neuron_paths.py",
