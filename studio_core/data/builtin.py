@@ -31,14 +31,13 @@ import json
 import math
 import os
 import re
-import shutil
 import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 from studio_core.data.builtin_images import IMAGE_DATASET, ensure_shapes_dataset
-from studio_core.machine.cache import cache_dir, one_maker
+from studio_core.machine.cache import build_atomically, cache_dir, one_maker
 
 BUILTIN_MODEL = "builtin:tiny-qwen3"
 # Bump when the recipe below changes, so a cached folder from an older recipe is not reused.
@@ -119,24 +118,8 @@ def ensure_tiny_model(root: Path | None = None) -> Path:
     root = Path(root) if root is not None else cache_dir() / "models" / TINY_MODEL_FOLDER
     if _is_complete(root):
         return root
-    with _BUILD_LOCK, one_maker(f"model-{root.name}"):
-        if _is_complete(root):
-            return root
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
-        try:
-            _build(tmp)
-            try:
-                os.rename(tmp, root)
-            except OSError:
-                # Another process renamed its build into place first: use theirs.
-                if not _is_complete(root):
-                    raise
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-    return root
+    with _BUILD_LOCK:  # it seeds torch's global RNG
+        return build_atomically(root, _is_complete, _build)
 
 
 def _chat_template() -> str:

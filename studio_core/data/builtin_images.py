@@ -13,41 +13,14 @@ does the same for a script.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
-from studio_core.machine.cache import cache_dir, one_maker
+from studio_core.machine.cache import build_atomically, cache_dir
 
 IMAGE_DATASET = "builtin:shapes"
 SHAPES_FOLDER = "shapes-v1"  # bump when the draw below changes
 IMAGE_SIZE = 32  # pixels, each side
-
-
-def build_atomically(root: Path, is_complete, build) -> Path:
-    """Build into a temporary sibling of ``root`` and rename it into place, so concurrent
-    callers (torchrun ranks, the page) never see a half-written folder; one process builds it
-    (cache.one_maker), the others wait and find it built."""
-    with one_maker(root.name):
-        if is_complete(root):
-            return root
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
-        try:
-            build(tmp)
-            try:
-                os.rename(tmp, root)
-            except OSError:
-                # Another process renamed its build into place first: use theirs.
-                if not is_complete(root):
-                    raise
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-    return root
 
 
 # --- builtin:shapes ------------------------------------------------------------------------------

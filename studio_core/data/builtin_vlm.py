@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from studio_core.data.builtin import _BUILD_LOCK, TINY_ARCHITECTURE, ensure_tiny_model
-from studio_core.data.builtin_images import IMAGE_SIZE, build_atomically
-from studio_core.machine.cache import cache_dir
+from studio_core.data.builtin_images import IMAGE_SIZE
+from studio_core.machine.cache import build_atomically, cache_dir
 
 BUILTIN_VLM = "builtin:tiny-vlm"
 # Bump when a recipe below changes, so a cached folder from an older recipe is not reused.
