@@ -208,6 +208,9 @@ class TrainForm:
             self.data_report = gr.Markdown("", elem_id="data-report")
             self.preview = gr.Dataframe(label="First rows", interactive=False, visible=False, wrap=True,
                                         elem_id="data-preview")
+            # vision data in a local file: its first rows' images, each captioned with its row (train_tab)
+            self.images = gr.Gallery(label="First rows' images", columns=6, height=150, object_fit="contain",
+                                     format="png", interactive=False, visible=False, elem_id="data-images")
             with gr.Row():
                 with gr.Column():
                     gr.Markdown("Column map: YAML `old: new`, e.g. `question: prompt`", elem_classes="field-help")

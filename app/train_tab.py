@@ -20,7 +20,7 @@ from app.core_map import core_map_html, memory_html
 from app.train_form import (TARGET_LABELS, THIS_MACHINE, TINY_LEARNING_RATE, TrainForm, check_extra, export_spec,
                             learning_rate_info, learning_rate_start, parse_number, run_backend, spec_from_form,
                             target_hardware, trainer_info)
-from studio_core.recipe import data_check, dataset_check, trainers
+from studio_core.recipe import data_check, data_preview, dataset_check, trainers
 from studio_core.data import sources
 from studio_core.machine.cores import parse_cores
 from studio_core.machine.hardware import Hardware
@@ -35,6 +35,7 @@ LAYOUT_PROBLEMS = "**This layout cannot run here; change it:**"
 CORE_MAP_EVERY_S = 2.0  # the core map's redraw while the Layout box is open
 START, STARTING = "Start", "Starting: checking ..."  # the Start button, and its words while a start is checked
 SWEEP, SWEEPING = "Start sweep", "Starting sweep: checking ..."  # the same for Start sweep
+THUMBNAILS = 6  # the most images of a vision dataset's first rows that Check dataset shows
 
 
 def problems_markdown(error: SpecError) -> str:
@@ -46,20 +47,28 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
     """What the pre-launch check (dataset_check.check_file, the one Start runs) sees in a local
     dataset: rows, type, fit, bad records further on, and the suggested fix as data
     (data_check.suggest_fix) for the page to apply."""
+    return check_report(spec)[:3]
+
+
+def check_report(spec) -> tuple[str, pd.DataFrame | None, dict, list]:
+    """dataset_report's text, preview and fix, and for vision data its first rows' images as
+    captioned thumbnails (data_preview.thumbnails; [] for text data)."""
     path = sources.dataset_file(spec.dataset_name)
     if path is None:
         return ("A Hub dataset or a dataset folder is not read before launch: the run downloads its split, "
                 "then checks its first rows the same way before it loads the model, and fails at once, "
-                "saying what to change, if they do not fit."), None, {}
+                "saying what to change, if they do not fit."), None, {}, []
     try:
         check = dataset_check.check_file(spec, path)
+        thumbnails = data_preview.thumbnails(spec, Path(path), check.kind.images, THUMBNAILS) \
+            if check.kind and check.kind.vision else []
     except (OSError, ValueError) as error:
-        return f"**Cannot read the dataset:** {error}", None, {}
+        return f"**Cannot read the dataset:** {error}", None, {}, []
     text_field = spec.args.get("dataset_text_field", "text")
     fix = data_check.suggest_fix(check.read, spec.trainer, spec.column_map, spec.keep_columns, text_field)
     if check.rows is None:  # the column map or keep-columns do not fit this dataset
         lines = [f"**Column map or kept columns do not fit this dataset:** {'; '.join(check.problems)}"]
-        return _paragraphs(lines + [describe_fix(fix)] * bool(fix)), None, fix
+        return _paragraphs(lines + [describe_fix(fix)] * bool(fix)), None, fix, []
     kind = check.kind
     named = ", ".join(part for part in (kind.type, kind.format) if part and part != "unknown")
     lines = [f"**Detected:** {kind.description}" + (f" ({named})" if named else "")
@@ -75,8 +84,11 @@ def dataset_report(spec) -> tuple[str, pd.DataFrame | None, dict]:
         if check.warnings:
             lines += ["**Warnings (these records train, but likely not as meant):**",
                       *[f"- {w}" for w in check.warnings]]
-    preview = pd.DataFrame([{k: str(v)[:200] for k, v in row.items()} for row in check.rows])
-    return _paragraphs(lines), preview, fix
+    images = kind.images  # shown as its files' names, not a list's (or an image's bytes') repr
+    preview = pd.DataFrame([{k: (", ".join(map(data_preview.image_name, data_preview.image_refs(v))) if k == images
+                                 else str(v))[:200]
+                             for k, v in row.items()} for row in check.rows])
+    return _paragraphs(lines), preview, fix, thumbnails
 
 
 def _paragraphs(lines: list[str]) -> str:
@@ -207,10 +219,11 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
         try:
             spec = spec_from_form(form.named(values))
         except SpecError as error:
-            return problems_markdown(error), gr.update(visible=False), {}, gr.update(visible=False)
-        text, preview, fix = dataset_report(spec)
+            return (problems_markdown(error), gr.update(visible=False), {}, gr.update(visible=False),
+                    gr.update(value=None, visible=False))
+        text, preview, fix, thumbnails = check_report(spec)
         return (text, gr.update(value=preview, visible=preview is not None), fix,
-                gr.update(visible=bool(fix)))
+                gr.update(visible=bool(fix)), gr.update(value=thumbnails or None, visible=bool(thumbnails)))
 
     def on_check_rewards(values):
         """The one place in the form, besides Start, where a user's reward files run."""
@@ -367,11 +380,12 @@ def build(manager: RunManager, hardware: Hardware, selected: gr.State) -> tuple[
     for picked in (w["trainer"].input, w["model"].input):  # the user's picks only, not a clone's
         picked(on_starting_values, [w["trainer"], w["model"], w["learning_rate"], lr_start],
                [w["learning_rate"], lr_start], show_progress="hidden")
-    form.check_button.click(on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
+    checked = [form.data_report, form.preview, suggested_fix, form.fix_button, form.images]
+    form.check_button.click(on_check, inputs, checked)
     for button, report in form.reward_checks.values():
         button.click(on_check_rewards, inputs, report)
     form.fix_button.click(fix_values, suggested_fix, [w["column_map"], w["keep_columns"]]).then(
-        on_check, inputs, [form.data_report, form.preview, suggested_fix, form.fix_button])
+        on_check, inputs, checked)
     for name in ("extra", "trainer"):
         w[name].change(check_extra, [w["trainer"], w["extra"]], form.extra_check, show_progress="hidden")
     preview_btn.click(on_preview, inputs, [message, plan_box, plan_of], concurrency_id="plan")

@@ -30,6 +30,7 @@ FRONT_DOORS = {f"studio_core.{name}" for name in (
     "runs.manager", "runs.view", "runs.history", "runs.queue", "runs.sweep",  # runs: start, follow, stop, list, compare, queue, sweep
     "recipe.spec", "recipe.validate", "recipe.trainers", "recipe.trl_schema",  # what a run is, and its checks
     "recipe.data_check", "recipe.data_scan", "recipe.dataset_check",  # a dataset against the trainer
+    "recipe.data_preview",  # a vision dataset's first images, for the Train tab
     "data.sources", "data.builtin", "data.files",  # datasets and models
     "machine.hardware", "machine.cores", "machine.layout", "machine.sizes", "machine.monitor",  # this machine
     "machine.compile_cache", "backends",  # the compile cache; where runs can go (the registry, options)
