@@ -40,7 +40,7 @@ from studio_core.serve.batching import BATCH_BUCKETS, SMALLEST_LENGTH, EnginePla
 from studio_core.serve.row_adapters import config_problem
 from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.data import model_check
-from studio_core.data.sources import BUILTIN_MODELS, check_model, is_vision_model
+from studio_core.data.sources import BUILTIN_MODELS, builtin_folder, check_model, is_vision_model
 from studio_core.machine.compile_cache import compile_cache_root
 from studio_core.machine.device_env import device_env, flags_problem
 from studio_core.machine.hardware import Hardware
@@ -177,11 +177,8 @@ def serve_plan(name: str, runs_dir: str | Path, backend: str, max_cache_len: int
 
 
 def _model_path(name: str) -> str:
-    if name == BUILTIN_MODEL:
-        from studio_core.data.builtin import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    return name
+    """Where a model loads from: a built-in one's folder (sources.builtin_folder), else its name."""
+    return str(builtin_folder(name) or name)
 
 
 def template_kwargs(tokenizer) -> dict:
