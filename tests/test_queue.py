@@ -15,6 +15,7 @@ import pytest
 
 from conftest import launch_py
 from studio_core.machine import leases
+from studio_core.machine.procs import run_processes
 from studio_core.machine.hardware import cpu_hardware
 from studio_core.rundir import events
 from studio_core.rundir.events import fold
@@ -99,7 +100,8 @@ def test_busy_cores_queue_runs_in_order_moved_and_cancelled_then_each_starts_whe
 def test_a_sweeps_hold_keeps_a_run_queued_on_free_cores_until_the_run_it_shares_a_precompile_with_allows(
         manager, held):
     hardware = cpu_hardware()
-    leader = manager.start(tiny("max_steps=3"), hardware, queue_if_busy=True)
+    # the leader runs long enough to be seen running (a 3-step run may end within one look)
+    leader = manager.start(tiny("max_steps=40"), hardware, queue_if_busy=True)
     follower = manager.start(tiny("max_steps=3"), hardware, queue_if_busy=True, hold={"after": leader.id})
     assert queue.hold_of(follower.dir) == {"after": leader.id}
     queue.move(manager.runs_dir, follower.id, 1)  # a move keeps the hold
@@ -107,8 +109,16 @@ def test_a_sweeps_hold_keeps_a_run_queued_on_free_cores_until_the_run_it_shares_
     assert queue.hold_of(follower.dir) == {"after": leader.id}
     held.release()  # two free cores, one run each: the follower still waits for its leader
     wait_for(lambda: manager.view(leader.id).live_state == "running", "the leader to run")
-    assert manager.view(follower.id).live_state == "queued"
-    assert f"waits for run {leader.id} to precompile the shapes this run shares with it" in follower.where()
+    paused = run_processes(leader.id)  # paused while we look: it cannot end between two looks
+    for proc in paused:
+        proc.suspend()
+    try:
+        assert manager.view(leader.id).live_state == "running"
+        assert manager.view(follower.id).live_state == "queued"
+        assert f"waits for run {leader.id} to precompile the shapes this run shares with it" in follower.where()
+    finally:
+        for proc in paused:
+            proc.resume()
     # the leader has no precompile: it ends before the follower goes (which then compiles what it must)
     leader, follower = manager.wait(leader.id), manager.wait(follower.id)
     assert (leader.live_state, follower.live_state) == ("finished", "finished"), follower.error_text
