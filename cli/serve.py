@@ -55,8 +55,13 @@ def wait_for_ctrl_c(demo) -> None:
     uvicorn cancels them after GRACEFUL_SHUTDOWN_S (its own setting, read when it shuts down) and
     its server ends within about 2 s; their cancellation is expected, not logged as an error."""
     import logging
+    import signal
     import time
 
+    # Python raises KeyboardInterrupt on SIGINT only if SIGINT was not ignored when it started, and a
+    # non-interactive shell starts a background job (`launch.py &` in a script) with it ignored:
+    # such an app never heard Ctrl-C or `kill -INT`. It hears it now wherever it was started from.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     demo.server.config.timeout_graceful_shutdown = GRACEFUL_SHUTDOWN_S
     try:
         while demo.is_running:

@@ -67,11 +67,17 @@ def default_location(base: Path) -> tuple[Path, dict]:
     return runs, env
 
 
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class App:
     """`python launch.py` on a free port over a given runs folder (`default_location`: the folder
-    is the default one of the app's environment, and no --runs-dir is given)."""
+    is the default one of the app's environment, and no --runs-dir is given; `sigint_ignored`: it
+    starts with SIGINT ignored, as a script's `launch.py &` starts it)."""
 
-    def __init__(self, runs_dir: Path, env: dict | None = None, default_location: bool = False):
+    def __init__(self, runs_dir: Path, env: dict | None = None, default_location: bool = False,
+                 sigint_ignored: bool = False):
         self.runs_dir = runs_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -80,7 +86,8 @@ class App:
         where = [] if default_location else ["--runs-dir", str(runs_dir)]
         self.proc = subprocess.Popen(
             [sys.executable, "launch.py", "--port", str(self.port), *where],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+            preexec_fn=ignore_sigint if sigint_ignored else None)
         self.known: set[str] = set()
         deadline = time.time() + 90
         while time.time() < deadline:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -205,6 +206,26 @@ def test_table_headers_break_between_words_never_inside_one(page, sweep_of_two):
         return false;
     }""")
     assert scrolls
+
+
+def test_ctrl_c_with_a_page_open_closes_the_server_without_a_traceback(new_page, runs_dir):
+    """Issue 47: the app ignored Ctrl-C for 5-10 s with a page open: Gradio gave uvicorn 5 s to
+    stop, uvicorn waited for the page's event streams, which never end, and the process exited
+    with its server still up. Now the streams are cancelled after a second and the server ends.
+    The app starts as a script's `launch.py &` starts it, with SIGINT ignored (so CI's runner
+    started it once): it hears SIGINT all the same."""
+    server = App(runs_dir, sigint_ignored=True)
+    try:
+        page = new_page(server.url)
+        expect(page.locator("#start")).to_be_visible()
+        page.wait_for_timeout(1500)  # the page's streams open
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(timeout=60) == 0
+        said = server.log_path.read_text()
+    finally:
+        server.kill()
+    assert "Ctrl-C: closing the studio" in said and "Studio closed." in said, said[-2000:]
+    assert "Traceback" not in said and "ERROR" not in said, said[-2000:]
 
 
 def test_a_run_survives_page_and_app_then_is_stopped_saved_and_resumed_from_the_page(new_page, runs_dir):
