@@ -13,15 +13,17 @@ the light of the first) and offers Single-turn, where each message is asked alon
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Callable
 
 import gradio as gr
 
-from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.data.sources import BUILTIN_MODELS
 from studio_core.serve.chat import (BATCH_BUCKETS, EMPTY_ANSWER, MAX_CACHE_LEN, UNTRAINED, ChatError, ChatProcess,
                                     shown, split_reasoning)
 from studio_core.machine.cores import format_cores
 from studio_core.machine.hardware import Hardware
+from studio_core.serve.images import ImageError, image_part, is_image
 from studio_core.serve.openai_api import ApiServer
 from studio_core.serve.vllm_server import VllmServer, decide
 from studio_core.runs.history import runs_with_a_model
@@ -46,8 +48,9 @@ class ChatHolder:
             side = "; side by side with its base available" if info["has_base"] else ""
             untrained = "".join(f" The {'base ' if which == 'base' else ''}model is {UNTRAINED}."
                                 for which in self.chat.target.untrained)
+            vision = " A vision-language model: give it an image with a message." if self.chat.target.vision else ""
             return (f"Loaded `{name}` on {info['backend']} core {format_cores(self.chat.cores)} (static cache "
-                    f"of {info['max_cache_len']} tokens){side}.{untrained}")
+                    f"of {info['max_cache_len']} tokens){side}.{untrained}{vision}")
 
     def unload(self) -> str:
         with self.lock:
@@ -127,8 +130,8 @@ def client_snippet(url: str, model: str) -> str:
 
 
 def chat_targets(manager: RunManager) -> list[str]:
-    """Finished runs with a saved model that answers prompts, newest first, then the built-in model."""
-    return [*runs_with_a_model(manager, chats=True), BUILTIN_MODEL]
+    """Finished runs with a saved model that answers prompts, newest first, then the built-in models."""
+    return [*runs_with_a_model(manager, chats=True), *BUILTIN_MODELS]
 
 
 def saved_info(manager: RunManager, name: str | None) -> dict:
@@ -158,12 +161,27 @@ HISTORY_NOTE = "The model sees the whole conversation; **Clear** to start over."
 SINGLE_TURN_NOTE = "Single-turn: the model sees only your latest message (and the system prompt)."
 
 
-def asked(conversation: list[dict], text: str, system_prompt: str, thinking: bool, single_turn: bool) -> list[dict]:
+def asked(conversation: list[dict], text: str, system_prompt: str, thinking: bool, single_turn: bool,
+          image: dict | None = None) -> list[dict]:
     """The messages sent for a new message `text`: the system prompt, the earlier turns (none when
-    `single_turn`), then the message."""
+    `single_turn`), then the message (with `image`, an image part: the image first, as TRL's
+    vision data puts it)."""
     system_turn = [{"role": "system", "content": system_prompt}] if system_prompt else []
     earlier = [] if single_turn else for_model(conversation, thinking)
-    return [*system_turn, *earlier, {"role": "user", "content": text}]
+    return [*system_turn, *earlier, {"role": "user", "content": user_content(text, image)}]
+
+
+def user_content(text: str, image: dict | None) -> str | list[dict]:
+    return [image, {"type": "text", "text": text}] if image else text
+
+
+def user_bubble(message: dict) -> dict:
+    """A user message as a chatbot shows it: its image (the file it came from) above its text."""
+    content = message["content"]
+    if not isinstance(content, list):
+        return message
+    shown_parts = [{"path": part["shown"]} if is_image(part) else part.get("text", "") for part in content]
+    return {"role": "user", "content": shown_parts}
 
 
 def for_chatbot(conversation: list[dict], thinking: bool, answering: bool = False) -> list[dict]:
@@ -173,7 +191,7 @@ def for_chatbot(conversation: list[dict], thinking: bool, answering: bool = Fals
     bubbles = []
     for i, message in enumerate(conversation):
         if message["role"] != "assistant":
-            bubbles.append(message)
+            bubbles.append(user_bubble(message))
             continue
         reasoning, answer = (shown(part) for part in split_reasoning(message["content"], thinking))
         last = answering and i == len(conversation) - 1
@@ -215,7 +233,10 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
         tuned = gr.Chatbot(label="Tuned", height=380, elem_id="chat-tuned")
         base = gr.Chatbot(label="Base", height=380, visible=False, elem_id="chat-base")
     conversations = gr.State({"tuned": [], "base": []})  # what the model was asked and wrote, as written
-    message = gr.Textbox(label="Message", placeholder="Ask something, then Enter", elem_id="chat-input")
+    with gr.Row():
+        message = gr.Textbox(label="Message", placeholder="Ask something, then Enter", elem_id="chat-input", scale=4)
+        image = gr.Image(type="filepath", sources=["upload", "clipboard"], label="Image, sent with the message",
+                         visible=False, height=140, scale=1, elem_id="chat-image")
     with gr.Row():
         history_note = gr.Markdown(HISTORY_NOTE, elem_id="chat-history-note")
         single_turn = gr.Checkbox(False, label="Single-turn: answer each message alone", elem_id="chat-single-turn")
@@ -242,18 +263,26 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
         try:
             loaded = holder.load(name or "", manager, hardware)
         except ChatError as error:
-            return f"**Not loaded:** {error}", gr.update(label="Base")
+            return f"**Not loaded:** {error}", gr.update(label="Base"), gr.update(visible=False, value=None)
         untrained = "base" in holder.chat.target.untrained
-        return loaded, gr.update(label="Base (untrained: random weights)" if untrained else "Base")
+        return (loaded, gr.update(label="Base (untrained: random weights)" if untrained else "Base"),
+                gr.update(visible=holder.chat.target.vision, value=None))
 
-    def on_send(text, kept, side_by_side, system_prompt, temp, p, max_new, alone):
+    def on_send(text, picture, kept, side_by_side, system_prompt, temp, p, max_new, alone):
         chat = holder.chat
         if chat is None or not chat.alive:
-            yield gr.skip(), gr.skip(), kept, text, "**Load a run or a model first.**"
+            yield gr.skip(), gr.skip(), kept, text, gr.skip(), "**Load a run or a model first.**"
             return
         if not (text or "").strip():
-            yield gr.skip(), gr.skip(), kept, "", ""
+            yield gr.skip(), gr.skip(), kept, "", gr.skip(), ""
             return
+        shown_image = None
+        if picture and chat.target.vision:
+            try:
+                shown_image = {**image_part(Path(picture), "The image"), "shown": picture}
+            except ImageError as error:
+                yield gr.skip(), gr.skip(), kept, text, gr.skip(), f"**Not sent:** {error}"
+                return
         kept = {which: list(conversation) for which, conversation in kept.items()}
         note = ""
 
@@ -262,8 +291,9 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
 
         for which in ("tuned", "base") if side_by_side else ("tuned",):
             conversation = kept[which]
-            messages = asked(conversation, text, system_prompt, chat.thinking, alone)
-            conversation += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+            messages = asked(conversation, text, system_prompt, chat.thinking, alone, shown_image)
+            conversation += [{"role": "user", "content": user_content(text, shown_image)},
+                             {"role": "assistant", "content": ""}]
             try:
                 for event in chat.generate(messages, which=which, temperature=temp, top_p=p,
                                            max_new_tokens=int(max_new)):
@@ -271,18 +301,18 @@ def build(manager: RunManager, hardware: Hardware, page: gr.Blocks) -> tuple[gr.
                         conversation[-1]["content"] += event["text"]
                     else:
                         note = shapes_text(event) + (" Stopped." if event["stopped"] else "")
-                    yield *shown_now(which if event["type"] == "token" else None), kept, "", note
+                    yield *shown_now(which if event["type"] == "token" else None), kept, "", None, note
             except ChatError as error:
-                yield *shown_now(), kept, "", f"**Chat failed:** {error}"
+                yield *shown_now(), kept, "", None, f"**Chat failed:** {error}"
                 return
 
     def on_stop():
         if holder.chat is not None:
             holder.chat.stop_generation()
 
-    inputs = [message, conversations, compare, system, temperature, top_p, max_new_tokens, single_turn]
-    outputs = [tuned, base, conversations, message, shapes]
-    load.click(on_load, target, [status, base]).then(lambda: (False, "Not served.", ""), None,
+    inputs = [message, image, conversations, compare, system, temperature, top_p, max_new_tokens, single_turn]
+    outputs = [tuned, base, conversations, message, image, shapes]
+    load.click(on_load, target, [status, base, image]).then(lambda: (False, "Not served.", ""), None,
                                                       [serving, served, snippet])
     unload.click(holder.unload, None, status).then(lambda: (False, "Not served.", ""), None,
                                                    [serving, served, snippet])

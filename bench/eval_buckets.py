@@ -211,7 +211,7 @@ def measure(args, report: dict) -> None:
     t0 = time.monotonic()
     prompts = build_prompts(gen, args.prompts, args.seed)
     for p in prompts:  # the ids the model will be fed, after Generator fits the prompt into the cache
-        ids, p["bucket"], p["dropped_turns"] = gen.prompt(p["messages"], args.max_new_tokens)
+        ids, p["bucket"], p["dropped_turns"], _ = gen.prompt(p["messages"], args.max_new_tokens)
         p["fed_tokens"] = len(ids)
     fed = [p["fed_tokens"] for p in prompts]
     report["settings"] = {

@@ -6,9 +6,11 @@ goes to stderr, labelled; an empty answer prints a placeholder saying what it me
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
-from studio_core.serve.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, shown, split_reasoning
+from studio_core.serve.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, resolve, shown, split_reasoning
+from studio_core.serve.images import ImageError, image_part
 from studio_core.machine.cores import format_cores
 from studio_core.runs.manager import RunManager
 
@@ -22,8 +24,9 @@ def cmd_chat(args) -> int:
     hardware = hardware_for(args)
     check_one_core(args.cores, hardware)
     try:
+        image = first_image(args, manager.runs_dir)
         chat = ChatProcess.start(args.target, manager.runs_dir, hardware, cores=args.cores)
-    except ChatError as error:
+    except (ChatError, ImageError) as error:
         print(f"Cannot chat: {error}", file=sys.stderr)
         return 2
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -44,9 +47,14 @@ def cmd_chat(args) -> int:
             if text.strip() == "/clear":
                 history = []
                 continue
+            if text.strip().startswith("/image"):
+                image = next_image(text.strip().removeprefix("/image").strip(), chat) or image
+                continue
             if args.single_turn:
                 history = []
-            history.append({"role": "user", "content": text})
+            history.append({"role": "user", "content": [image, {"type": "text", "text": text}] if image else text})
+            if not args.single_turn:
+                image = None  # shown once: the conversation keeps it
             for which in ("tuned", "base") if args.base else ("tuned",):
                 if args.base:
                     print(f"[{which}] ", end="", flush=True)
@@ -62,6 +70,35 @@ def cmd_chat(args) -> int:
         return 1
     finally:
         chat.unload()
+
+
+def first_image(args, runs_dir) -> dict | None:
+    """--image's part for the chat process, checked before the model loads (ImageError or ChatError
+    saying what to change); None without one."""
+    if args.image is None:
+        return None
+    target = resolve(args.target, runs_dir)
+    if not target.vision:
+        raise ChatError(f"--image: {target.label} is a text model and takes no images; leave --image out, or chat "
+                        "with a vision-language model's run")
+    return image_part(Path(args.image).expanduser(), f"--image {args.image}")
+
+
+def next_image(path: str, chat: ChatProcess) -> dict | None:
+    """`/image FILE`: the image shown with the next message; None, said why, if it cannot be."""
+    if not chat.target.vision:
+        print(f"{chat.target.label} is a text model: it takes no images.", file=sys.stderr)
+        return None
+    if not path:
+        print("Give the image's file: /image photo.png", file=sys.stderr)
+        return None
+    try:
+        part = image_part(Path(path).expanduser(), path)
+    except ImageError as error:
+        print(f"Not shown: {error}", file=sys.stderr)
+        return None
+    print(f"{path} goes with your next message.", file=sys.stderr)
+    return part
 
 
 def print_answer(events, thinking: bool) -> tuple[dict, str]:

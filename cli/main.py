@@ -243,6 +243,8 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--prompt", help="ask this once, print the answer and exit (else: an interactive chat)")
     chat.add_argument("--system", help="a system prompt")
     chat.add_argument("--base", action="store_true", help="also answer with the base model, for comparison")
+    chat.add_argument("--image", help="an image file (PNG or JPEG) shown to a vision-language model with the first "
+                      "message (with --single-turn, with every one); in a chat, /image FILE shows one with the next")
     chat.add_argument("--single-turn", action="store_true", help="answer each message alone (by default the model "
                       "sees the whole conversation; /clear starts over)")
     chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")

@@ -90,7 +90,7 @@ def manager(tmp_path):
 # supervisor, torchrun, a rank), the browser, or `launch.py` training or serving the app.
 NOT_IN_A_FAST_TEST = ("studio_core.training.supervisor", "torch.distributed.run", "studio_core.training.worker", "chromium",
                       "playwright")
-SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs", "two_process_runs", "grpo_runs"}
+SHARED_RUN_FIXTURES = {"trained_runs", "sft_runs", "history_runs", "two_process_runs", "grpo_runs", "vlm_runs"}
 
 
 def _heavy_start(args) -> str | None:
@@ -135,7 +135,7 @@ SLOW_FILES_FIRST = [
     "test_browser_runs.py", "test_hardening_eval.py", "test_hardening_serve.py", "test_device_placement.py", "test_hardening_runs.py",
     "test_queue.py",
     "test_browser_train.py", "test_trainers.py", "test_browser_trainers.py", "test_resume.py", "test_precompile.py", "test_export.py",
-    "test_vlm_export.py", "test_vlm_train.py", "test_vlm_model.py",
+    "test_vlm_export.py", "test_vlm_train.py", "test_vlm_chat.py", "test_vlm_model.py", "test_browser_vlm.py",
     "test_chat.py", "test_openai_api.py", "test_eval.py", "test_harness.py", "test_browser_chat_export.py",
     "test_history.py", "test_browser_data.py", "test_doctor.py", "test_compile_cache.py", "test_spec.py",
     "test_hub_dataset.py", "test_neuron_paths.py",
@@ -212,6 +212,19 @@ def sft_runs(tmp_path_factory):
 
     return shared_runs(tmp_path_factory, "sft", {"full": RunSpec.load(RECIPES / "tiny-sft.yaml"),
                                                  "lora": RunSpec.load(RECIPES / "tiny-sft-lora.yaml")})
+
+
+@pytest.fixture(scope="session")
+def vlm_runs(tmp_path_factory):
+    """Runs of the tiny vision-language model on builtin:shapes (recipes/tiny-vlm-sft.yaml),
+    finished: {"full": 120 steps, a loss every 10, long enough to name colours and shapes;
+    "lora": 10 steps of LoRA}."""
+    from studio_core.recipe.spec import RunSpec
+
+    recipe = RunSpec.load(RECIPES / "tiny-vlm-sft.yaml")
+    return shared_runs(tmp_path_factory, "vlm", {
+        "full": recipe.with_overrides(["max_steps=120", "logging_steps=10"]),
+        "lora": recipe.with_overrides(["max_steps=10", "use_peft=true", "learning_rate=5e-3"])})
 
 
 @pytest.fixture(scope="session")

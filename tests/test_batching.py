@@ -53,7 +53,7 @@ def engine(chat, **settings) -> BatchEngine:
 
 
 def request(chat, messages, **settings) -> Request:
-    ids, _, _ = chat.fitted(messages, None, settings.get("max_new_tokens", NEW), whole=True)
+    ids, _, _, _ = chat.fitted(messages, None, settings.get("max_new_tokens", NEW), whole=True)
     return Request(ids, **{"max_new_tokens": NEW, **settings})
 
 

@@ -1,6 +1,7 @@
 """Vision-language data in a real browser: Check dataset on builtin:shapes shows its first rows'
 images as captioned thumbnails (and its image column as file names), a text dataset after it hides
-them again, and a run of the tiny vision-language model started from the page finishes.
+them again, a run of the tiny vision-language model started from the page finishes, and the Chat
+tab sends an image with a message to the session's trained VLM run (conftest.vlm_runs).
 
 Chromium through Playwright, the app as its own process, one app for this file
 (tests/studio_browser.py); skipped, saying so, where Chromium is missing.
@@ -63,3 +64,32 @@ def test_a_vision_language_run_started_from_the_page_finishes(page, app):
     [view] = app.new_runs()
     assert view.live_state == "finished"
     assert view.spec["model_name_or_path"] == "builtin:tiny-vlm" and view.spec["dataset_name"] == "builtin:shapes"
+
+
+def test_the_chat_tab_shows_an_image_with_the_message_and_answers_as_plain_transformers(page, app, vlm_runs):
+    """Issue 49: the image box appears for a vision-language run; the image goes with the message,
+    shows in the conversation, and the answer is plain Transformers' to that image."""
+    from test_browser_chat_export import load_in_chat
+    from test_vlm_chat import held_out, plain_answers
+
+    vlm_runs.copy_to(app.runs_dir, "full")
+    run_id = vlm_runs.ids["full"]
+    (question, image), = held_out(1)
+    [expected] = plain_answers(app.runs_dir / run_id / "output", [(question, image)], new_tokens=128)
+    load_in_chat(page, run_id)
+    expect(page.locator("#chat-status")).to_contain_text("A vision-language model: give it an image")
+    picture = page.locator("#chat-image")
+    expect(picture).to_be_visible()
+    picture.locator("input[type=file]").set_input_files(str(image))
+    expect(picture.locator("img")).to_be_visible()
+    box = page.locator("#chat-input textarea").first
+    box.fill(question)
+    box.press("Enter")
+    tuned = page.locator("#chat-tuned")
+    expect(tuned).to_contain_text(expected, timeout=60_000)
+    expect(page.locator("#chat-shapes")).to_contain_text("tokens in")
+    shown = tuned.locator("img")
+    expect(shown).to_have_count(1)  # the image, in the user's bubble
+    page.wait_for_function("() => [...document.querySelectorAll('#chat-tuned img')].every("
+                           "img => img.complete && img.naturalWidth > 0)")
+    expect(picture.locator("img")).to_have_count(0)  # the box is empty again for the next message

@@ -19,26 +19,16 @@ from huggingface_hub import ModelCard
 from studio_core.data.builtin_images import ensure_shapes_dataset
 from studio_core.data.builtin_vlm import ensure_tiny_vlm
 from studio_core.export.export import card_for_repo, export_run
-from studio_core.machine.hardware import cpu_hardware
-from studio_core.recipe.spec import RunSpec
-from studio_core.runs.manager import RunManager
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-vlm-sft.yaml"
 SHAPES = ensure_shapes_dataset()
 HELD_OUT = [json.loads(line) for line in (SHAPES / "test.jsonl").read_text().splitlines()[:4]]
 
 
 @pytest.fixture(scope="module")
-def vlm_runs(tmp_path_factory):
-    """A full run long enough to name colours and shapes, and a short LoRA run, both finished."""
-    manager = RunManager(tmp_path_factory.mktemp("vlm-export") / "runs")
-    specs = {"full": ["max_steps=60"], "lora": ["max_steps=10", "use_peft=true", "learning_rate=5e-3"]}
-    ids = {kind: manager.start(RunSpec.load(RECIPE).with_overrides(sets), cpu_hardware()).id
-           for kind, sets in specs.items()}
-    for kind, run_id in ids.items():
-        view = manager.wait(run_id, timeout=600)
-        assert view.live_state == "finished", view.error_text
-    return manager, ids
+def vlm_runs(vlm_runs, tmp_path_factory):
+    """The session's runs of the tiny VLM (conftest.vlm_runs: a full run long enough to name colours
+    and shapes, and a short LoRA run), copied here: (their run manager, their ids)."""
+    return vlm_runs.copy_to(tmp_path_factory.mktemp("vlm-export") / "runs"), vlm_runs.ids
 
 
 def load(folder):

@@ -105,13 +105,15 @@ def test_a_text_model_with_images_and_a_vlm_with_text_are_refused_before_launch(
     assert "it has no images, and builtin:tiny-vlm is a vision-language model" in message and "builtin:shapes" in message
 
 
-def test_chat_eval_and_serve_of_a_vlm_say_they_take_no_images_yet_before_anything_starts(tmp_path):
-    """They load a causal LM and send text: a VLM run failed in the started process with a traceback.
-    The run folder is one as training leaves it (the built VLM's files as its saved model)."""
+def test_a_vlm_is_chatted_with_as_a_vision_model_and_what_takes_no_images_says_so_before_anything_starts(
+        tmp_path):
+    """Chat loads a VLM with its processor (tests/test_vlm_chat.py); evaluation and vLLM take text
+    alone so far: they failed in the started process with a traceback. The run folder is one as
+    training leaves it (the built VLM's files as its saved model)."""
     from conftest import launch_py
     from studio_core.rundir import events, folder
     from studio_core.rundir.folder import OUTPUT_INFO
-    from studio_core.serve import chat
+    from studio_core.serve import chat, vllm_server
 
     runs = tmp_path / "runs"
     run_id = "20250101-000000-tiny-vlm-sft-abc123"
@@ -122,10 +124,35 @@ def test_chat_eval_and_serve_of_a_vlm_say_they_take_no_images_yet_before_anythin
     folder.write_json(run_dir / folder.OUTPUT / OUTPUT_INFO, {"kind": "full", "trainer": "sft", "task":
                                                               "text-generation", "base_model": BUILTIN_VLM})
     for name in (run_id, BUILTIN_VLM):
-        with pytest.raises(chat.ChatError, match="is a vision-language model: .* AutoModelForImageTextToText"):
-            chat.resolve(name, runs)
-    for line in (["chat", run_id, "--prompt", "hi"], ["eval", run_id], ["serve", run_id, "--backend", "cpu"]):
-        done = launch_py(*line, "--runs-dir", str(runs), timeout=120)
-        assert done.returncode != 0 and "is a vision-language model" in done.stdout + done.stderr, line
-        assert "Traceback" not in done.stdout + done.stderr
+        assert chat.resolve(name, runs).vision
+        with pytest.raises(chat.ChatError, match="is a vision-language model, which the studio does not hand to vLLM"):
+            vllm_server.plan([name], runs, 1)
+    assert not chat.resolve("builtin:tiny-qwen3", runs).vision
+    assert chat.resolve(BUILTIN_VLM, runs).untrained == ("tuned",)  # random weights, said as the text one's are
+    done = launch_py("eval", run_id, "--runs-dir", str(runs), timeout=120)
+    assert done.returncode != 0 and "is a vision-language model: evaluating it takes images" in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
     assert not (run_dir / "eval").exists()
+
+
+@pytest.mark.fast
+def test_dpo_and_kto_of_a_vlm_do_not_pad_to_a_multiple_which_their_vision_collators_refuse():
+    """TRL's DPO and KTO collators of vision data raise NotImplementedError at the first batch when
+    pad_to_multiple_of is set, as "auto" sets it on Neuron: the plan makes it null there and says
+    why; a number is refused on any backend. SFT of a VLM (messages rows) keeps Neuron's padding."""
+    from studio_core.machine.hardware import instance_hardware
+    from studio_core.training.plan import plan
+
+    trn2 = instance_hardware("trn2.3xlarge")
+    for trainer in ("dpo", "kto"):
+        spec = RunSpec.load(RECIPE).with_overrides([f"trainer={trainer}", "dataset_name=pairs.jsonl"])
+        planned = plan(spec, trn2, model_config=TINY_VLM_CONFIG)
+        [(_, value, why)] = [entry for entry in planned.applied if entry[0] == "pad_to_multiple_of"]
+        assert value is None and "cannot pad to a multiple" in why and not planned.errors, planned.applied
+        assert not [w for w in planned.warnings if "pad_to_multiple_of" in w]  # not told to go back to "auto"
+        refused = plan(spec.with_overrides(["pad_to_multiple_of=64"]), cpu_hardware(), model_config=TINY_VLM_CONFIG)
+        assert any(e.startswith("pad_to_multiple_of: 64:") and "set it to null" in e for e in refused.errors)
+        text = plan(spec, trn2, model_config=json.loads((ensure_tiny_vlm() / "config.json").read_text())["text_config"])
+        assert ("pad_to_multiple_of", "auto") in [entry[:2] for entry in text.applied]  # a text model pads
+    sft = plan(RunSpec.load(RECIPE), trn2, model_config=TINY_VLM_CONFIG)
+    assert ("pad_to_multiple_of", "auto") in [entry[:2] for entry in sft.applied] and not sft.errors

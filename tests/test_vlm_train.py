@@ -1,33 +1,25 @@
 """Issue 49: a real tiny vision-language SFT run on the CPU, from the recipe to a saved model that
 plain Transformers loads: the built-in LLaVA learns builtin:shapes (its loss falls), the saved
 folder holds the processor, and AutoModelForImageTextToText with AutoProcessor answers an image
-with the words it learnt.
+with the words it learnt. The runs are the session's (conftest.vlm_runs: the recipe, 120 steps;
+LoRA, 10 steps), which the VLM chat and export tests read too.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from studio_core.data.builtin_images import ensure_shapes_dataset
-from studio_core.machine.hardware import cpu_hardware
-from studio_core.recipe.spec import RunSpec
-from studio_core.runs.manager import RunManager
-
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-vlm-sft.yaml"
-STEPS = 120
 
 
-def test_the_tiny_vlm_learns_the_shapes_and_its_saved_folder_answers_with_plain_transformers(tmp_path):
+def test_the_tiny_vlm_learns_the_shapes_and_its_saved_folder_answers_with_plain_transformers(vlm_runs, tmp_path):
     import json
 
     import torch
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    spec = RunSpec.load(RECIPE).with_overrides([f"max_steps={STEPS}", "logging_steps=10"])
-    manager = RunManager(tmp_path / "runs")
-    view = manager.wait(manager.start(spec, cpu_hardware()).id, timeout=600)
-    assert view.live_state == "finished", view.error_text
+    view = vlm_runs.copy_to(tmp_path / "runs", "full").view(vlm_runs.ids["full"])
+    assert view.live_state == "finished" and view.spec["max_steps"] == 120, view.error_text
     losses = [m["loss"] for m in view.metrics if "loss" in m]
     assert losses[-1] < 0.6 * losses[0], losses  # 6.9 at the start: it learns the answers
     assert any(key == "ddp_find_unused_parameters" for key, _, _ in view.launch()["applied"])
@@ -47,11 +39,9 @@ def test_the_tiny_vlm_learns_the_shapes_and_its_saved_folder_answers_with_plain_
     assert words & {"red", "green", "blue"} and words & {"circle", "square", "triangle"}, words
 
 
-def test_a_lora_run_of_the_tiny_vlm_adapts_every_linear_layer_and_saves_its_adapter(tmp_path):
+def test_a_lora_run_of_the_tiny_vlm_adapts_every_linear_layer_and_saves_its_adapter(vlm_runs, tmp_path):
     """PEFT knows no default layers for LLaVA: without the studio's default the run failed at start."""
-    spec = RunSpec.load(RECIPE).with_overrides(["max_steps=10", "use_peft=true", "learning_rate=5e-3"])
-    manager = RunManager(tmp_path / "runs")
-    view = manager.wait(manager.start(spec, cpu_hardware()).id, timeout=600)
+    view = vlm_runs.copy_to(tmp_path / "runs", "lora").view(vlm_runs.ids["lora"])
     assert view.live_state == "finished", view.error_text
     assert view.spec["lora_target_modules"] == "all-linear"
     adapter = view.dir / "output" / "adapter_model.safetensors"

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from studio_core.recipe import eval_data
 from studio_core.data import sources
-from studio_core.serve.chat import MAX_CACHE_LEN, ChatError, ChatProcess, kill, resolve
+from studio_core.serve.chat import MAX_CACHE_LEN, ChatError, ChatProcess, kill, resolve, vision_not_yet
 from studio_core.data.files import read_rows
 from studio_core.machine.hardware import Hardware
 from studio_core.recipe.rewards import HUB_TOKENS
@@ -332,7 +332,9 @@ def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]
     for a local file its records (a Hub dataset is checked by the evaluation process on its rows)."""
     problems = settings_problems(request)
     try:
-        resolve(request.target, runs_dir)
+        target = resolve(request.target, runs_dir)
+        if target.vision:
+            raise EvalError(vision_not_yet(target, "evaluating it"))
         source = data_source(request, runs_dir)
     except (ChatError, EvalError, folder.DamagedRun) as error:
         return {}, problems + [str(error)]

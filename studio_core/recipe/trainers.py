@@ -77,6 +77,9 @@ class Trainer:
     uses_max_length: bool = True  # truncates samples at max_length
     not_forecast: str = ""  # why the shape forecast does not apply, when it does not
     task: str = "text-generation"  # what the saved model does: text-generation (chat) or text-classification
+    # its collator of vision-language data pads to pad_to_multiple_of (TRL 1.16's DPO and KTO ones raise
+    # NotImplementedError at the first batch when it is set: trl/trainer/dpo_trainer.py, kto_trainer.py)
+    vision_pads: bool = True
     defaults: tuple[Default, ...] = ()  # applied on every backend
     neuron_defaults: tuple[Default, ...] = ()
     # The run page's plots of the trainer's own metrics, beside loss and learning rate: (title,
@@ -151,6 +154,7 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
         fields=(FormField("beta", "float", 0.1, "how far from the reference model"),
                 FormField("loss_type", "choice", "sigmoid", "DPO loss", as_list=True)),
         reference_model=True, sequences_per_example=2,  # the chosen and the rejected answer
+        vision_pads=False,
         plots=(PREFERENCE_REWARDS, ("Reward accuracy (chosen above rejected)", ("rewards/accuracies",)))),
     Trainer(
         key="kto", name="KTO", label="KTO (answers marked good or bad)",
@@ -165,6 +169,7 @@ TRAINERS: dict[str, Trainer] = {t.key: t for t in (
                 FormField("desirable_weight", "float", 1.0, "weight of the desirable answers' loss"),
                 FormField("undesirable_weight", "float", 1.0, "weight of the undesirable answers' loss")),
         reference_model=True, sequences_per_example=2,  # the answer, and a mismatched pair for the KL term
+        vision_pads=False,
         plots=(PREFERENCE_REWARDS, ("KL to the reference", ("kl",))),
         not_forecast="its KL term sends a second batch, of other shapes, through the model at each step, and the "
                      "forecast walks one per step"),

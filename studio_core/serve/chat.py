@@ -38,7 +38,6 @@ from studio_core.machine import children, leases
 # the batch sizes a server decodes at (--max-batch); the smallest prompt bucket
 from studio_core.serve.batching import BATCH_BUCKETS, SMALLEST_LENGTH, EnginePlan, engine_plan
 from studio_core.serve.row_adapters import config_problem
-from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.data import model_check
 from studio_core.data.sources import BUILTIN_MODELS, builtin_folder, check_model, is_vision_model
 from studio_core.machine.compile_cache import compile_cache_root
@@ -52,7 +51,7 @@ REPLY_TIMEOUT_S = 600
 HALT_POLL_S = 0.1  # how often a generation waiting for its next event looks whether it was halted
 THINK, END_THINK = "<think>", "</think>"
 EMPTY_ANSWER = "(empty answer: the model produced only special tokens or whitespace)"
-UNTRAINED = f"untrained: {BUILTIN_MODEL} is randomly initialised, so its answers are noise or empty"
+UNTRAINED = "untrained: a built-in model is randomly initialised, so its answers are noise or empty"
 
 
 class ChatError(ValueError):
@@ -73,6 +72,7 @@ class ChatTarget:
     base: str | None = None  # a full run's base model, for side by side
     trust_remote_code: bool = False
     untrained: tuple[str, ...] = ()  # the sides ("tuned", "base") that are the random built-in model
+    vision: bool = False  # a vision-language model: loaded with its processor, its messages may hold images
 
 
 def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
@@ -101,11 +101,10 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
         if info.get("task", "text-generation") != "text-generation":
             raise ChatError(f"run {name} trained a reward model: it gives a text a score and does not write "
                             "answers, so there is nothing to chat with; export it to use it")
-        if model_check.is_vision(model_check.read_config(output / "config.json")[0] or {}) or (
-                info["kind"] == "adapter" and is_vision_model(info["base_model"])):
-            raise ChatError(vision_not_yet(f"run {name}"))
+        vision = model_check.is_vision(model_check.read_config(output / "config.json")[0] or {}) or (
+            info["kind"] == "adapter" and is_vision_model(info["base_model"]))
         base = _model_path(info["base_model"])
-        untrained = ("base",) if info["base_model"] == BUILTIN_MODEL else ()
+        untrained = ("base",) if info["base_model"] in BUILTIN_MODELS else ()
         problems = model_check.output_problems(output, adapter=info["kind"] == "adapter")
         if problems:
             raise ChatError(f"run {name}'s saved model in {output} cannot be loaded: {'; '.join(problems)}")
@@ -116,25 +115,25 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
                 raise ChatError(f"run {name} is a LoRA adapter on {info['base_model']}, which cannot be loaded: "
                                 f"{said}")
             return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base,
-                              untrained=untrained)
-        return ChatTarget(name, model=str(output), tokenizer=str(output), base=base, untrained=untrained)
+                              untrained=untrained, vision=vision)
+        return ChatTarget(name, model=str(output), tokenizer=str(output), base=base, untrained=untrained,
+                          vision=vision)
     if name not in BUILTIN_MODELS and "/" not in name and not Path(name).exists():
         raise ChatError(f"{name!r} is neither a run in {runs_dir} nor a model folder or Hub id (org/name)")
     problems = check_model(name)  # as a run's model is checked before launch: before a process loads it
     if problems:
         raise ChatError("\n".join(p.removeprefix("model_name_or_path: ") for p in problems))
-    if is_vision_model(name):
-        raise ChatError(vision_not_yet(name))
     path = _model_path(name)
-    return ChatTarget(name, model=path, tokenizer=path, untrained=("tuned",) if name == BUILTIN_MODEL else ())
+    return ChatTarget(name, model=path, tokenizer=path, untrained=("tuned",) if name in BUILTIN_MODELS else (),
+                      vision=is_vision_model(name))
 
 
-def vision_not_yet(what: str) -> str:
-    """Chat, evaluation and serving take text alone so far: a vision-language model is said to be
-    out of their reach before any process starts (training and export take it)."""
-    return (f"{what} is a vision-language model: chatting with it, evaluating it and serving it take images, "
-            "which the studio's chat, evaluation and server do not do yet; export it (launch.py export, or the "
-            "Export tab) and load the export with Transformers' AutoModelForImageTextToText and AutoProcessor")
+def vision_not_yet(target: ChatTarget, what: str) -> str:
+    """What is said where a part of the studio takes text alone so far (`what`: "evaluating it"):
+    a vision-language model is out of its reach, before any process starts."""
+    return (f"{target.label} is a vision-language model: {what} takes images, which the studio does not do yet; "
+            "chat with it (the Chat tab, or launch.py chat with --image), or export it and load the export with "
+            "Transformers' AutoModelForImageTextToText and AutoProcessor")
 
 
 def adapters_of(first: ChatTarget, others: list[ChatTarget], max_batch: int) -> dict[str, str]:

@@ -38,6 +38,7 @@ import traceback
 
 from studio_core.machine import leases
 from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, EnginePlan, Request, engine_plan
+from studio_core.serve.images import text_of
 from studio_core.serve.row_adapters import install, unsupported
 from studio_core.serve.slots import cache_mib
 from studio_core.serve.generation import Generator, NoRoom, TooLong, on_leased_cores
@@ -233,7 +234,7 @@ def prompt_chars(order: dict) -> int:
     """An order's prompt's length in characters: its plain text's, or its messages' together."""
     if order.get("text") is not None:
         return len(order["text"])
-    return sum(len(m.get("content") or "") for m in order.get("messages") or [])
+    return sum(len(text_of(m.get("content"))) for m in order.get("messages") or [])
 
 
 class StepOutput:
@@ -263,7 +264,7 @@ def batched_request(chat: Generator, engine: BatchEngine, order: dict, requests:
             raise ValueError("a batched server answers with the tuned model only")
         adapter = chat.adapter_names.get(order.get("model"), next(iter(engine.adapters), None))
         max_new = int(order.get("max_new_tokens") or 128)
-        ids, _, dropped = chat.fitted(order.get("messages"), order.get("text"), max_new, bool(order.get("whole")))
+        ids, _, dropped, _ = chat.fitted(order.get("messages"), order.get("text"), max_new, bool(order.get("whole")))
     except TooLong as error:
         emit("error", id=rid, message=str(error), code="context_length_exceeded")
         return None
@@ -322,13 +323,16 @@ def main() -> int:
             max_batch = setup.get("max_batch", 1)
             plan = engine_plan(setup["backend"], max_batch, chat.max_cache_len, bool(setup.get("compile")),
                                unsupported(chat.model, chat.peft_adapters) if chat.peft_adapters else None)
+            if chat.vision and plan.mode != "single":
+                plan = EnginePlan("single", None, why="a vision-language model, whose images the batched engine "
+                                                      "does not take yet")
             engine, out, warmup = None, StepOutput(), {}
             if plan.mode != "single":
                 engine, plan, warmup = start_engine(chat, plan, max_batch, out)
             rows = engine.rows if engine else 1
             emit("ready", label=target["label"], cores=setup["cores"], backend=setup["backend"],
                  max_cache_len=chat.max_cache_len, has_base=chat.has_base, template_kwargs=chat.template_kwargs,
-                 thinking=chat.thinking, models=list(chat.adapter_names) or [target["label"]],
+                 thinking=chat.thinking, vision=chat.vision, models=list(chat.adapter_names) or [target["label"]],
                  **tokenizer_reach(chat.tokenizer),
                  cache_mib=round(cache_mib(chat.model, rows, chat.max_cache_len), 1), max_batch=rows,
                  engine={"mode": plan.mode, "says": plan.describe(), "graphs": plan.graphs, **warmup})

@@ -16,6 +16,13 @@ cannot run on this CPU build machine.
 
 A prompt's length in tokens (`render`) needs only the tokenizer (`load_tokenizer`), so an
 evaluation measures its prompts against the largest bucket before it loads the model.
+
+A vision-language model (target["vision"]) is loaded with AutoModelForImageTextToText and its
+processor, as its run trained it. A message's image parts (serve/images.py) become TRL's
+placeholders; the processor renders the text with the chat template, puts the image's tokens in
+(a fixed count a image for a model whose processor resizes to one resolution, as the built-in
+LLaVA's does) and makes `pixel_values`, one tensor shape per count of images: the prompt is
+bucketed as a text prompt is, and the images' shape is the only other input shape.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 from studio_core.machine import leases
 from studio_core.serve.batching import SMALLEST_LENGTH
 from studio_core.serve.chat import opens_thinking, template_kwargs
+from studio_core.serve.images import has_images, take_images
 from studio_core.machine.hardware import pin_to_cpu_cores
 from studio_core.machine.placement import on_model_device
 
@@ -103,19 +111,26 @@ class Generator:
     run's base model, trust_remote_code); `backend`; `max_cache_len`: the static cache's length;
     `tokenizer`: the target's, when the caller has it loaded already; `adapters`: {model name: LoRA
     folder} of several runs on the target's base, served together (the target's own adapter among
-    them)."""
+    them). A vision-language target (target["vision"]) loads its processor too, whose tokenizer
+    is `tokenizer`."""
 
     def __init__(self, target: dict, backend: str, max_cache_len: int, tokenizer=None,
                  adapters: dict[str, str] | None = None):
         import torch
-        from transformers import AutoModelForCausalLM
 
         self.setup, self.backend, self.max_cache_len = target, backend, max_cache_len
         load = {"dtype": torch.bfloat16, "device_map": "neuron"} if self.backend == "neuron" else (
             {"device_map": {"": 0}} if self.backend == "cuda" else {})
         self.load_kwargs = {**load, "trust_remote_code": bool(target.get("trust_remote_code"))}
+        self.vision = bool(target.get("vision"))
+        self.processor = None
+        if self.vision:
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(target["tokenizer"], **self.load_kwargs)
+            tokenizer = self.processor.tokenizer
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
-        self.model = AutoModelForCausalLM.from_pretrained(target["model"], **self.load_kwargs)
+        self.model = self.model_class().from_pretrained(target["model"], **self.load_kwargs)
         # several LoRA runs on this base (a server's): each loaded under a name of its own, adapter0, ...
         self.adapter_names = {label: f"adapter{n}" for n, label in enumerate(adapters or {})}
         if adapters:
@@ -139,6 +154,11 @@ class Generator:
         self.stop = threading.Event()
         tokenizer = self.tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def model_class(self):
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
 
     @property
     def peft_adapters(self) -> list[str]:
@@ -177,9 +197,7 @@ class Generator:
         if not self.setup.get("base"):
             raise ValueError("this model has no base model to compare with (it was loaded as a model, not a run)")
         if self.base is None:
-            from transformers import AutoModelForCausalLM
-
-            self.base = AutoModelForCausalLM.from_pretrained(self.setup["base"], **self.load_kwargs).eval()
+            self.base = self.model_class().from_pretrained(self.setup["base"], **self.load_kwargs).eval()
             self._count_shapes(self.base)
         return self.base, contextlib.nullcontext()
 
@@ -188,49 +206,71 @@ class Generator:
         rendered as training rendered it (template_kwargs)."""
         return render(self.tokenizer, self.template_kwargs, messages, answer)
 
-    def prompt(self, messages: list[dict], max_new_tokens: int) -> tuple[list[int], int, int]:
+    def encode(self, messages: list[dict]) -> tuple[list[int], dict]:
+        """A conversation's prompt: its token ids up to the answer's start, and the model's other
+        inputs for it ({"pixel_values"} for a vision-language model's images; {} otherwise)."""
+        if not self.vision:
+            if has_images(messages):
+                raise ValueError(f"{self.setup['label']} is a text model: it takes no images; send text alone, "
+                                 "or chat with a vision-language model's run")
+            return self.render(messages), {}
+        placed, images = take_images(messages)
+        text = self.processor.apply_chat_template(placed, add_generation_prompt=True, tokenize=False,
+                                                  **self.template_kwargs)
+        inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
+        extras = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+        return inputs["input_ids"][0].tolist(), extras
+
+    def prompt(self, messages: list[dict], max_new_tokens: int) -> tuple[list[int], int, int, dict]:
         """The prompt's token ids, fitted into the cache: the oldest turns are dropped first
-        (the system prompt is kept); returns (ids, bucket, turns dropped)."""
+        (the system prompt is kept); returns (ids, bucket, turns dropped, the other inputs). A
+        vision-language prompt is never cut inside: its image's tokens must stay whole."""
         room = buckets_for(self.max_cache_len, max_new_tokens)[-1]
         system = [m for m in messages[:1] if m["role"] == "system"]
         turns = messages[len(system):]
         dropped = 0
         while True:
-            ids = self.render(system + turns)
+            ids, extras = self.encode(system + turns)
             if len(ids) <= room or len(turns) <= 1:
                 break
             turns, dropped = turns[1:], dropped + 1
             while len(turns) > 1 and turns[0]["role"] != "user":  # a conversation starts with the user
                 turns, dropped = turns[1:], dropped + 1
+        if len(ids) > room and self.vision:
+            raise TooLong(len(ids), room)
         ids = ids[-room:]  # a single message longer than the cache keeps its end
         bucket = next(b for b in buckets_for(self.max_cache_len, max_new_tokens) if b >= len(ids))
-        return ids, bucket, dropped
+        return ids, bucket, dropped, extras
 
-    def _padded(self, ids: list[int], length: int, model, generate: bool) -> dict:
-        """input_ids and attention_mask, left-padded to `length`, placed for `model`'s forward or
-        its generate() (placement.on_model_device: on Neuron, generate's stay on CPU)."""
+    def _padded(self, ids: list[int], length: int, model, generate: bool, extras: dict | None = None) -> dict:
+        """input_ids and attention_mask, left-padded to `length`, and `extras` (a vision-language
+        prompt's pixel_values, in the model's dtype), placed for `model`'s forward or its
+        generate() (placement.on_model_device: on Neuron, generate's stay on CPU)."""
         import torch
 
         input_ids = torch.tensor([[self.pad] * (length - len(ids)) + ids])
         attention_mask = torch.tensor([[0] * (length - len(ids)) + [1] * len(ids)])
-        return on_model_device(model, generate=generate, input_ids=input_ids, attention_mask=attention_mask)
+        extras = {key: value.to(model.dtype) if key == "pixel_values" else value for key, value in (extras or {}).items()}
+        return on_model_device(model, generate=generate, input_ids=input_ids, attention_mask=attention_mask, **extras)
 
     def fitted(self, messages: list[dict] | None, text: str | None, max_new_tokens: int,
-               whole: bool) -> tuple[list[int], int, int]:
-        """(prompt ids, bucket, turns dropped) of a conversation, or of a plain `text` prompt (no
-        chat template). `whole`: a prompt that does not fit the cache is a TooLong, not cut."""
+               whole: bool) -> tuple[list[int], int, int, dict]:
+        """(prompt ids, bucket, turns dropped, other inputs: see encode) of a conversation, or of a
+        plain `text` prompt (no chat template). `whole`: a prompt that does not fit the cache is a
+        TooLong, not cut."""
         if text is None and not whole:
             return self.prompt(messages, max_new_tokens)
+        extras = {}
         if text is None:  # whole: rendered once, never cut
-            ids = self.render(messages)
+            ids, extras = self.encode(messages)
         else:
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) or [self.pad]
         room = buckets_for(self.max_cache_len, max_new_tokens)[-1]
         if len(ids) > room:
-            if whole:
+            if whole or extras:
                 raise TooLong(len(ids), room)
             ids = ids[-room:]
-        return ids, next(b for b in buckets_for(self.max_cache_len, max_new_tokens) if b >= len(ids)), 0
+        return ids, next(b for b in buckets_for(self.max_cache_len, max_new_tokens) if b >= len(ids)), 0, extras
 
     def generate(self, messages: list[dict] | None, which: str = "tuned", temperature: float = 0.0,
                  top_p: float = 1.0, max_new_tokens: int = 128, on_text=None, text: str | None = None,
@@ -248,13 +288,13 @@ class Generator:
             def __call__(self, input_ids, scores, **kwargs):
                 return stop.is_set()
 
-        ids, bucket, dropped = self.fitted(messages, text, max_new_tokens, whole)
+        ids, bucket, dropped, extras = self.fitted(messages, text, max_new_tokens, whole)
         if seed is not None:
             torch.manual_seed(seed)
         model, context = self.model_for(which)
         if adapter is not None:
             self.model.set_adapter(adapter)
-        inputs = self._padded(ids, bucket, model, generate=True)
+        inputs = self._padded(ids, bucket, model, generate=True, extras=extras)
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {
             "do_sample": False}
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)

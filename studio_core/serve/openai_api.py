@@ -123,7 +123,9 @@ class Answering:
         several = chat.info.get("models") or []  # several runs' adapters on one base: each its run's name
         self.models = several if len(several) > 1 else [model]
         self.max_cache_len = chat.info["max_cache_len"]
-        self.limits = SizeLimits(self.max_cache_len, chat.info["longest_token_chars"], chat.info["drops_characters"])
+        self.vision = bool(chat.info.get("vision"))
+        self.limits = SizeLimits(self.max_cache_len, chat.info["longest_token_chars"], chat.info["drops_characters"],
+                                 self.vision)
         self.shapes: list = []
         self.counts = {"requests": 0, "completed": 0, "stopped": 0, "failed": 0}
         self.cancels: set[threading.Event] = set()  # one per request in progress, set by close()
@@ -334,7 +336,8 @@ def build_api(answering: Answering, api_key: str | None = None):
             raise ApiError(400, "the request body must be JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        fields, stream, usage_wanted = parse(body, kind, answering.models, answering.max_cache_len)
+        fields, stream, usage_wanted = parse(body, kind, answering.models, answering.max_cache_len,
+                                             answering.vision)
         check_size(fields, answering.limits, answering.setting)  # before it queues, and before any tokenizing
         ticket, cancel = answering.enter()
         made, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{server_id}{next(numbers):08x}"

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from studio_core.serve.generation import BUCKETS, buckets_for
+from studio_core.serve.images import MAX_IMAGE_BYTES, ImageError, data_url_bytes, image_part, text_of
 
 DEFAULT_MAX_TOKENS = 128
 ROLES = ("system", "user", "assistant")
@@ -37,6 +38,7 @@ CACHE_SETTING = "MAX_CACHE_LEN in studio_core/serve/chat.py"  # what sets the ca
 # ("\ud83e\udd99"), as clients that escape all but ASCII send it (raw UTF-8 takes at most 4).
 JSON_BYTES_PER_CHARACTER = 12
 REST_OF_REQUEST = 1 << 20  # a body's room beside its prompt: the other fields, each message's JSON, stop strings
+MAX_IMAGES = 4  # the images one request to a vision-language model may carry (each base64, up to MAX_IMAGE_BYTES)
 END_THINK = "</think>"
 
 
@@ -127,10 +129,12 @@ _EXPECTED = {"bool_type": "true or false", "int_type": "a whole number", "float_
              "finite_number": "a finite number"}
 
 
-def parse(body: dict, kind: str, model: str | list[str], max_cache_len: int) -> tuple[dict, bool, bool]:
+def parse(body: dict, kind: str, model: str | list[str], max_cache_len: int,
+          vision: bool = False) -> tuple[dict, bool, bool]:
     """The whole request checked, before it takes a turn: (the chat process's fields, the model's
     name among them, stream, usage wanted at a stream's end). `model`: the name served, or the
-    names (several runs' adapters on one base). Raises ApiError saying what to change."""
+    names (several runs' adapters on one base); `vision`: it is a vision-language model, whose
+    user messages may hold images. Raises ApiError saying what to change."""
     served = [model] if isinstance(model, str) else list(model)
     try:
         request = (_ChatRequest if kind == "chat" else _TextRequest).model_validate(body)
@@ -149,7 +153,7 @@ def parse(body: dict, kind: str, model: str | list[str], max_cache_len: int) -> 
                        "streamed", "stream_options")
     fields = sampling(body, max_cache_len) | {"model": request.model}
     if kind == "chat":
-        fields |= {"messages": chat_messages(body)}
+        fields |= {"messages": chat_messages(body, request.model if vision is False else None)}
     else:
         fields |= {"messages": None, "text": completion_prompt(body)}
     usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -203,7 +207,10 @@ def sampling(body: dict, max_cache_len: int) -> dict:
             "stop": stop}
 
 
-def chat_messages(body: dict) -> list[dict]:
+def chat_messages(body: dict, text_model: str | None = None) -> list[dict]:
+    """The request's messages as the chat process takes them; a user message's images (OpenAI's
+    image_url parts, base64 data URLs only) as its image parts. `text_model`: the name of a model
+    that takes no images (None: a vision-language model)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
@@ -214,7 +221,18 @@ def chat_messages(body: dict) -> list[dict]:
         if role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}",
                            f"messages[{i}].role")
-        found.append({"role": role, "content": _text(message.get("content"), f"messages[{i}].content")})
+        content, param = message.get("content"), f"messages[{i}].content"
+        if role == "user" and isinstance(content, list) and any(_is_image_url(p) for p in content):
+            if text_model is not None:
+                raise ApiError(400, f"{param} holds an image, and model {text_model!r} takes text alone: send "
+                               "text, or serve a vision-language model's run", param)
+            found.append({"role": role, "content": _parts(content, param)})
+        else:
+            found.append({"role": role, "content": _text(content, param)})
+    images = sum(isinstance(m["content"], list) and sum(p["type"] == "image" for p in m["content"]) for m in found)
+    if images > MAX_IMAGES:
+        raise ApiError(400, f"the messages hold {images} images; this server takes at most {MAX_IMAGES} a request",
+                       "messages")
     if found[-1]["role"] == "assistant":
         raise ApiError(400, "the last message must be the user's (or the system's): the model answers it",
                        f"messages[{len(found) - 1}].role")
@@ -238,6 +256,33 @@ def _text(content, param: str) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise ApiError(400, f"{param} must be text (a string, or a list of {{type: text, text}} parts)", param)
+
+
+def _is_image_url(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def _parts(content: list, param: str) -> list[dict]:
+    """A user message's text and image_url parts as the chat process's parts: each image read from
+    its base64 data URL and checked (a web address is never fetched)."""
+    parts = []
+    for n, part in enumerate(content):
+        where = f"{param}[{n}]"
+        if _is_image_url(part):
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise ApiError(400, f"{where}.image_url must be {{\"url\": \"data:image/png;base64,...\"}}", where)
+            try:
+                parts.append(image_part(data_url_bytes(url, f"{where}.image_url"), f"{where}: the image"))
+            except ImageError as error:
+                raise ApiError(400, str(error), where) from None
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise ApiError(400, f"{where} must be a text part ({{type: text, text}}) or an image "
+                           "({type: image_url, image_url: {url: data:image/png;base64,...}})", where)
+    return parts
 
 
 def _whole(value) -> bool:
@@ -284,6 +329,7 @@ class SizeLimits:
     max_cache_len: int
     longest_token_chars: int
     drops_characters: bool = False
+    vision: bool = False  # a vision-language model: a body may carry MAX_IMAGES images besides
 
     @property
     def longest_prompt(self) -> int:
@@ -301,7 +347,8 @@ class SizeLimits:
     def max_body_bytes(self) -> int:
         """The most a request's body may weigh: the longest prompt's characters, each in the most
         bytes JSON writes one in, and room for the rest of the request."""
-        return self.longest_prompt * self.longest_token_chars * JSON_BYTES_PER_CHARACTER + REST_OF_REQUEST
+        images = MAX_IMAGES * (MAX_IMAGE_BYTES * 4 // 3 + 64) if self.vision else 0  # base64, in a data URL
+        return self.longest_prompt * self.longest_token_chars * JSON_BYTES_PER_CHARACTER + REST_OF_REQUEST + images
 
     def too_large(self, setting: str = CACHE_SETTING) -> ApiError:
         """The 413 for a body over `max_body_bytes`."""
@@ -335,6 +382,6 @@ def prompt_characters(fields: dict) -> int:
     </think> (Qwen3's drops an earlier answer's)."""
     if fields.get("messages") is None:
         return len(fields["text"])
-    kept = (m["content"].rsplit(END_THINK, 1)[-1] if m["role"] == "assistant" else m["content"]
+    kept = (m["content"].rsplit(END_THINK, 1)[-1] if m["role"] == "assistant" else text_of(m["content"])
             for m in fields["messages"])
     return sum(len(text.strip()) for text in kept)

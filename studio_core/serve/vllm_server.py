@@ -80,6 +80,8 @@ class VllmPlan:
 def plan(names: list[str], runs_dir: str | Path, max_batch: int) -> VllmPlan:
     """The plan for serving `names` (runs or a model) with vLLM; ChatError saying what to change."""
     first, adapters = served(names, runs_dir, max_batch)
+    if first.vision:
+        raise ChatError(f"{first.label} is a vision-language model, which the studio does not hand to vLLM yet")
     config = read_json(Path(first.model) / "config.json")
     kwargs = _template_kwargs(first.tokenizer)
     if not adapters:

@@ -130,9 +130,10 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
             applied.append((default.key, default.value, default.reason))
     _eval_defaults(spec, args, hardware.backend, known, applied)
     _tracker_defaults(args, known, run_id, applied)
+    errors = _vision_padding(trainer, args, hardware.backend, known, applied) if vision else []
     if hardware.backend == "neuron":
         _neuron_model_init(args, trainer, applied)
-        warnings += _neuron_warnings(args, trainer)
+        warnings += _neuron_warnings(args, trainer, vision)
     if spec.layout.tp_size > 1 or spec.layout.fsdp_size > 1:
         applied.append(("model_init_kwargs.distributed_config",
                         f"DistributedConfig(tp_size={spec.layout.tp_size}, fsdp_size={spec.layout.fsdp_size})",
@@ -144,8 +145,8 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
         applied.append((RECOMPILE_LIMITS, "16384 per frame, 1048576 in all", "past Dynamo's own limits (8 "
                         "recompiles of a frame, 256 in all) a frame would run uncompiled from then on, on Trainium "
                         "eager and unannounced; each shape compiles instead, as the forecast counts them"))
-    errors = check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size,
-                          cores if cores is not None else spec.layout.cores, hardware, model_config)
+    errors += check_layout(spec.layout.nproc, spec.layout.tp_size, spec.layout.fsdp_size,
+                           cores if cores is not None else spec.layout.cores, hardware, model_config)
     errors += precompile.problems(spec, trainer, args)
     estimate = memory.estimate(spec.trainer, spec.layout, args, hardware, model_config)
     too_big, tight = memory.problems(estimate, spec.trainer, spec.layout, args, hardware, model_config)
@@ -251,10 +252,39 @@ def _neuron_model_init(args: dict, trainer: trainers.Trainer, applied: list) -> 
     args["model_init_kwargs"] = init_kwargs
 
 
-def _neuron_warnings(args: dict, trainer: trainers.Trainer) -> list[str]:
-    """Recipe values that run on Neuron but are known to cost a lot there."""
+def _vision_padding(trainer: trainers.Trainer, args: dict, backend: str, known, applied: list) -> list[str]:
+    """A vision-language run of a trainer whose vision collator cannot pad to a multiple (not
+    `vision_pads`: TRL 1.16's DPO and KTO collators raise NotImplementedError("Padding to a multiple
+    of a value is not yet implemented for vision-language modeling ...") at the first batch when
+    pad_to_multiple_of is set, as "auto" sets it on Neuron; SFT's does too, for prompt-completion
+    rows only, which the plan cannot see): "auto" that would pad becomes null, said; a number is
+    refused, saying what to write. The problems found."""
+    if trainer.vision_pads or "pad_to_multiple_of" not in known:
+        return []
+    value = args.get("pad_to_multiple_of", known["pad_to_multiple_of"].get("default"))
+    try:
+        multiple = padding.resolve(value, backend)
+    except ValueError:
+        return []  # not a number: padding.describe says so
+    if not multiple:
+        return []
+    why = (f"TRL's {trainer.name} collator for vision-language data cannot pad to a multiple (it raises "
+           "NotImplementedError at the first batch)")
+    if value != padding.AUTO:
+        return [f"pad_to_multiple_of: {value}: {why}; set it to null (on Neuron each batch length then compiles "
+                "once; max_length bounds them)"]
+    args["pad_to_multiple_of"] = None
+    applied[:] = [entry for entry in applied if entry[0] != "pad_to_multiple_of"]  # a default of "auto": replaced
+    applied.append(("pad_to_multiple_of", None, f"{why}: each batch is as long as its longest sample, so on Neuron "
+                    "each new length compiles once; max_length bounds them"))
+    return []
+
+
+def _neuron_warnings(args: dict, trainer: trainers.Trainer, vision: bool = False) -> list[str]:
+    """Recipe values that run on Neuron but are known to cost a lot there (`vision`: a
+    vision-language model, which some trainers cannot pad: _vision_padding says so instead)."""
     warnings = []
-    if "pad_to_multiple_of" in args and args["pad_to_multiple_of"] is None:
+    if "pad_to_multiple_of" in args and args["pad_to_multiple_of"] is None and not (vision and not trainer.vision_pads):
         warnings.append("pad_to_multiple_of: null compiles a graph for every batch length (TRL measured "
                         "260 s instead of 130 s for 20 Qwen3-0.6B steps); \"auto\" pads to 128")
     if args.get("dataloader_drop_last") is False:
