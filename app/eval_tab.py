@@ -19,6 +19,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
+from studio_core.serve.images import is_image, text_of
 from studio_core.evaluate import evaluation
 
 from studio_core.machine.cores import format_cores
@@ -106,10 +107,12 @@ def answered_text(rows: int, sides: list[str], done: int) -> str:
 
 
 def prompt_text(prompt) -> str:
-    """A prompt as the table shows it: its last user message."""
+    """A prompt as the table shows it: its last user message, each of its images as "[image]"."""
     if isinstance(prompt, str):
         return prompt
-    return next((str(m.get("content") or "") for m in reversed(prompt or []) if m.get("role") == "user"), "")
+    content = next((m.get("content") for m in reversed(prompt or []) if m.get("role") == "user"), "")
+    images = sum(map(is_image, content)) if isinstance(content, list) else 0
+    return "[image] " * images + text_of(content)
 
 
 def row_metrics(rows: list[dict], sides) -> list[str]:

@@ -60,7 +60,7 @@ MALFORMED = [
     ({"messages": [["user", "Hi"]]}, "messages[0].role", "role must be one of"),
     ({"messages": [{"role": "user", "content": {"text": "Hi"}}]}, "messages[0].content", "must be text"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-     "messages[0].content", "must be text"),
+     "messages[0].content", "holds an image, and model 'served-model' takes text alone"),
     ({"metadata": {"run": 1}}, "metadata.run", "must be a string"),
     ({"user": 5}, "user", "must be a string"),
     ({"stream_option": {"include_usage": True}}, "stream_option", "unknown field"),

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +122,24 @@ def test_images_that_cannot_be_shown_are_refused_before_a_model_loads(vlm_run, t
         assert done.returncode == 2 and said in done.stderr, (target, done.stderr)
         assert "Traceback" not in done.stderr and "Chatting with" not in done.stderr  # nothing loaded
 
+
+
+def test_a_vlm_run_is_evaluated_on_held_out_images_as_it_answers_them_in_chat(vlm_run):
+    runs, run_id, expected = vlm_run
+    test_file = ensure_shapes_dataset() / "test.jsonl"
+    done = launch_py("eval", run_id, "--data", str(test_file), "--limit", "3", "--max-new-tokens", str(NEW_TOKENS),
+                     "--json", "--runs-dir", str(runs))
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.splitlines()[0])
+    saved = Path(re.search(r"Saved in (\S+) \(rows\.jsonl", done.stderr)[1])
+    rows = [json.loads(line) for line in (saved / "rows.jsonl").read_text().splitlines()]
+    assert [row["tuned"]["answer"] for row in rows] == expected  # the chat's answers to the same images
+    assert rows[0]["prompt"][0]["content"][0] == {"type": "image"}  # no image data in the saved rows
+    from app.eval_tab import prompt_text
+
+    assert prompt_text(rows[0]["prompt"]) == f"[image] {held_out(1)[0][0]}"  # as the Evaluate tab's table shows it
+    assert all(row["reference"] in ("a red circle", "a green circle", "a blue circle", "a red square",
+                                    "a green square", "a blue square", "a red triangle", "a green triangle",
+                                    "a blue triangle") for row in rows), rows  # its text, not a repr of parts
+    # the untrained built-in base answers noise: the tuned model's reference loss is far lower
+    assert results["tuned"]["eval_loss"] < 0.5 * results["base"]["eval_loss"], results

@@ -105,10 +105,10 @@ def test_a_text_model_with_images_and_a_vlm_with_text_are_refused_before_launch(
     assert "it has no images, and builtin:tiny-vlm is a vision-language model" in message and "builtin:shapes" in message
 
 
-def test_a_vlm_is_chatted_with_as_a_vision_model_and_what_takes_no_images_says_so_before_anything_starts(
+def test_a_vlm_is_loaded_as_a_vision_model_and_what_takes_no_images_says_so_before_anything_starts(
         tmp_path):
-    """Chat loads a VLM with its processor (tests/test_vlm_chat.py); evaluation and vLLM take text
-    alone so far: they failed in the started process with a traceback. The run folder is one as
+    """Chat and evaluation load a VLM with its processor (tests/test_vlm_chat.py); lm-eval's tasks and
+    vLLM take text alone so far, and say so before anything starts. The run folder is one as
     training leaves it (the built VLM's files as its saved model)."""
     from conftest import launch_py
     from studio_core.rundir import events, folder
@@ -129,8 +129,9 @@ def test_a_vlm_is_chatted_with_as_a_vision_model_and_what_takes_no_images_says_s
             vllm_server.plan([name], runs, 1)
     assert not chat.resolve("builtin:tiny-qwen3", runs).vision
     assert chat.resolve(BUILTIN_VLM, runs).untrained == ("tuned",)  # random weights, said as the text one's are
-    done = launch_py("eval", run_id, "--runs-dir", str(runs), timeout=120)
-    assert done.returncode != 0 and "is a vision-language model: evaluating it takes images" in done.stdout + done.stderr
+    done = launch_py("eval", run_id, "--lm-eval-tasks", "hellaswag", "--runs-dir", str(runs), timeout=120)
+    assert done.returncode != 0 and "is a vision-language model, and lm-eval's tasks take a text model" in \
+        done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     assert not (run_dir / "eval").exists()
 

@@ -27,7 +27,9 @@ from studio_core.evaluate import evaluation
 from studio_core.machine import leases
 from studio_core.serve.chat import MAX_CACHE_LEN, shown, split_reasoning, template_kwargs
 from studio_core.recipe.data_check import apply_column_map
-from studio_core.serve.generation import BUCKETS, Generator, buckets_for, cache_for, load_tokenizer, on_leased_cores, render
+from studio_core.serve.generation import (BUCKETS, Generator, buckets_for, cache_for, encode_vision, load_processor,
+                                         load_tokenizer, on_leased_cores, render)
+from studio_core.serve.images import without_images
 from studio_core.training.train_data import held_out, load_split
 
 
@@ -55,13 +57,42 @@ def eval_items(source: dict, request: dict) -> tuple[list[dict], tuple]:
     return items, metrics
 
 
-def too_long(items: list[dict], tokenizer, max_cache_len: int, max_new: int) -> tuple[list[dict], dict | None]:
+def with_images(items: list[dict]) -> list[dict]:
+    """A vision-language evaluation's items, each prompt's image placeholders filled with its row's
+    images (`images`, or `image`) by TRL's own rule, as its trainer fills them in training
+    (trl.data_utils.prepare_multimodal_messages: in order, or before the first user text). A row's
+    images come as `datasets` stores them ({bytes, path}) and are decoded by its Image feature."""
+    from datasets import Image
+    from trl.data_utils import prepare_multimodal_messages
+
+    decode = Image().decode_example
+    for one in items:
+        row = one["row"]
+        images = row.get("images") or ([row["image"]] if row.get("image") is not None else [])
+        if images:
+            one["prompt"] = prepare_multimodal_messages(
+                one["prompt"], images=[decode(i) if isinstance(i, dict) else i for i in images])
+    return items
+
+
+def prompt_lengths(target: dict, tokenizer):
+    """How to count a prompt's tokens before the model loads: by the tokenizer, or a
+    vision-language model's processor, which puts each image's tokens in."""
+    if target.get("vision"):
+        processor = load_processor(target)
+        kwargs = template_kwargs(processor.tokenizer)
+        return lambda prompt: len(encode_vision(processor, kwargs, prompt)[0])
+    kwargs = template_kwargs(tokenizer)
+    return lambda prompt: len(render(tokenizer, kwargs, prompt))
+
+
+def too_long(items: list[dict], length_of, max_cache_len: int, max_new: int) -> tuple[list[dict], dict | None]:
     """(the items whose prompt fits the cache whole, what was skipped: None if nothing). Skipped:
     {count, of, prompts: [{index, prompt_tokens}], largest_bucket, max_cache_len, message}, the
-    message saying how long they are against the largest bucket and the setting that lets them in."""
-    kwargs = template_kwargs(tokenizer)
+    message saying how long they are against the largest bucket and the setting that lets them in.
+    `length_of`: a prompt's tokens (prompt_lengths)."""
     room = buckets_for(max_cache_len, max_new)[-1]
-    lengths = [len(render(tokenizer, kwargs, i["prompt"])) for i in items]
+    lengths = [length_of(i["prompt"]) for i in items]
     over = [(index, n) for index, n in enumerate(lengths) if n > room]
     if not over:
         return items, None
@@ -85,20 +116,20 @@ def too_long(items: list[dict], tokenizer, max_cache_len: int, max_new: int) -> 
 def evaluate(model: Generator, items: list[dict], metrics, max_new: int, stop: threading.Event) -> tuple[list, list]:
     """Each model's answer and scores per item, in item order; (rows, sides)."""
     sides = ["tuned", "base"] if model.has_base else ["tuned"]
-    rows = [{"prompt": i["prompt"], "reference": i["reference"]} for i in items]
+    rows = [{"prompt": without_images(i["prompt"]), "reference": i["reference"]} for i in items]
     done, total = 0, len(items) * len(sides)
     for side in sides:
         for row, one in zip(rows, items):
             if stop.is_set():
                 return [r for r in rows if sides[0] in r], sides
-            answer = model.generate(row["prompt"], which=side, max_new_tokens=max_new, whole=True)
+            answer = model.generate(one["prompt"], which=side, max_new_tokens=max_new, whole=True)
             entry = {"answer": shown(split_reasoning(answer["text"], model.thinking)[1]),
                      "answer_tokens": answer["new_tokens"], "bucket": answer["bucket"]}
             if "eval_loss" in metrics and row["reference"] is not None:
-                entry["reference_loss"], entry["reference_tokens"] = model.score(row["prompt"], row["reference"], side)
+                entry["reference_loss"], entry["reference_tokens"] = model.score(one["prompt"], row["reference"], side)
             if "preference_accuracy" in metrics and one.get("chosen") is not None and one.get("rejected") is not None:
-                entry["chosen_loss"] = model.score(row["prompt"], one["chosen"], side)[0]
-                entry["rejected_loss"] = model.score(row["prompt"], one["rejected"], side)[0]
+                entry["chosen_loss"] = model.score(one["prompt"], one["chosen"], side)[0]
+                entry["rejected_loss"] = model.score(one["prompt"], one["rejected"], side)[0]
             entry["scores"] = evaluation.scores(entry, metrics, row["reference"])
             row[side] = entry
             done += 1
@@ -152,15 +183,18 @@ def main() -> int:
             max_cache_len = request.get("max_cache_len") or MAX_CACHE_LEN
             try:
                 items, metrics = eval_items(source, request)
+                if target.get("vision"):
+                    items = with_images(items)
             except ValueError as error:
                 emit("error", message=str(error))
                 return 2
             try:
                 tokenizer = load_tokenizer(target)
+                length_of = prompt_lengths(target, tokenizer)
             except Exception as error:
                 emit("error", message=f"cannot load {target['label']}'s tokenizer: {type(error).__name__}: {error}")
                 return 1
-            items, skipped = too_long(items, tokenizer, max_cache_len, request["max_new_tokens"])
+            items, skipped = too_long(items, length_of, max_cache_len, request["max_new_tokens"])
             if not items:  # said before the model is loaded: nothing would be scored
                 emit("error", message=f"nothing to evaluate: {skipped['message']}")
                 return 2

@@ -46,7 +46,8 @@ from pathlib import Path
 
 from studio_core.recipe import eval_data
 from studio_core.data import sources
-from studio_core.serve.chat import MAX_CACHE_LEN, ChatError, ChatProcess, kill, resolve, vision_not_yet
+from studio_core.serve.images import text_of
+from studio_core.serve.chat import MAX_CACHE_LEN, ChatError, ChatProcess, kill, resolve
 from studio_core.data.files import read_rows
 from studio_core.machine.hardware import Hardware
 from studio_core.recipe.rewards import HUB_TOKENS
@@ -104,7 +105,7 @@ def as_text(value) -> str | None:
     if isinstance(value, list):
         for message in reversed(value):
             if isinstance(message, dict) and message.get("role") == "assistant":
-                return str(message.get("content") or "")
+                return text_of(message.get("content"))
     return str(value)
 
 
@@ -125,7 +126,9 @@ def item(row: dict) -> dict | None:
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
         if last is None or last == 0:
             return None
-        return {"prompt": as_messages(messages[:last]), "reference": as_text(messages[last]["content"]), "row": row}
+        answer = messages[last].get("content")
+        return {"prompt": as_messages(messages[:last]), "row": row,
+                "reference": text_of(answer) if isinstance(answer, list) else as_text(answer)}
     if "prompt" not in row or row["prompt"] is None:
         return None
     chosen = as_text(row.get("chosen"))
@@ -333,8 +336,9 @@ def check_request(request: EvalRequest, runs_dir: Path) -> tuple[dict, list[str]
     problems = settings_problems(request)
     try:
         target = resolve(request.target, runs_dir)
-        if target.vision:
-            raise EvalError(vision_not_yet(target, "evaluating it"))
+        if target.vision and request.tasks:
+            raise EvalError(f"{target.label} is a vision-language model, and lm-eval's tasks take a text model: "
+                            "evaluate it on its own data (leave out --tasks, or the Evaluate tab's lm-eval tasks)")
         source = data_source(request, runs_dir)
     except (ChatError, EvalError, folder.DamagedRun) as error:
         return {}, problems + [str(error)]

@@ -128,14 +128,6 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
                       vision=is_vision_model(name))
 
 
-def vision_not_yet(target: ChatTarget, what: str) -> str:
-    """What is said where a part of the studio takes text alone so far (`what`: "evaluating it"):
-    a vision-language model is out of its reach, before any process starts."""
-    return (f"{target.label} is a vision-language model: {what} takes images, which the studio does not do yet; "
-            "chat with it (the Chat tab, or launch.py chat with --image), or export it and load the export with "
-            "Transformers' AutoModelForImageTextToText and AutoProcessor")
-
-
 def adapters_of(first: ChatTarget, others: list[ChatTarget], max_batch: int) -> dict[str, str]:
     """{model name: adapter folder} of runs served together: LoRA runs on one base, batched;
     ChatError saying what to do otherwise (a full or merged run is served on its own)."""

@@ -20,7 +20,7 @@ evaluation measures its prompts against the largest bucket before it loads the m
 A vision-language model (target["vision"]) is loaded with AutoModelForImageTextToText and its
 processor, as its run trained it. A message's image parts (serve/images.py) become TRL's
 placeholders; the processor renders the text with the chat template, puts the image's tokens in
-(a fixed count a image for a model whose processor resizes to one resolution, as the built-in
+(a fixed count per image for a model whose processor resizes to one resolution, as the built-in
 LLaVA's does) and makes `pixel_values`, one tensor shape per count of images: the prompt is
 bucketed as a text prompt is, and the images' shape is the only other input shape.
 """
@@ -75,6 +75,26 @@ def load_tokenizer(target: dict):
     return AutoTokenizer.from_pretrained(target["tokenizer"])
 
 
+def load_processor(target: dict):
+    """A vision-language target's processor (its tokenizer and image processor)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(target["tokenizer"], trust_remote_code=bool(target.get("trust_remote_code")))
+
+
+def encode_vision(processor, kwargs: dict, messages: list[dict], answer: str | None = None) -> tuple[list[int], dict]:
+    """A vision-language conversation as TRL's vision collator makes it in training: the image parts
+    as placeholders, the text rendered by the processor's chat template (up to the answer's start;
+    with `answer`, to its end), then the processor puts each image's tokens in (no special tokens
+    added: the template writes them) and makes their `pixel_values`. (token ids, the other inputs)."""
+    placed, images = take_images(messages)
+    turns = placed + ([{"role": "assistant", "content": answer}] if answer is not None else [])
+    text = processor.apply_chat_template(turns, add_generation_prompt=answer is None, tokenize=False, **kwargs)
+    inputs = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+    extras = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+    return inputs["input_ids"][0].tolist(), extras
+
+
 def render(tokenizer, kwargs: dict, messages: list[dict], answer: str | None = None) -> list[int]:
     """The token ids of a conversation up to the answer's start (with `answer`: to its end),
     rendered with the chat template's arguments `kwargs` (template_kwargs: as training rendered it)."""
@@ -125,9 +145,7 @@ class Generator:
         self.vision = bool(target.get("vision"))
         self.processor = None
         if self.vision:
-            from transformers import AutoProcessor
-
-            self.processor = AutoProcessor.from_pretrained(target["tokenizer"], **self.load_kwargs)
+            self.processor = load_processor(target)
             tokenizer = self.processor.tokenizer
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
         self.model = self.model_class().from_pretrained(target["model"], **self.load_kwargs)
@@ -206,20 +224,16 @@ class Generator:
         rendered as training rendered it (template_kwargs)."""
         return render(self.tokenizer, self.template_kwargs, messages, answer)
 
-    def encode(self, messages: list[dict]) -> tuple[list[int], dict]:
-        """A conversation's prompt: its token ids up to the answer's start, and the model's other
-        inputs for it ({"pixel_values"} for a vision-language model's images; {} otherwise)."""
+    def encode(self, messages: list[dict], answer: str | None = None) -> tuple[list[int], dict]:
+        """A conversation's token ids up to the answer's start (with `answer`: to its end), and the
+        model's other inputs for it ({"pixel_values"} for a vision-language model's images; {}
+        otherwise)."""
         if not self.vision:
             if has_images(messages):
                 raise ValueError(f"{self.setup['label']} is a text model: it takes no images; send text alone, "
                                  "or chat with a vision-language model's run")
-            return self.render(messages), {}
-        placed, images = take_images(messages)
-        text = self.processor.apply_chat_template(placed, add_generation_prompt=True, tokenize=False,
-                                                  **self.template_kwargs)
-        inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
-        extras = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
-        return inputs["input_ids"][0].tolist(), extras
+            return self.render(messages, answer), {}
+        return encode_vision(self.processor, self.template_kwargs, messages, answer)
 
     def prompt(self, messages: list[dict], max_new_tokens: int) -> tuple[list[int], int, int, dict]:
         """The prompt's token ids, fitted into the cache: the oldest turns are dropped first
@@ -335,15 +349,15 @@ class Generator:
         what precedes it. Prompt + answer are left-padded to a bucket; (0, 0) when none fits."""
         import torch
 
-        prompt = self.render(messages)
-        full = self.render(messages, answer)
+        prompt, extras = self.encode(messages)
+        full, _ = self.encode(messages, answer)
         if full[:len(prompt)] != prompt:  # a template that renders the prompt otherwise before an answer
             full = prompt + list(self.tokenizer(answer, add_special_tokens=False)["input_ids"])
         fitting = [b for b in BUCKETS if b <= self.max_cache_len and b >= len(full)]
         if len(full) <= len(prompt) or not fitting:
             return 0.0, 0
         model, context = self.model_for(which)
-        inputs = self._padded(full, fitting[0], model, generate=False)
+        inputs = self._padded(full, fitting[0], model, generate=False, extras=extras)
         inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         with context, torch.inference_mode():
             logits = model(**inputs, use_cache=False).logits[0, :-1].float()

@@ -85,7 +85,8 @@ def is_image(part) -> bool:
 
 def take_images(messages: list[dict]) -> tuple[list[dict], list]:
     """In the chat process: (the messages with each image part as TRL's placeholder, the images as
-    RGB Pillow images in their order)."""
+    RGB Pillow images in their order). An image part holds its image base64 (`data`, as sent), or as
+    a Pillow image (`image`, as TRL's prepare_multimodal_messages fills a dataset row's)."""
     from PIL import Image
 
     images, placed = [], []
@@ -96,14 +97,20 @@ def take_images(messages: list[dict]) -> tuple[list[dict], list]:
             continue
         parts = []
         for part in content:
-            if is_image(part):
+            if is_image(part) and "data" in part:
                 with Image.open(io.BytesIO(base64.b64decode(part["data"]))) as image:
                     images.append(image.convert("RGB"))
-                parts.append({"type": "image"})
-            else:
-                parts.append(part)
+            elif is_image(part):
+                images.append(part["image"].convert("RGB"))
+            parts.append({"type": "image"} if is_image(part) else part)
         placed.append({**message, "content": parts})
     return placed, images
+
+
+def without_images(messages: list[dict]) -> list[dict]:
+    """The messages with each image part as TRL's bare placeholder, to be written as JSON."""
+    return [{**m, "content": [{"type": "image"} if is_image(p) else p for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in messages]
 
 
 def text_of(content) -> str:
