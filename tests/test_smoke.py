@@ -1,7 +1,7 @@
 """`launch.py doctor --smoke` (studio_core/doctor/smoke.py), the first-run kit, for real on this CPU
 machine: the built-in tiny model through the studio's own jobs (precompile and a run that must
 hit the cache, a compiled SFT run, a DPO run, a 2-process run, a chat, the batched server with a
-request joining, an evaluation; TP=2 skipped on the CPU), then one report file. A busy machine fails each step with who holds the cores; the report never carries a
+request joining, an evaluation, a vision-language run answering an image; TP=2 skipped on the CPU), then one report file. A busy machine fails each step with who holds the cores; the report never carries a
 token or a variable named like a secret.
 
 The smoke's precompile step is also this suite's real check of precompile (studio_core/training/
@@ -78,6 +78,7 @@ def test_the_smoke_test_runs_every_step_on_this_machine_and_writes_one_report(tm
     assert 1 <= steps["chat"]["details"]["new_tokens"] <= 3  # from the sft step's model
     assert len(set(steps["chat"]["details"]["answers"])) == 3  # each prompt continued otherwise: a mix-up shows
     assert steps["chat"]["details"]["target"] == steps["eval"]["details"]["target"] == steps["sft"]["details"]["run"]
+    assert "2 steps" in steps["vlm"]["found"] and 1 <= steps["vlm"]["details"]["new_tokens"] <= 3  # about an image
     # DPO trained; on the CPU nothing compiles op by op
     assert "2 steps" in steps["dpo"]["found"] and steps["dpo"]["details"]["eager_compiles"] == 0
     # the batched server: the third question joined the first two's batch, and each answer is chat's
@@ -88,10 +89,10 @@ def test_the_smoke_test_runs_every_step_on_this_machine_and_writes_one_report(tm
     assert steps["chat"]["details"]["answers"][2].startswith(serve["answers"][2]) and serve["answers"][2]
     assert [4, 1] in serve["shapes"]  # three rows decoded together: a batch of 4
     # the memory table (a row per run), the CPU fallbacks named in the runs' logs, no artifacts here
-    assert [row["step"] for row in report["memory"]] == ["precompile", "sft", "dpo", "two_ranks"]
+    assert [row["step"] for row in report["memory"]] == ["precompile", "sft", "dpo", "two_ranks", "vlm"]
     assert all(row["estimated_bytes"] and row["peak_bytes"] for row in report["memory"]), report["memory"]
     assert report["cpu_fallbacks"]["total"] == 0 and set(report["cpu_fallbacks"]["counts"]) == {
-        "precompile", "sft", "dpo", "two_ranks"}
+        "precompile", "sft", "dpo", "two_ranks", "vlm"}
     assert report["artifacts"]["kept"] is False and "not a Neuron machine" in report["artifacts"]["why"]
     assert steps["eval"]["details"]["rows"] == 4 and set(steps["eval"]["details"]["eval_loss"]) == {"tuned", "base"}
     # versions, the device environment (no token), the compile cache before and after
@@ -104,7 +105,7 @@ def test_the_smoke_test_runs_every_step_on_this_machine_and_writes_one_report(tm
     # the smoke's runs took their cores through the runs folder's leases, and stay out of its list
     smoke_runs = path.parent / "runs"
     assert (smoke_runs / ".leases").resolve() == (runs_dir / ".leases").resolve()
-    assert RunManager(runs_dir).list() == [] and len(RunManager(smoke_runs).list()) == 4
+    assert RunManager(runs_dir).list() == [] and len(RunManager(smoke_runs).list()) == 5
     markdown = path.with_suffix(".md").read_text()
     assert "PASSED" in markdown and "## Device memory per core" in markdown and "| tp2 | skipped |" in markdown
     # the precompiled run: each job compiled one of the shapes the run then met (a cache miss), and the
@@ -131,9 +132,9 @@ def test_a_busy_machine_fails_each_step_saying_who_holds_the_cores(tmp_path):
     _, report = report_of(done)
     steps = {step["name"]: step for step in report["steps"]}
     assert steps["probe"]["ok"] and holder in steps["probe"]["found"]  # it says so first
-    for name in ("precompile", "sft", "dpo", "two_ranks", "chat", "serve", "eval"):
+    for name in ("precompile", "sft", "dpo", "two_ranks", "chat", "serve", "eval", "vlm"):
         assert steps[name]["ok"] is False and holder in steps[name]["error"], steps[name]
-    assert report["passed"] is False and "7 smoke step(s) failed" in done.stdout
+    assert report["passed"] is False and "8 smoke step(s) failed" in done.stdout
     assert not list((Path(report["folder"]) / "runs").glob("*-smoke-*"))  # nothing was started
 
 

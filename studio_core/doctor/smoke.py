@@ -23,6 +23,9 @@ error and seconds; a failed step does not stop the others:
                 graphs compiled at start on a device: two at once and a third that joins them,
                 each answer the same as chat's, no graph compiled after the warm-up
     eval        eval loss of that model (and its base) on 4 rows of the Q&A set
+    vlm         2 SFT steps of the built-in vision-language model on the built-in images (a
+                SigLIP tower: every image 64 tokens, one shape), then a 3-token answer about a
+                held-out image from the run's model, through the chat process's static cache
 The precompile goes first so that the smoke compiles each shape once, in parallel (the slow
 part on a 2-core CPU as on Neuron): the precompiled run's hits can then only come from its
 own jobs, and the sft step reuses what they compiled.
@@ -67,8 +70,10 @@ from typing import Iterator
 
 from studio_core.doctor import doctor
 from studio_core.data.builtin import BUILTIN_MODEL
+from studio_core.data.builtin_images import ensure_shapes_dataset
 from studio_core.machine import leases
 from studio_core.serve.chat import LOAD_TIMEOUT_S, REPLY_TIMEOUT_S, ChatError, ChatProcess
+from studio_core.serve.images import image_part
 from studio_core.machine.children import REPO_ROOT
 from studio_core.machine.compile_cache import compile_cache_dir, summary
 from studio_core.machine.cores import format_cores
@@ -92,6 +97,7 @@ STEPS = {
     "chat": "a 3-token chat answer, and 3 prompts continued one at a time",
     "serve": "the batched server: 2 answers at once and 1 joining",
     "eval": "eval loss on 4 rows",
+    "vlm": "2 vision-language SFT steps, then an answer about an image",
 }
 PROVES = {  # what a pass shows, in the report beside each step
     "probe": "the studio finds the device and its cores as the doctor does",
@@ -104,6 +110,8 @@ PROVES = {  # what a pass shows, in the report beside each step
     "serve": "batched serving: each step one compiled graph of a bucket (on a device), rows joining a running "
              "batch, answers the same as one at a time",
     "eval": "the evaluation process scores the model and its base",
+    "vlm": "a vision-language model trains (its vision tower on the device, one image shape) and answers an image "
+           "through the static KV cache",
 }
 RECIPE = REPO_ROOT / "recipes" / "tiny-sft.yaml"
 # The same padding on every backend (Neuron's default pads to 128, which would leave one shape):
@@ -119,6 +127,8 @@ TP2 = [*SHAPES, "studio.nproc=2", "studio.tp_size=2", "max_steps=2", "run_name=s
 PROMPT = [{"role": "user", "content": "What is the capital of Veloria?"}]
 DPO_RECIPE = REPO_ROOT / "recipes" / "tiny-dpo.yaml"
 DPO = ["max_steps=2", "logging_steps=1", "run_name=smoke-dpo"]
+VLM_RECIPE = REPO_ROOT / "recipes" / "tiny-vlm-sft.yaml"
+VLM = ["max_steps=2", "logging_steps=1", "per_device_train_batch_size=4", "run_name=smoke-vlm"]
 # Plain prompts (no chat template): a barely trained model continues each otherwise ("is is is",
 # "invented invented"), where its chat answers are all blank lines, so a row given another row's
 # cells or adapter would show.
@@ -424,6 +434,25 @@ class Smoke:
             raise StepFailed(f"{done['summary']['rows']} rows scored, eval loss {losses} (4 rows, finite losses "
                              "expected)")
         return f"{done['summary']['rows']} rows, eval loss " + ", ".join(f"{s} {v:.4g}" for s, v in losses.items())
+
+    def vlm(self, step: Step) -> str:
+        view = self.train(step, VLM, recipe=VLM_RECIPE)
+        losses = self.losses(view)
+        shapes = ensure_shapes_dataset()
+        row = json.loads((shapes / "test.jsonl").read_text().splitlines()[0])
+        question = next(p["text"] for p in row["messages"][0]["content"] if p["type"] == "text")
+        image = image_part(shapes / row["images"][0], "the built-in shapes image")
+        chat = ChatProcess.start(view.id, self.manager.runs_dir, self.hardware)
+        try:
+            done = list(chat.generate([{"role": "user", "content": [image, {"type": "text", "text": question}]}],
+                                      max_new_tokens=3))[-1]
+        finally:
+            chat.unload()
+        step.details |= {"new_tokens": done["new_tokens"], "shapes": done["shapes"], "text": done["text"]}
+        if not 1 <= done["new_tokens"] <= 3:
+            raise StepFailed(f"asked the vision-language run for 3 new tokens about an image, got {done['new_tokens']}")
+        return (f"{view.step} steps, loss {losses}; {done['new_tokens']} token(s) about an image from its model, "
+                f"{len(done['shapes'])} input shape(s)")
 
     def precompile(self, step: Step) -> str:
         view = self.train(step, PRECOMPILE)
