@@ -17,7 +17,6 @@ from studio_core.machine.compile_cache import (CacheInUse, clear, compile_cache_
                                        compile_cache_root, summary)
 from studio_core.rundir.events import FINAL_STATES
 from studio_core.machine.hardware import cpu_hardware, instance_hardware
-from studio_core.runs.manager import RunManager
 from studio_core.recipe.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,10 +51,15 @@ def test_studio_compile_cache_overrides_the_root(monkeypatch, tmp_path):
                                          "TORCH_NEURONX_NEFF_CACHE_DIR": "neuron/neff"}),
 ], ids=["cpu", "trn2.3xlarge"])
 def test_runs_on_one_backend_share_the_configured_cache(monkeypatch, tmp_path, hardware, expected):
+    """The planner, given the root as RunManager gives it (compile_cache_root(), read when a run is
+    planned), points every run of a backend at the same folders. (RunManager.plan adds the spec's
+    checks, TRL's among them: seconds, and nothing to do with the cache.)"""
+    from studio_core.training.plan import plan
+
     monkeypatch.setenv("STUDIO_COMPILE_CACHE", str(tmp_path / "cc"))
-    manager = RunManager(tmp_path / "runs")
-    first = manager.plan(RunSpec.load(TINY), hardware)
-    second = manager.plan(RunSpec.load(TINY).with_overrides(["learning_rate=0.01"]), hardware)
+    first = plan(RunSpec.load(TINY), hardware, compile_cache=compile_cache_root())
+    second = plan(RunSpec.load(TINY).with_overrides(["learning_rate=0.01"]), hardware,
+                  compile_cache=compile_cache_root())
     for key, folder in expected.items():
         assert first.env[key] == second.env[key] == str(tmp_path / "cc" / folder)
         assert any(k == key for k, _, _ in first.applied), f"{key} is listed with its reason"

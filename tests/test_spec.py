@@ -41,28 +41,39 @@ def test_there_are_recipes():
     assert TINY in RECIPES
 
 
-@pytest.fixture
-def recipe_hub(monkeypatch, tmp_path):
-    """The Hub "on", as a stand-in serving the config.json of every Hub model a recipe names (the
+@pytest.fixture(scope="module")
+def recipe_standin():
+    """A stand-in for the Hub serving the config.json of every Hub model a recipe names (the
     check before launch fetches it, asks for the list of files: weights and a tokenizer there, and
-    reads the weights' header), as the real Hub has them: Qwen3 causal LMs."""
+    reads the weights' header), as the real Hub has them: Qwen3 causal LMs. Filled once for the
+    file; the tests only read it."""
     from huggingface_hub import HfApi
 
-    from hub_standin import HubStandIn, header_only_safetensors, point_hub_client_at, use_hub_cache
+    from hub_standin import HubStandIn, header_only_safetensors, point_hub_client_at
 
     token = "hf_qwen_recipes_0123456789"
     with HubStandIn(tokens={token: {"user": "qwen-bot", "orgs": ["Qwen"]}}) as hub:
-        point_hub_client_at(hub, monkeypatch)
-        use_hub_cache(tmp_path / "hub-cache", monkeypatch)
-        api = HfApi(endpoint=hub.url, token=token)
-        config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
-        weights = header_only_safetensors(config["model_type"])
-        for name in sorted({RunSpec.load(r).model_name_or_path for r in RECIPES} - set(sources.BUILTIN_MODELS)):
-            api.create_repo(name)
-            api.upload_file(path_or_fileobj=json.dumps(config).encode(), path_in_repo="config.json", repo_id=name)
-            api.upload_file(path_or_fileobj=b"{}", path_in_repo="tokenizer.json", repo_id=name)  # only its name is asked
-            api.upload_file(path_or_fileobj=weights, path_in_repo="model.safetensors", repo_id=name)  # its header is read
+        with pytest.MonkeyPatch.context() as patch:
+            point_hub_client_at(hub, patch)
+            api = HfApi(endpoint=hub.url, token=token)
+            config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+            weights = header_only_safetensors(config["model_type"])
+            for name in sorted({RunSpec.load(r).model_name_or_path for r in RECIPES} - set(sources.BUILTIN_MODELS)):
+                api.create_repo(name)
+                api.upload_file(path_or_fileobj=json.dumps(config).encode(), path_in_repo="config.json", repo_id=name)
+                api.upload_file(path_or_fileobj=b"{}", path_in_repo="tokenizer.json", repo_id=name)  # its name is asked
+                api.upload_file(path_or_fileobj=weights, path_in_repo="model.safetensors", repo_id=name)  # header read
         yield hub
+
+
+@pytest.fixture
+def recipe_hub(recipe_standin, monkeypatch, tmp_path):
+    """The Hub "on", as the file's stand-in, with an empty Hugging Face cache of the test's own."""
+    from hub_standin import point_hub_client_at, use_hub_cache
+
+    point_hub_client_at(recipe_standin, monkeypatch)
+    use_hub_cache(tmp_path / "hub-cache", monkeypatch)
+    return recipe_standin
 
 
 # A recipe with reward functions is checked by importing and calling them in a child process:
