@@ -8,7 +8,11 @@ LoRA, 10 steps), which the VLM chat and export tests read too.
 from __future__ import annotations
 
 
+from pathlib import Path
+
 from studio_core.data.builtin_images import ensure_shapes_dataset
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-vlm-sft.yaml"
 
 
 def test_the_tiny_vlm_learns_the_shapes_and_its_saved_folder_answers_with_plain_transformers(vlm_runs, tmp_path):
@@ -50,3 +54,20 @@ def test_a_lora_run_of_the_tiny_vlm_adapts_every_linear_layer_and_saves_its_adap
     with safe_open(adapter, "pt") as weights:
         names = list(weights.keys())
     assert any("vision_tower" in name for name in names) and any("language_model" in name for name in names)
+
+
+def test_the_shape_forecast_of_a_vlm_run_is_the_shapes_that_reached_its_model(vlm_runs, tmp_path):
+    """The forecast walks a VLM's batches through TRL's vision collator with its processor, image
+    tokens included, as the run does: the same shapes and tokens as the session's full run."""
+    from studio_core.machine.hardware import cpu_hardware
+    from studio_core.recipe.spec import RunSpec
+    from studio_core.training.forecast import forecast
+
+    manager = vlm_runs.copy_to(tmp_path / "runs", "full")
+    view = manager.view(vlm_runs.ids["full"])
+    spec = RunSpec.load(RECIPE).with_overrides(["max_steps=120", "logging_steps=10"])  # as conftest.vlm_runs
+    predicted = forecast(manager.plan(spec, cpu_hardware()).spec, "cpu")
+    assert {tuple(event["shape"]) for event in view.shapes} == {(b, length) for b, length, _ in predicted.shapes}
+    assert predicted.micro_batches == 120 and view.tokens == predicted.real_tokens
+    assert min(predicted.lengths) > 64  # each sample's 64 image tokens are counted with its text
+    assert not any(s["set"].get("packing") for s in predicted.suggestions)  # TRL packs no images

@@ -10,7 +10,9 @@ reads the shape that reaches it and stops the forward there, so no model math ru
 
 Several data-parallel processes take turns at the batches (accelerate gives process r the
 batches r, r+N, ...), so the forecast covers them all and reports the shapes of the busiest
-one too. GRPO's shapes come from what the model generates, so GRPO is not forecast.
+one too. GRPO's shapes come from what the model generates, so GRPO is not forecast. A
+vision-language model's trainer gets its processor, as in the run: TRL's vision collator puts each
+image's tokens into the batches the walk sees (and TRL packs no images: no packing is suggested).
 
 The suggestions are settings walked the same way (pad_to_multiple_of buckets, length-grouped
 batches with buckets, max_length, packing), each with what it costs the data: the samples cut
@@ -125,10 +127,6 @@ def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) ->
         shown = ", ".join(t.name for t in trainers.TRAINERS.values() if t.forecast)
         raise SpecError([f"shape forecast: {trainer.name} is not forecast: {trainer.not_forecast}; {shown} runs "
                          "are"])
-    if sources.is_vision_model(spec.model_name_or_path):
-        raise SpecError(["shape forecast: not made for a vision-language model yet (its batches' image tokens are "
-                         "not walked); with images resized to one resolution each image adds the same number of "
-                         "tokens, so the text's lengths still decide the shapes"])
     spec_yaml = spec.to_yaml()
     digest = remembered.key("forecasts", [spec_yaml, backend], spec.to_dict())
     kept = remembered.load(digest) if digest else None
@@ -158,7 +156,14 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
     from studio_core.training.train_data import load_datasets
 
     model_path = str(sources.builtin_folder(spec.model_name_or_path) or spec.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(spec.args.get("trust_remote_code")))
+    remote = bool(spec.args.get("trust_remote_code"))
+    if sources.is_vision_model(spec.model_name_or_path):  # its processor puts each image's tokens in, as in the run
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=remote)
+        tokenizer = processor.tokenizer
+    else:
+        processor = tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=remote)
     dataset, eval_dataset = load_datasets(spec, shapes_only=True)
     entry = spec.trainer_entry
     model_fields = {f.name for f in dataclasses.fields(trl.ModelConfig)} | {
@@ -175,7 +180,7 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
             extra = {"ref_model": _stand_in_model(tokenizer)} if entry.reference_model else {}
             return getattr(trl, entry.trainer_class)(model=_stand_in_model(tokenizer, entry.task), args=config,
                                                      train_dataset=dataset, eval_dataset=eval_dataset,
-                                                     processing_class=tokenizer, **extra)
+                                                     processing_class=processor, **extra)
 
         trainer = build()
         updates = _updates(trainer, dp)
@@ -318,6 +323,8 @@ def _lengths(trainer, dataset, tokenizer) -> list[int]:
         return [len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, rows["chosen_ids"], rows["rejected_ids"])]
     if "completion_ids" in columns and "input_ids" not in columns:
         return [len(p) + len(c) for p, c in zip(prompts, rows["completion_ids"])]
+    if getattr(trainer, "_is_vision_dataset", False):  # images and text go through the processor in the collator
+        return _vision_lengths(trainer)
     args = trainer.args
     kept = args.max_length
     args.max_length = None  # not a copy of the config: making one resets accelerate's state
@@ -326,6 +333,19 @@ def _lengths(trainer, dataset, tokenizer) -> list[int]:
     finally:
         args.max_length = kept
     return [len(ids) for ids in whole["input_ids"]]
+
+
+def _vision_lengths(trainer) -> list[int]:
+    """Each vision sample's length as TRL's vision collator makes it, image tokens included (the
+    processor puts them in), before truncation: the collator run on the sample alone, with no
+    max_length."""
+    collator = trainer.data_collator
+    kept = collator.max_length
+    collator.max_length = None
+    try:
+        return [int(collator([dict(row)])["attention_mask"].sum()) for row in trainer.train_dataset]
+    finally:
+        collator.max_length = kept
 
 
 def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> list[dict]:
@@ -357,7 +377,8 @@ def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> li
     for settings, why, rank, cost in candidates:
         with _changed(trainer, settings):
             found.append((settings, why, rank, cost, current.truncated, _walk(trainer, updates, dp)))
-    if hasattr(args, "packing_strategy") and limit and not packing:  # SFT packs
+    vision = getattr(trainer, "_is_vision_dataset", False)  # TRL's SFT does not pack images and text
+    if hasattr(args, "packing_strategy") and limit and not packing and not vision:  # SFT packs
         packed = build(packing=True, packing_strategy="wrapped")
         split = _split_by_rows(current.lengths, limit)
         found.append(({"packing": True, "packing_strategy": "wrapped"},
