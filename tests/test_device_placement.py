@@ -136,6 +136,32 @@ def test_the_generator_scores_and_answers_on_the_device_tuned_and_base(tmp_path)
     assert out["answer"]["new_tokens"] >= 1 and out["answer"]["bucket"] == 64
 
 
+VISION = """
+import json
+from studio_core.data.builtin_images import ensure_shapes_dataset
+from studio_core.data.builtin_vlm import ensure_tiny_vlm
+from studio_core.serve.generation import Generator
+from studio_core.serve.images import image_part
+
+vlm, shapes = str(ensure_tiny_vlm()), ensure_shapes_dataset()
+row = json.loads((shapes / "test.jsonl").read_text().splitlines()[0])
+messages = [{"role": "user", "content": [image_part(shapes / row["images"][0], "image"),
+                                         {"type": "text", "text": "Describe the image."}]}]
+g = Generator({"label": "vlm", "model": vlm, "tokenizer": vlm, "vision": True}, "neuron", 256)
+print(json.dumps({"device": str(next(g.model.parameters()).device), "answer": g.generate(messages, max_new_tokens=3),
+                  "score": g.score(messages, "a red circle")}))
+"""
+
+
+def test_a_vision_language_model_answers_and_scores_an_image_on_the_device(tmp_path):
+    """Its pixel_values go to the model's device (a forward's rule, for generate() too: the vision
+    tower reads them in the first forward), its ids stay on CPU for generate() on Neuron."""
+    out = on_fake_device(VISION, tmp_path)
+    assert out["device"] == "neuron:0" and out["answer"]["new_tokens"] >= 1 and out["answer"]["bucket"] == 128
+    loss, tokens = out["score"]
+    assert tokens > 0 and 0 < loss < float("inf")
+
+
 # --- the chat process, the OpenAI endpoint and the evaluation process on the device ------------
 def test_the_chat_process_and_the_endpoint_over_it_answer_on_the_device(tmp_path, fake_children):
     import openai

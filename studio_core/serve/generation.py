@@ -265,7 +265,10 @@ class Generator:
         input_ids = torch.tensor([[self.pad] * (length - len(ids)) + ids])
         attention_mask = torch.tensor([[0] * (length - len(ids)) + [1] * len(ids)])
         extras = {key: value.to(model.dtype) if key == "pixel_values" else value for key, value in (extras or {}).items()}
-        return on_model_device(model, generate=generate, input_ids=input_ids, attention_mask=attention_mask, **extras)
+        # the images' tensors go where a forward's inputs go, for generate() too: one fixed shape, read
+        # by the vision tower in the first forward, never grown by the loop as the ids are
+        return {**on_model_device(model, generate=generate, input_ids=input_ids, attention_mask=attention_mask),
+                **on_model_device(model, **extras)}
 
     def fitted(self, messages: list[dict] | None, text: str | None, max_new_tokens: int,
                whole: bool) -> tuple[list[int], int, int, dict]:
