@@ -67,6 +67,15 @@ def default_location(base: Path) -> tuple[Path, dict]:
     return runs, env
 
 
+def code_text(page, elem_id: str) -> str:
+    """The whole text of a gr.Code box: its CodeMirror editor's document. The page's text may miss
+    lines: CodeMirror draws the lines near its viewport, and more as it measures them (a test that
+    read the page's text right after the box filled once found a line missing)."""
+    # the editor's view hangs on its content element: cmTile in the CodeMirror Gradio 6 ships, cmView in older ones
+    return page.locator(f"#{elem_id} .cm-content").first.evaluate(
+        "el => (el.cmTile || el.cmView).view.state.doc.toString()")
+
+
 def ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 

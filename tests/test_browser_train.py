@@ -20,7 +20,7 @@ import time
 import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
-from studio_browser import drawn_lines, expect, log_at_end, record_texts, run_state, set_number, stop_runs, texts_shown
+from studio_browser import code_text, drawn_lines, expect, log_at_end, record_texts, run_state, set_number, stop_runs, texts_shown
 
 # This file's app keeps its runs where a user's are by default (~/trn-studio/runs), outside the
 # temp folder: the exported scripts must still be offered for download.
@@ -36,9 +36,9 @@ def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
     set_number(page, "eval_fraction", 0.25)  # 3 of the 12 facts held out, their loss plotted
 
     page.locator("#preview").click()
-    plan = page.locator("#plan")
-    plan.get_by_text("torch.distributed.run").first.wait_for()
-    assert "use_cpu = True" in plan.inner_text() and "eval_strategy = 'steps'" in plan.inner_text()
+    page.locator("#plan").get_by_text("torch.distributed.run").first.wait_for()
+    planned = code_text(page, "plan")  # its whole text, whatever lines the page has drawn yet
+    assert "use_cpu = True" in planned and "eval_strategy = 'steps'" in planned
     assert app.new_runs() == []  # a preview launches nothing
 
     for button in ("#stop", "#stop-save", "#resume"):  # no run followed: nothing to stop or resume
