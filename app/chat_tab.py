@@ -23,7 +23,7 @@ from studio_core.serve.chat import (BATCH_BUCKETS, EMPTY_ANSWER, MAX_CACHE_LEN, 
                                     shown, split_reasoning)
 from studio_core.machine.cores import format_cores
 from studio_core.machine.hardware import Hardware
-from studio_core.serve.images import ImageError, image_part, is_image
+from studio_core.serve.images import ImageError, image_part, is_image, user_content
 from studio_core.serve.openai_api import ApiServer
 from studio_core.serve.vllm_server import VllmServer, decide
 from studio_core.runs.history import runs_with_a_model
@@ -169,10 +169,6 @@ def asked(conversation: list[dict], text: str, system_prompt: str, thinking: boo
     system_turn = [{"role": "system", "content": system_prompt}] if system_prompt else []
     earlier = [] if single_turn else for_model(conversation, thinking)
     return [*system_turn, *earlier, {"role": "user", "content": user_content(text, image)}]
-
-
-def user_content(text: str, image: dict | None) -> str | list[dict]:
-    return [image, {"type": "text", "text": text}] if image else text
 
 
 def user_bubble(message: dict) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cli.options import CommandLineError, check_one_core, hardware_for, runs_folder
 from studio_core.serve.chat import EMPTY_ANSWER, UNTRAINED, ChatError, ChatProcess, resolve, shown, split_reasoning
-from studio_core.serve.images import ImageError, image_part
+from studio_core.serve.images import ImageError, image_part, user_content
 from studio_core.machine.cores import format_cores
 from studio_core.runs.manager import RunManager
 
@@ -52,7 +52,7 @@ def cmd_chat(args) -> int:
                 continue
             if args.single_turn:
                 history = []
-            history.append({"role": "user", "content": [image, {"type": "text", "text": text}] if image else text})
+            history.append({"role": "user", "content": user_content(text, image)})
             if not args.single_turn:
                 image = None  # shown once: the conversation keeps it
             for which in ("tuned", "base") if args.base else ("tuned",):

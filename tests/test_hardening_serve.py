@@ -75,6 +75,19 @@ MALFORMED = [
 
 
 @pytest.mark.fast
+def test_too_many_images_for_a_vision_model_are_refused_before_any_is_read():
+    """Five images, none of them real: refused for their count, not for the first one's bytes."""
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    body = {**CHAT, "messages": [{"role": "user", "content": [part] * 5 + [{"type": "text", "text": "Hi"}]}]}
+    with pytest.raises(ApiError) as refused:
+        parse(body, "chat", MODEL, max_cache_len=1024, vision=True)
+    assert refused.value.status == 400 and "hold 5 images; this server takes at most 4" in refused.value.message
+    with pytest.raises(ApiError, match="not an image Pillow can read"):  # one is read, and refused for its bytes
+        parse({**body, "messages": [{"role": "user", "content": [part]}]}, "chat", MODEL, max_cache_len=1024,
+              vision=True)
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("change, param, says", MALFORMED)
 def test_a_malformed_request_is_refused_whole_with_the_field_and_what_to_write(change, param, says):
     with pytest.raises(ApiError) as raised:

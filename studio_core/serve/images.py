@@ -75,6 +75,12 @@ def data_url_bytes(url: str, what: str) -> bytes:
         raise ImageError(f"{what} is not valid base64 after `;base64,`") from None
 
 
+def user_content(text: str, image: dict | None) -> str | list[dict]:
+    """A user message's content: its text alone, or with an image part, the image first (as
+    TRL's vision data puts it)."""
+    return [image, {"type": "text", "text": text}] if image else text
+
+
 def has_images(messages: list[dict] | None) -> bool:
     return any(isinstance(m.get("content"), list) and any(is_image(p) for p in m["content"]) for m in messages or [])
 

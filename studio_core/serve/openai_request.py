@@ -153,7 +153,7 @@ def parse(body: dict, kind: str, model: str | list[str], max_cache_len: int,
                        "streamed", "stream_options")
     fields = sampling(body, max_cache_len) | {"model": request.model}
     if kind == "chat":
-        fields |= {"messages": chat_messages(body, request.model if vision is False else None)}
+        fields |= {"messages": chat_messages(body, None if vision else request.model)}
     else:
         fields |= {"messages": None, "text": completion_prompt(body)}
     usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -214,6 +214,11 @@ def chat_messages(body: dict, text_model: str | None = None) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+    images = sum(_is_image_url(part) for message in messages if isinstance(message, dict)
+                 and isinstance(message.get("content"), list) for part in message["content"])
+    if text_model is None and images > MAX_IMAGES:  # counted before any is decoded
+        raise ApiError(400, f"the messages hold {images} images; this server takes at most {MAX_IMAGES} a request",
+                       "messages")
     found = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
@@ -229,10 +234,6 @@ def chat_messages(body: dict, text_model: str | None = None) -> list[dict]:
             found.append({"role": role, "content": _parts(content, param)})
         else:
             found.append({"role": role, "content": _text(content, param)})
-    images = sum(isinstance(m["content"], list) and sum(p["type"] == "image" for p in m["content"]) for m in found)
-    if images > MAX_IMAGES:
-        raise ApiError(400, f"the messages hold {images} images; this server takes at most {MAX_IMAGES} a request",
-                       "messages")
     if found[-1]["role"] == "assistant":
         raise ApiError(400, "the last message must be the user's (or the system's): the model answers it",
                        f"messages[{len(found) - 1}].role")
