@@ -38,6 +38,7 @@ BUILTIN_LEARNING_RATES = {BUILTIN_MODEL: TINY_LEARNING_RATE, sources.BUILTIN_VLM
 # The number boxes whose label is not the setting's name (the others are labelled with TRL's name).
 WHOLE = re.compile(r"[+-]?[0-9]+")  # a whole number as typed (int() also reads 1_000)
 NUMBER_LABELS = {"eval_fraction": "Hold out for evaluation (fraction)", "precompile_jobs": "Precompile jobs",
+                 "image_size": "Resize images to (pixels a side)",
                  **{name: LAYOUT_LABELS[name] for name in ("nproc", "tp_size", "fsdp_size", "nodes")}}
 
 
@@ -226,6 +227,10 @@ class TrainForm:
                 w["eval_dataset"] = gr.Textbox(label="Or evaluate on a separate dataset", placeholder="a file or Hub id",
                                                info="its loss is plotted beside the training loss",
                                                elem_id="eval_dataset")
+                # studio_core.data.image_size: one image token count (one compile) for a vision-language model
+                w["image_size"] = number_box(0, label=NUMBER_LABELS["image_size"], elem_id="image_size",
+                                             info="vision-language models: every image made this square, so each "
+                                             "has the same token count; 0: the processor's own size")
         with gr.Row():
             w["max_steps"] = number_box(300, label="max_steps", info="0: train by epochs",
                                         elem_id="max_steps")
@@ -416,6 +421,7 @@ def spec_from_form(v: dict, complete: bool = True) -> RunSpec:
                     nodes=1 if here else number("nodes", whole=True, blank=1),
                     options=option_fields.read(v, backend, complete) if backend.options_type else None)
     eval_fraction, jobs = number("eval_fraction", blank=0.0), number("precompile_jobs", whole=True, blank=0)
+    image_size = number("image_size", whole=True, blank=0)
     number.check(overridden=extra)
     return RunSpec(trainer=trainer, model_name_or_path=(v["model"] or "").strip(),
                    dataset_name=(v["dataset"] or "").strip(),
@@ -424,7 +430,7 @@ def spec_from_form(v: dict, complete: bool = True) -> RunSpec:
                    run_name=(v["run_name"] or "").strip() or None, args=args, layout=layout,
                    column_map=_yaml(v["column_map"], "Column map", dict), keep_columns=keep or None, rewards=rewards,
                    eval_fraction=eval_fraction or None, eval_dataset=(v.get("eval_dataset") or "").strip() or None,
-                   precompile=bool(v.get("precompile")), precompile_jobs=jobs or None)
+                   precompile=bool(v.get("precompile")), precompile_jobs=jobs or None, image_size=image_size or None)
 
 
 def export_spec(v: dict) -> RunSpec:
@@ -482,6 +488,7 @@ def form_values(spec: RunSpec, trackers: list[str] | None = None) -> dict:
          "keep_columns": ", ".join(map(str, spec.keep_columns or [])),
          "eval_fraction": spec.eval_fraction or 0, "eval_dataset": spec.eval_dataset or "",
          "precompile": spec.precompile is True, "precompile_jobs": spec.precompile_jobs or 0,
+         "image_size": spec.image_size or 0,
          "nproc": spec.layout.nproc, "tp_size": spec.layout.tp_size, "fsdp_size": spec.layout.fsdp_size,
          "cores": spec.layout.cores or "", "run_on": spec.layout.run_on, "nodes": spec.layout.nodes,
          "max_steps": max(num("max_steps") or 0, 0), "num_train_epochs": num("num_train_epochs"),

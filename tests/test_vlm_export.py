@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,29 @@ def test_a_pushed_vlm_export_downloads_and_answers_as_the_export(vlm_runs, tmp_p
     assert 'repo_id = "alice/tiny-vlm-shapes"\nmodel = AutoModelForImageTextToText.from_pretrained(repo_id)' in card
     assert (pulled / "processor_config.json").read_bytes() == (folder / "processor_config.json").read_bytes()
     assert greedy(*load(pulled), HELD_OUT[0]) == greedy(*load(folder), HELD_OUT[0])
+
+
+def test_a_run_trained_at_an_image_size_exports_a_card_whose_example_resizes_the_same_way(vlm_runs, tmp_path):
+    """studio.image_size: the card says the size, and its example code resizes the reader's image
+    to it, as training did. The run trained at 32, the shapes' own size (the spec says so here:
+    resizing 32x32 images to 32x32 is the training the session's run had)."""
+    from studio_core.recipe.spec import RunSpec
+    from studio_core.rundir import folder as run_folder
+
+    manager, ids = vlm_runs
+    run_dir = manager.runs_dir / ids["full"]
+    sized = tmp_path / "runs" / run_dir.name
+    shutil.copytree(run_dir, sized)
+    RunSpec.load(sized / run_folder.SPEC).with_overrides(["studio.image_size=32"]).save(sized / run_folder.SPEC)
+    folder = Path(export_run(sized, tmp_path / "sized")["folder"])
+    card = card_for_repo(ModelCard.load(folder / "README.md").content, str(folder))
+    assert "trained on images resized to 32x32 pixels" in card
+    code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    assert '.convert("RGB").resize((32, 32))' in code
+    image = SHAPES / HELD_OUT[0]["images"][0]
+    scope, printed = {}, io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code.replace('"your-image.png"', repr(str(image))), scope)
+    model, processor = load(folder)
+    assert printed.getvalue().strip().startswith(
+        processor.decode(greedy(model, processor, HELD_OUT[0]), skip_special_tokens=True).strip())

@@ -81,7 +81,7 @@ def prompt_lengths(target: dict, tokenizer):
     if target.get("vision"):
         processor = load_processor(target)
         kwargs = template_kwargs(processor.tokenizer)
-        return lambda prompt: len(encode_vision(processor, kwargs, prompt)[0])
+        return lambda prompt: len(encode_vision(processor, kwargs, prompt, image_size=target.get("image_size"))[0])
     kwargs = template_kwargs(tokenizer)
     return lambda prompt: len(render(tokenizer, kwargs, prompt))
 

@@ -397,8 +397,8 @@ def _card_text(summary: dict, kind: str, info: dict, plot: str | None, vision: b
             "compiles": summary["compiles"], "compile_seconds": summary["compile_seconds"],
             "shapes": summary["shapes"], "plot": f"![training loss]({plot})" if plot else "",
             "evaluation": _evaluations_text(summary.get("evaluations") or []),
-            "loader": _loader(kind, base, scores=not trainer.chats, vision=vision),
-            "generates": trainer.chats and not vision, "vision": vision}
+            "loader": _loader(kind, base, scores=not trainer.chats, vision=vision, image_size=spec.image_size),
+            "generates": trainer.chats and not vision, "vision": vision, "image_size": spec.image_size}
 
 
 def _evaluations_text(found: list[dict]) -> str:
@@ -453,10 +453,10 @@ def _base_note(base: str, kind: str) -> str:
     return f"The adapter's base model is the local folder `{base}` (not on the Hub): load the adapter on that model."
 
 
-def _loader(kind: str, base: str, scores: bool, vision: bool = False) -> str:
+def _loader(kind: str, base: str, scores: bool, vision: bool = False, image_size: int | None = None) -> str:
     """The card's usage code: it loads the repo named on REPO_LINE (the push fills it in)."""
     if vision:
-        return _vision_loader(kind, base)
+        return _vision_loader(kind, base, image_size)
     model, labels = ("ModelForSequenceClassification", ", num_labels=1") if scores else ("ModelForCausalLM", "")
     if kind != "adapter":
         code = (f"from transformers import Auto{model}, AutoTokenizer\n{REPO_LINE}\n"
@@ -477,9 +477,10 @@ def _loader(kind: str, base: str, scores: bool, vision: bool = False) -> str:
     return code
 
 
-def _vision_loader(kind: str, base: str) -> str:
+def _vision_loader(kind: str, base: str, image_size: int | None = None) -> str:
     """A vision-language model's usage code: the model (an adapter on its base) and its processor,
-    asked about the image named on IMAGE_LINE."""
+    asked about the image named on IMAGE_LINE (resized as the run resized its images, if it did:
+    studio.image_size)."""
     code = "from PIL import Image\n"
     if kind != "adapter":
         code += f"from transformers import AutoModelForImageTextToText, AutoProcessor\n{REPO_LINE}\n"
@@ -494,7 +495,10 @@ def _vision_loader(kind: str, base: str) -> str:
             where = repr(base)
         code += (f"{REPO_LINE}\nbase = AutoModelForImageTextToText.from_pretrained({where})\n"
                  "model = PeftModel.from_pretrained(base, repo_id)")
-    return code + "\nprocessor = AutoProcessor.from_pretrained(repo_id)\n\n" + GENERATE_FROM_IMAGE
+    generate = GENERATE_FROM_IMAGE if image_size is None else GENERATE_FROM_IMAGE.replace(
+        IMAGE_LINE, IMAGE_LINE.replace('.convert("RGB")', f'.convert("RGB").resize(({image_size}, {image_size}))', 1)
+        + f" (trained at {image_size}x{image_size})", 1)
+    return code + "\nprocessor = AutoProcessor.from_pretrained(repo_id)\n\n" + generate
 
 
 IMAGE_LINE = 'image = Image.open("your-image.png").convert("RGB")  # replace: the picture to ask about'

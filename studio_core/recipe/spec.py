@@ -25,7 +25,7 @@ from studio_core.rundir import folder
 
 # The studio block's keys besides the layout's.
 STUDIO_KEYS = {"trainer", "column_map", "keep_columns", "rewards", "eval_fraction", "eval_dataset", "precompile",
-               "precompile_jobs"}
+               "precompile_jobs", "image_size"}
 TRACKERS = ("tensorboard", "trackio")  # TRL's report_to values the studio installs, offers and places
 
 
@@ -101,6 +101,7 @@ class RunSpec:
     eval_dataset: str | None = None  # or evaluate on this dataset
     precompile: bool = False  # compile the forecast's batch shapes before step 1 (see precompile.py)
     precompile_jobs: int | None = None  # in this many parallel processes (None: the planner picks)
+    image_size: int | None = None  # every image resized to this many pixels a side (data/image_size.py)
 
     # --- recipe YAML -------------------------------------------------------------------
     @classmethod
@@ -126,7 +127,7 @@ class RunSpec:
                    column_map=studio.get("column_map") or {}, keep_columns=studio.get("keep_columns"),
                    rewards=studio.get("rewards") or [], eval_fraction=studio.get("eval_fraction"),
                    eval_dataset=studio.get("eval_dataset"), precompile=studio.get("precompile", False),
-                   precompile_jobs=studio.get("precompile_jobs"))
+                   precompile_jobs=studio.get("precompile_jobs"), image_size=studio.get("image_size"))
         for name in ("model_name_or_path", "dataset_name", "dataset_config",
                      "dataset_train_split", "run_name"):
             if name in data:
@@ -148,6 +149,8 @@ class RunSpec:
             studio["precompile"] = self.precompile
         if self.precompile_jobs is not None:
             studio["precompile_jobs"] = self.precompile_jobs
+        if self.image_size is not None:
+            studio["image_size"] = self.image_size
         out = {"studio": studio,
                "model_name_or_path": self.model_name_or_path,
                "dataset_name": self.dataset_name}

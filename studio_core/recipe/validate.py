@@ -1,7 +1,8 @@
 """The checks of a run spec before launch: every problem that stops it, each saying what to
 change (`validate`; `validated` raises them as one SpecError), and what is worth saying but
 does not stop it (the warnings). The TRL settings against the trainer's config, the token rule,
-the numbers, the layout, the model and the dataset (recipe/dataset_check.py), the evaluation set.
+the numbers, the layout, the model (and studio.image_size, for its images) and the dataset
+(recipe/dataset_check.py), the evaluation set.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import re
 
 from studio_core import backends
-from studio_core.data import sources
+from studio_core.data import image_size, model_check, sources
 from studio_core.machine.layout import check_sizes
 from studio_core.recipe import data_check, dataset_check, eval_data, peft_check, rewards, trainers
 from studio_core.recipe.spec import Layout, RunSpec, SpecError
@@ -78,6 +79,8 @@ def validate(spec: RunSpec, run_user_code: bool = False, warnings: list[str] | N
                         "the run downloads them there, and checks them before it trains)")
     if "model_name_or_path" not in not_text and not any(s.startswith("model ") for s in skipped):
         problems += sources.check_model(spec.model_name_or_path, bool(spec.args.get("trust_remote_code")))
+    config = sources.model_config(spec.model_name_or_path) if "model_name_or_path" not in not_text else None
+    problems += image_size.problems(spec.image_size, model_check.is_vision(config) if config is not None else None)
     train_rows = None
     if "dataset_name" not in not_text:
         found, train_rows = _check_data(spec, run_user_code, warnings,

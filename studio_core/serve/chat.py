@@ -73,6 +73,7 @@ class ChatTarget:
     trust_remote_code: bool = False
     untrained: tuple[str, ...] = ()  # the sides ("tuned", "base") that are the random built-in model
     vision: bool = False  # a vision-language model: loaded with its processor, its messages may hold images
+    image_size: int | None = None  # a run's studio.image_size: its images resized to it, as in training
 
 
 def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
@@ -103,6 +104,7 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
                             "answers, so there is nothing to chat with; export it to use it")
         vision = model_check.is_vision(model_check.read_config(output / "config.json")[0] or {}) or (
             info["kind"] == "adapter" and is_vision_model(info["base_model"]))
+        image_size = (spec.get("studio") or {}).get("image_size") if vision else None
         base = _model_path(info["base_model"])
         untrained = ("base",) if info["base_model"] in BUILTIN_MODELS else ()
         problems = model_check.output_problems(output, adapter=info["kind"] == "adapter")
@@ -115,9 +117,9 @@ def resolve(name: str, runs_dir: str | Path) -> ChatTarget:
                 raise ChatError(f"run {name} is a LoRA adapter on {info['base_model']}, which cannot be loaded: "
                                 f"{said}")
             return ChatTarget(name, model=base, tokenizer=str(output), adapter=str(output), base=base,
-                              untrained=untrained, vision=vision)
+                              untrained=untrained, vision=vision, image_size=image_size)
         return ChatTarget(name, model=str(output), tokenizer=str(output), base=base, untrained=untrained,
-                          vision=vision)
+                          vision=vision, image_size=image_size)
     if name not in BUILTIN_MODELS and "/" not in name and not Path(name).exists():
         raise ChatError(f"{name!r} is neither a run in {runs_dir} nor a model folder or Hub id (org/name)")
     problems = check_model(name)  # as a run's model is checked before launch: before a process loads it

@@ -21,8 +21,9 @@ A vision-language model (target["vision"]) is loaded with AutoModelForImageTextT
 processor, as its run trained it. A message's image parts (serve/images.py) become TRL's
 placeholders; the processor renders the text with the chat template, puts the image's tokens in
 (a fixed count per image for a model whose processor resizes to one resolution, as the built-in
-LLaVA's does) and makes `pixel_values`, one tensor shape per count of images: the prompt is
-bucketed as a text prompt is, and the images' shape is the only other input shape.
+LLaVA's does, or for any model once the run's studio.image_size resized each image first, as its
+training did: data/image_size.py) and makes `pixel_values`, one tensor shape per count of images:
+the prompt is bucketed as a text prompt is, and the images' shape is the only other input shape.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from studio_core.machine import leases
 from studio_core.serve.batching import SMALLEST_LENGTH
 from studio_core.serve.chat import opens_thinking, template_kwargs
+from studio_core.data.image_size import resize
 from studio_core.serve.images import has_images, take_images
 from studio_core.machine.hardware import pin_to_cpu_cores
 from studio_core.machine.placement import on_model_device
@@ -82,12 +84,15 @@ def load_processor(target: dict):
     return AutoProcessor.from_pretrained(target["tokenizer"], trust_remote_code=bool(target.get("trust_remote_code")))
 
 
-def encode_vision(processor, kwargs: dict, messages: list[dict], answer: str | None = None) -> tuple[list[int], dict]:
+def encode_vision(processor, kwargs: dict, messages: list[dict], answer: str | None = None,
+                  image_size: int | None = None) -> tuple[list[int], dict]:
     """A vision-language conversation as TRL's vision collator makes it in training: the image parts
     as placeholders, the text rendered by the processor's chat template (up to the answer's start;
     with `answer`, to its end), then the processor puts each image's tokens in (no special tokens
-    added: the template writes them) and makes their `pixel_values`. (token ids, the other inputs)."""
+    added: the template writes them) and makes their `pixel_values`; each image first resized to
+    the run's `image_size` (studio.image_size), as its training resized them. (token ids, the other inputs)."""
     placed, images = take_images(messages)
+    images = [resize(image, image_size) for image in images] if image_size else images
     turns = placed + ([{"role": "assistant", "content": answer}] if answer is not None else [])
     text = processor.apply_chat_template(turns, add_generation_prompt=answer is None, tokenize=False, **kwargs)
     inputs = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
@@ -233,7 +238,7 @@ class Generator:
                 raise ValueError(f"{self.setup['label']} is a text model: it takes no images; send text alone, "
                                  "or chat with a vision-language model's run")
             return self.render(messages, answer), {}
-        return encode_vision(self.processor, self.template_kwargs, messages, answer)
+        return encode_vision(self.processor, self.template_kwargs, messages, answer, self.setup.get("image_size"))
 
     def prompt(self, messages: list[dict], max_new_tokens: int) -> tuple[list[int], int, int, dict]:
         """The prompt's token ids, fitted into the cache: the oldest turns are dropped first

@@ -11,8 +11,8 @@ names would reach whatever that URL points at, from inside the user's network.
 
 In the chat process (`take_images`) each image part becomes TRL's placeholder {"type": "image"}
 and its image, in the order the parts come, goes to the model's processor beside the rendered
-text, as TRL's vision collator gives them in training. The processor resizes every image to its
-one resolution, so a prompt's image tensors have one shape per count of images.
+text, as TRL's vision collator gives them in training, each first resized to the run's
+studio.image_size where it set one (serve/generation.encode_vision), as its training resized them.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 from studio_core import backends
 from studio_core.recipe import eval_data, trainers
 from studio_core.training import memory, padding, precompile
-from studio_core.data import model_check, sources
+from studio_core.data import image_size, model_check, sources
 from studio_core.machine.children import REPO_ROOT
 from studio_core.machine.cores import format_cores, parse_cores
 from studio_core.machine.device_env import (RANK_CORES, REASONS, VISIBLE, describe_rank_cores, device_env, flags_problem,
@@ -134,6 +134,7 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
     if hardware.backend == "neuron":
         _neuron_model_init(args, trainer, applied)
         warnings += _neuron_warnings(args, trainer, vision)
+        warnings += _image_size_warnings(spec, model_config)
     if spec.layout.tp_size > 1 or spec.layout.fsdp_size > 1:
         applied.append(("model_init_kwargs.distributed_config",
                         f"DistributedConfig(tp_size={spec.layout.tp_size}, fsdp_size={spec.layout.fsdp_size})",
@@ -300,6 +301,17 @@ def _neuron_warnings(args: dict, trainer: trainers.Trainer, vision: bool = False
         warnings.append(f"model_init_kwargs.dtype: {dtype!r} with the static cache fails: the keys and values "
                         "end up in different dtypes (TRL issue 7664); use bfloat16")
     return warnings
+
+
+def _image_size_warnings(spec: RunSpec, model_config: dict | None) -> list[str]:
+    """A vision-language model whose processor gives each image a token count of its own size
+    (data/image_size.py), trained with no studio.image_size: a compile for each image size."""
+    family = image_size.follows_image(model_config or {})
+    if family is None or spec.image_size is not None:
+        return []
+    return [f"studio.image_size: {family}'s processor gives each image as many tokens as its size makes, so images "
+            "of many sizes make many shapes, each a compilation; set studio.image_size (e.g. 448) to resize "
+            "every image to one square"]
 
 
 def _tracker_defaults(args: dict, known, run_id: str, applied: list) -> None:

@@ -13,6 +13,7 @@ from studio_core.recipe import data_scan, eval_data
 from studio_core.recipe.data_check import IMAGE_COLUMNS
 from studio_core.recipe.dataset_check import check_rows
 from studio_core.data import sources
+from studio_core.data.image_size import resize_dataset
 from studio_core.rundir import events as ev
 from studio_core.recipe.data_check import prepare_dataset
 from studio_core.data.downloads import download_dataset_split
@@ -33,9 +34,9 @@ def load_checked_datasets(spec: RunSpec, events: Path | None):
 
 def load_datasets(spec: RunSpec, events: Path | None = None, checked: bool = False, shapes_only: bool = False):
     """(training set, evaluation set or None) as the run trains and evaluates on them, prepared
-    (column map, keep-columns): the training split less the held-out rows, if any. `checked`:
-    each one's first rows through dataset_check.check_rows first (SpecError). `shapes_only` (the shape
-    forecast): each text cut to what max_length can keep (cut_texts)."""
+    (column map, keep-columns, images resized to studio.image_size): the training split less the
+    held-out rows, if any. `checked`: each one's first rows through dataset_check.check_rows first
+    (SpecError). `shapes_only` (the shape forecast): each text cut to what max_length can keep (cut_texts)."""
     train, held = split_off_eval(spec, load_train_dataset(spec, events), events)
     limit = data_scan.max_length(spec) if shapes_only else None
     packing = spec.args.get("packing") and spec.args.get("packing_strategy") == "wrapped"  # splits, keeps all
@@ -48,8 +49,8 @@ def load_datasets(spec: RunSpec, events: Path | None = None, checked: bool = Fal
             raise SpecError([what + p for p in problems])
         if checked and dataset is not None:
             _scan(spec, dataset, what, events)
-    prepared = [prepare_dataset(d, spec.column_map, spec.keep_columns) if d is not None else None
-                for d in (train, held)]
+    prepared = [resize_dataset(prepare_dataset(d, spec.column_map, spec.keep_columns), spec.image_size)
+                if d is not None else None for d in (train, held)]
     return prepared[0], prepared[1]
 
 
