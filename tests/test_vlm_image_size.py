@@ -146,3 +146,57 @@ def test_chat_and_evaluation_resize_a_runs_images_as_its_training_did(tmp_path):
     expected = processor(images=[image_size.resize(photo, 8)], return_tensors="pt")["pixel_values"]
     assert ids == plain_ids and torch.equal(extras["pixel_values"], expected)
     assert not torch.equal(plain["pixel_values"], expected)  # 8x8 keeps less of the picture than 32x32
+
+
+def tiny_qwen_vl(folder: Path) -> Path:
+    """A Qwen2.5-VL folder as the Hub has one, shrunk: its config (random weights), the tiny text
+    model's tokenizer with Qwen's vision tokens, and Qwen2.5-VL-3B-Instruct's preprocessor_config.json."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from studio_core.data.builtin import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    vision_tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": vision_tokens})
+    tokenizer.save_pretrained(folder)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(vision_tokens)
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "fullatt_block_indexes": [1]},
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}))
+    return folder
+
+
+def test_a_qwen_vl_folder_is_known_as_a_vlm_and_what_its_processor_lacks_is_said_before_launch(tmp_path):
+    """Transformers 5 builds Qwen2.5-VL's processor with a video processor that imports torchvision,
+    which the studio does not install (the package index's builds are CUDA ones): the model check
+    says what to install, not "copy in the processor files". With torchvision, the folder passes.
+    Either way the plan for Neuron reads the folder's own config and asks for studio.image_size."""
+    import importlib.util
+
+    from studio_core.data import sources
+    from studio_core.machine.hardware import instance_hardware
+    from studio_core.training.plan import plan
+
+    folder = str(tiny_qwen_vl(tmp_path / "qwen-vl"))
+    assert sources.is_vision_model(folder) and image_size.follows_image(sources.model_config(folder)) == "Qwen2.5-VL"
+    found = sources.check_model(folder)
+    if importlib.util.find_spec("torchvision") is None:
+        [message] = found
+        assert "its processor needs torchvision" in message and "pip install torchvision==0." in message
+        assert "copy in the processor files" not in message
+    else:
+        assert found == []
+    spec = RunSpec.load(RECIPE).with_overrides([f"model_name_or_path={folder}"])
+    warnings = plan(spec, instance_hardware("trn2.3xlarge"), model_config=sources.model_config(folder)).warnings
+    assert any(w.startswith("studio.image_size: Qwen2.5-VL's processor") for w in warnings)

@@ -162,6 +162,8 @@ def processor_problems(folder: Path) -> list[str]:
     try:
         processor = AutoProcessor.from_pretrained(folder)
     except Exception as error:  # a processor's loading raises many types
+        if isinstance(error, ImportError) and "torchvision" in str(error).lower():
+            return [torchvision_missing()]
         return [f"its processor does not load ({one_line(error)}); {save}"]
     missing = [part for part in ("image_processor", "tokenizer") if getattr(processor, part, None) is None]
     if missing:
@@ -172,6 +174,21 @@ def processor_problems(folder: Path) -> list[str]:
 
 def listed(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
+
+
+def torchvision_missing() -> str:
+    """What to do when a processor needs torchvision and this Python has none. Transformers 5 builds
+    Qwen2-VL's, Qwen2.5-VL's and SmolVLM's processors with a video processor that imports it. The
+    studio does not install it: the package index's builds are CUDA ones, which fail to load beside
+    a CPU build of torch (and then break Transformers' image code). torchvision's release pairs with
+    torch's by its minor number plus 15 (torch 2.13 with torchvision 0.28), PyTorch's own table."""
+    import torch
+
+    minor = int(torch.__version__.split(".")[1])
+    return (f"its processor needs torchvision (Transformers builds its video processor with it), which this "
+            f"Python does not have: install the torchvision built for this torch {torch.__version__.split('+')[0]} "
+            f"(`pip install torchvision==0.{minor + 15}.*`; for a CPU build of torch, from PyTorch's CPU index "
+            "https://download.pytorch.org/whl/cpu), or pick a model whose processor needs none (LLaVA's, for one)")
 
 
 def one_line(error: BaseException) -> str:
