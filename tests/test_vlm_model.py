@@ -157,3 +157,27 @@ def test_dpo_and_kto_of_a_vlm_do_not_pad_to_a_multiple_which_their_vision_collat
         assert ("pad_to_multiple_of", "auto") in [entry[:2] for entry in text.applied]  # a text model pads
     sft = plan(RunSpec.load(RECIPE), trn2, model_config=TINY_VLM_CONFIG)
     assert ("pad_to_multiple_of", "auto") in [entry[:2] for entry in sft.applied] and not sft.errors
+
+
+@pytest.mark.fast
+def test_a_vlm_sft_whose_max_length_is_no_multiple_of_its_padding_is_refused_before_launch():
+    """SFT's vision collator has the processor truncate and pad in one call, which raises ValueError
+    ("truncation length ... is not a multiple of pad_to_multiple_of") at the first batch: the plan
+    refuses the pair, naming the multiples on either side, whether the multiple is the recipe's or
+    Neuron's "auto" (128). A text model's SFT pads after truncating and takes any max_length."""
+    from studio_core.machine.hardware import instance_hardware
+    from studio_core.training.plan import plan
+
+    spec = RunSpec.load(RECIPE)
+    [error] = plan(spec.with_overrides(["max_length=70", "pad_to_multiple_of=32"]), cpu_hardware(),
+                   model_config=TINY_VLM_CONFIG).errors
+    assert error.startswith("max_length: 70 is not a multiple of pad_to_multiple_of 32") and "64 or 96" in error
+    [error] = plan(spec.with_overrides(["max_length=100"]), instance_hardware("trn2.3xlarge"),
+                   model_config=TINY_VLM_CONFIG).errors
+    assert '128 ("auto" on this backend)' in error and error.endswith("set max_length to 128")
+    assert plan(spec.with_overrides(["max_length=70"]), cpu_hardware(), model_config=TINY_VLM_CONFIG).errors == []
+    assert plan(spec.with_overrides(["max_length=256"]), instance_hardware("trn2.3xlarge"),
+                model_config=TINY_VLM_CONFIG).errors == []
+    text = json.loads((ensure_tiny_vlm() / "config.json").read_text())["text_config"]
+    assert plan(spec.with_overrides(["max_length=70", "pad_to_multiple_of=32"]), cpu_hardware(),
+                model_config=text).errors == []

@@ -71,3 +71,19 @@ def test_the_shape_forecast_of_a_vlm_run_is_the_shapes_that_reached_its_model(vl
     assert predicted.micro_batches == 120 and view.tokens == predicted.real_tokens
     assert min(predicted.lengths) > 64  # each sample's 64 image tokens are counted with its text
     assert not any(s["set"].get("packing") for s in predicted.suggestions)  # TRL packs no images
+
+
+def test_the_forecast_of_a_vlm_suggests_only_paddings_its_processor_takes(tmp_path):
+    """A max_length of 70 trains on the CPU (no padding), and the forecast's suggestions try padding
+    to 32, 64 and 128 tokens: a VLM's processor refuses a multiple that max_length is not a multiple of,
+    so those are not tried (the forecast failed whole with the processor's ValueError)."""
+    from studio_core.machine.hardware import cpu_hardware
+    from studio_core.recipe.spec import RunSpec
+    from studio_core.runs.manager import RunManager
+    from studio_core.training.forecast import forecast
+
+    spec = RunSpec.load(RECIPE).with_overrides(["max_length=70", "max_steps=4"])
+    predicted = forecast(RunManager(tmp_path / "runs").plan(spec, cpu_hardware()).spec, "cpu")
+    assert predicted.micro_batches == 4 and max(predicted.lengths) > 70  # the samples' own lengths, before the cut
+    tried = {s["set"].get("pad_to_multiple_of") for s in predicted.suggestions}
+    assert not {32, 64, 128} & tried, predicted.suggestions

@@ -361,7 +361,9 @@ def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> li
     limit, samples = current.max_length, len(current.lengths)
     cut = (f"{current.truncated} of {samples} samples cut at max_length {limit}, as now" if limit
            else "no max_length: none cut")
-    fits = [m for m in BUCKETS if (limit or m + 1) > m]
+    vision = getattr(trainer, "_is_vision_dataset", False)
+    # a VLM's processor truncates and pads in one call, and refuses a max_length that is not a multiple
+    fits = [m for m in BUCKETS if (limit or m + 1) > m and not (vision and limit and limit % m)]
     candidates = [({"pad_to_multiple_of": m}, f"pads each batch up to a multiple of {m} tokens", 0,
                    f"none beyond padding: the same batches in the same order; {cut}")
                   for m in fits if m != multiple]  # (settings, why, rank of its cost to the data, that cost)
@@ -377,8 +379,7 @@ def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> li
     for settings, why, rank, cost in candidates:
         with _changed(trainer, settings):
             found.append((settings, why, rank, cost, current.truncated, _walk(trainer, updates, dp)))
-    vision = getattr(trainer, "_is_vision_dataset", False)  # TRL's SFT does not pack images and text
-    if hasattr(args, "packing_strategy") and limit and not packing and not vision:  # SFT packs
+    if hasattr(args, "packing_strategy") and limit and not packing and not vision:  # SFT packs (no images)
         packed = build(packing=True, packing_strategy="wrapped")
         split = _split_by_rows(current.lengths, limit)
         found.append(({"packing": True, "packing_strategy": "wrapped"},

@@ -259,8 +259,11 @@ def _vision_padding(trainer: trainers.Trainer, args: dict, backend: str, known, 
     of a value is not yet implemented for vision-language modeling ...") at the first batch when
     pad_to_multiple_of is set, as "auto" sets it on Neuron; SFT's does too, for prompt-completion
     rows only, which the plan cannot see): "auto" that would pad becomes null, said; a number is
-    refused, saying what to write. The problems found."""
-    if trainer.vision_pads or "pad_to_multiple_of" not in known:
+    refused, saying what to write. A trainer that pads (SFT) has the processor truncate and pad in
+    one call, which raises ValueError ("Truncation and padding are both activated but truncation
+    length ... is not a multiple of pad_to_multiple_of") at the first batch unless max_length is
+    a multiple: refused, with the multiples on either side. The problems found."""
+    if "pad_to_multiple_of" not in known:
         return []
     value = args.get("pad_to_multiple_of", known["pad_to_multiple_of"].get("default"))
     try:
@@ -269,6 +272,8 @@ def _vision_padding(trainer: trainers.Trainer, args: dict, backend: str, known, 
         return []  # not a number: padding.describe says so
     if not multiple:
         return []
+    if trainer.vision_pads:
+        return _vision_max_length(args, known, multiple, value)
     why = (f"TRL's {trainer.name} collator for vision-language data cannot pad to a multiple (it raises "
            "NotImplementedError at the first batch)")
     if value != padding.AUTO:
@@ -279,6 +284,18 @@ def _vision_padding(trainer: trainers.Trainer, args: dict, backend: str, known, 
     applied.append(("pad_to_multiple_of", None, f"{why}: each batch is as long as its longest sample, so on Neuron "
                     "each new length compiles once; max_length bounds them"))
     return []
+
+
+def _vision_max_length(args: dict, known, multiple: int, value) -> list[str]:
+    """max_length against the padding multiple of a vision-language run that pads (_vision_padding)."""
+    limit = args.get("max_length", known.get("max_length", {}).get("default"))
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1 or limit % multiple == 0:
+        return []
+    below, above = limit // multiple * multiple, (limit // multiple + 1) * multiple
+    padded = f"pad_to_multiple_of {multiple}" + (f" (\"auto\" on this backend)" if value == padding.AUTO else "")
+    return [f"max_length: {limit} is not a multiple of {padded}: a vision-language model's processor truncates "
+            "and pads in one call and refuses that at the first batch; set max_length to "
+            + (f"{below} or {above}" if below else str(above))]
 
 
 def _neuron_warnings(args: dict, trainer: trainers.Trainer, vision: bool = False) -> list[str]:
