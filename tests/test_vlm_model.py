@@ -181,3 +181,17 @@ def test_a_vlm_sft_whose_max_length_is_no_multiple_of_its_padding_is_refused_bef
     text = json.loads((ensure_tiny_vlm() / "config.json").read_text())["text_config"]
     assert plan(spec.with_overrides(["max_length=70", "pad_to_multiple_of=32"]), cpu_hardware(),
                 model_config=text).errors == []
+
+
+@pytest.mark.fast
+def test_a_max_length_that_cannot_hold_an_image_is_refused_before_launch():
+    """The built-in LLaVA reads each image as 64 tokens (its config's image_seq_length): a max_length
+    of 32 would cut every sample inside its image, and the processor stops the run at the first batch
+    ("Mismatch in `image` token count"). The plan refuses it; the recipe's 128 passes."""
+    from studio_core.training.plan import plan
+
+    spec = RunSpec.load(RECIPE)
+    [error] = plan(spec.with_overrides(["max_length=32"]), cpu_hardware(), model_config=TINY_VLM_CONFIG).errors
+    assert error.startswith("max_length: 32 tokens cannot hold an image, which this model reads as 64 tokens")
+    assert plan(spec, cpu_hardware(), model_config=TINY_VLM_CONFIG).errors == []
+    assert plan(spec.with_overrides(["max_length=null"]), cpu_hardware(), model_config=TINY_VLM_CONFIG).errors == []

@@ -130,7 +130,8 @@ def plan(spec: RunSpec, hardware: Hardware, cores: list[int] | None = None, run_
             applied.append((default.key, default.value, default.reason))
     _eval_defaults(spec, args, hardware.backend, known, applied)
     _tracker_defaults(args, known, run_id, applied)
-    errors = _vision_padding(trainer, args, hardware.backend, known, applied) if vision else []
+    errors = (_vision_padding(trainer, args, hardware.backend, known, applied)
+              + _image_room(args, known, model_config)) if vision else []
     if hardware.backend == "neuron":
         _neuron_model_init(args, trainer, applied)
         warnings += _neuron_warnings(args, trainer, vision)
@@ -296,6 +297,22 @@ def _vision_max_length(args: dict, known, multiple: int, value) -> list[str]:
     return [f"max_length: {limit} is not a multiple of {padded}: a vision-language model's processor truncates "
             "and pads in one call and refuses that at the first batch; set max_length to "
             + (f"{below} or {above}" if below else str(above))]
+
+
+def _image_room(args: dict, known, config: dict) -> list[str]:
+    """max_length against one image's tokens, where the config fixes their count (LLaVA's
+    image_seq_length, Gemma 3's mm_tokens_per_image): a sample cut inside its image's tokens stops
+    the run at the first batch (the processor: "Mismatch in `image` token count between text and
+    `input_ids`"). A length above the count still cuts an image that comes after text; TRL's own
+    error names max_length then."""
+    per_image = next((config.get(key) for key in ("image_seq_length", "mm_tokens_per_image")
+                      if isinstance(config.get(key), int)), None)
+    limit = args.get("max_length", known.get("max_length", {}).get("default")) if "max_length" in known else None
+    if per_image is None or not isinstance(limit, int) or isinstance(limit, bool) or limit > per_image:
+        return []
+    return [f"max_length: {limit} tokens cannot hold an image, which this model reads as {per_image} tokens, with "
+            "the text around it: the first batch would stop; set max_length above "
+            f"{per_image} plus the prompt's and answer's tokens (the shape forecast shows the samples' lengths), or null"]
 
 
 def _neuron_warnings(args: dict, trainer: trainers.Trainer, vision: bool = False) -> list[str]:
