@@ -9,6 +9,7 @@ and the real `datasets` loader (train_data); no run is started.
 
 from __future__ import annotations
 
+import io
 import json
 import time
 
@@ -162,8 +163,8 @@ def bad_image(folder, case: str) -> str:
         return "pics/missing.png"
     if case == "url":
         return "https://example.com/cat.png"
-    path = folder / "pics" / {"not an image": "notes.png", "animated": "spin.gif", "cmyk": "print.jpg"}.get(
-        case, f"{case.replace(' ', '-')}.png")
+    path = folder / "pics" / {"not an image": "notes.png", "animated": "spin.gif", "cmyk": "print.jpg",
+                              "cut short": "photo.jpg"}.get(case, f"{case.replace(' ', '-')}.png")
     if case == "not an image":
         path.write_text("a shopping list, not a picture\n")
     elif case == "animated":
@@ -175,6 +176,10 @@ def bad_image(folder, case: str) -> str:
         Image.fromarray(np.full((32, 32), 40_000, dtype=np.uint16)).save(path)
         with Image.open(path) as image:
             assert image.mode == "I;16"
+    elif case == "cut short":  # a copy that stopped half way: Pillow's verify() passes it, a decode does not
+        photo = io.BytesIO()
+        Image.effect_noise((320, 240), 60).convert("RGB").save(photo, format="JPEG")
+        path.write_bytes(photo.getvalue()[: len(photo.getvalue()) // 2])
     elif case == "too many pixels":
         Image.new("L", (9_500, 9_500), 200).save(path)  # 90.25 megapixels of one colour: 110 kB
     return str(path.relative_to(folder))
@@ -190,6 +195,7 @@ REFUSALS = {
             'colours; convert it to RGB, e.g. with Pillow: Image.open(path).convert("RGB").save("new.png")',
     "16-bit": "is a 16-bit greyscale image (mode I;16), which the model's processor does not read as 8-bit colours; "
               "convert it to RGB after scaling its values to 0-255 (.convert clips higher ones)",
+    "cut short": "is a JPEG that is cut short or damaged (image file is truncated",
     "too many pixels": "is 9,500 x 9,500 pixels (90.2 megapixels), more than Pillow's limit of 89.5 megapixels "
                        "(PIL.Image.MAX_IMAGE_PIXELS, its guard against decompression bombs); shrink it",
     "url": "is a URL or inline data, not a file: the run reads images from files and never downloads one; save the "
