@@ -178,7 +178,7 @@ def listed(names: list[str]) -> str:
 
 def torchvision_missing() -> str:
     """What to do when a processor needs torchvision and this Python has none. Transformers 5 builds
-    Qwen2-VL's, Qwen2.5-VL's and SmolVLM's processors with a video processor that imports it. The
+    Qwen2-VL's, Qwen2.5-VL's and SmolVLM2's processors with a video processor that imports it. The
     studio does not install it: the package index's builds are CUDA ones, which fail to load beside
     a CPU build of torch (and then break Transformers' image code). torchvision's release pairs with
     torch's by its minor number plus 15 (torch 2.13 with torchvision 0.28), PyTorch's own table."""
