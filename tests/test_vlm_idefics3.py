@@ -138,3 +138,23 @@ def test_a_run_at_one_image_size_trains_and_chats_as_plain_transformers_answers_
     expected = processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     assert chat.stdout.strip() == expected and expected, (chat.stdout, expected)
     assert ANSWER.startswith(expected), expected  # learnt (every row answers so), not near-tied noise
+
+
+def test_a_max_length_that_cuts_into_the_images_is_named_by_the_forecast(idefics3, tmp_path):
+    """Each picture here is 5 tiles of 16 image tokens and their tags: a max_length of 60 cuts into
+    them. Idefics3's processor then fails with a TypeError (LLaVA's with "Mismatch in `image` token
+    count"), and the run would stop at its first batch: the forecast says which max_length holds them."""
+    from studio_core.machine.hardware import cpu_hardware
+    from studio_core.recipe.spec import SpecError
+    from studio_core.runs.manager import RunManager
+    from studio_core.training.forecast import forecast_in_subprocess
+
+    model, data = idefics3
+    spec = RunManager(tmp_path / "runs").plan(spec_of(model, data, "max_steps=2", "max_length=60"), cpu_hardware()).spec
+    with pytest.raises(SpecError) as refused:
+        forecast_in_subprocess(spec, "cpu")
+    [problem] = refused.value.problems
+    assert problem.startswith("shape forecast: max_length: 60 cuts into the image tokens of 8 of 8 samples"), problem
+    least = int(problem.split("set max_length to at least ")[1].split()[0])
+    held = forecast_in_subprocess(spec.with_overrides([f"max_length={least + 16}"]), "cpu")  # room for the text
+    assert held.micro_batches == 2

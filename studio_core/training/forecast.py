@@ -52,6 +52,9 @@ NOT_FOR_DATA = ("use_cpu", "bf16", "fp16", "torch_compile", "torch_compile_backe
 NOT_FOR_DATA_PREFIXES = ("ddp_", "fsdp", "deepspeed", "parallelism_config")  # one process walks for all
 
 
+REFUSED = 3  # the forecast process's exit code when the data cannot train as set (its stdout says why)
+
+
 @dataclasses.dataclass
 class Forecast:
     trainer: str
@@ -137,6 +140,8 @@ def forecast_in_subprocess(spec: RunSpec, backend: str, timeout: float = 900) ->
         done = children.run("studio_core.training.forecast", input=request, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:
         raise SpecError([f"shape forecast: did not finish within {timeout:g} s"]) from error
+    if done.returncode == REFUSED:  # the data cannot train as set: what to change
+        raise SpecError([f"shape forecast: {p}" for p in json.loads(done.stdout.strip().splitlines()[-1])["problems"]])
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-6:])
         raise SpecError([f"shape forecast failed: {tail}"])
@@ -184,7 +189,13 @@ def forecast(spec: RunSpec, backend: str) -> Forecast:
 
         trainer = build()
         updates = _updates(trainer, dp)
-        walk = _walk(trainer, updates, dp)
+        try:
+            walk = _walk(trainer, updates, dp)
+        except (ValueError, TypeError):  # as the processor fails on a sample cut inside its image
+            cut = _images_cut(trainer) if getattr(trainer, "_is_vision_dataset", False) else None
+            if cut is None:
+                raise
+            raise SpecError([cut]) from None
         lengths = _lengths(trainer, dataset, tokenizer)
         max_length = trainer.args.max_length
         result = Forecast(
@@ -348,6 +359,29 @@ def _vision_lengths(trainer) -> list[int]:
         collator.max_length = kept
 
 
+def _images_cut(trainer) -> str | None:
+    """What to set when max_length cuts into samples' image tokens (None when it cuts none): the
+    processor refuses such a batch (LLaVA's: ValueError "Mismatch in `image` token count between text
+    and `input_ids`"; Idefics3's: a TypeError), and the run would stop at its first one. Where each
+    sample's image tokens end, from the collator with no max_length."""
+    collator, token = trainer.data_collator, getattr(trainer.processing_class, "image_token_id", None)
+    limit = collator.max_length
+    if limit is None or token is None:
+        return None
+    collator.max_length = None
+    try:
+        ids = [collator([dict(row)])["input_ids"][0].tolist() for row in trainer.train_dataset]
+    finally:
+        collator.max_length = limit
+    ends = [max((i + 1 for i, t in enumerate(row) if t == token), default=0) for row in ids]
+    cut = sum(end > limit for end in ends)
+    if not cut:
+        return None
+    return (f"max_length: {limit} cuts into the image tokens of {cut} of {len(ends)} samples, which the model's "
+            "processor refuses: the run would stop at its first batch holding one; set max_length to at least "
+            f"{max(ends)} (where the last sample's image tokens end; the text after them needs more), or null")
+
+
 def _suggestions(current: Forecast, trainer, updates: int, dp: int, build) -> list[dict]:
     """Settings that cut compilations or padding, each with its effect from a real walk and what it
     costs the data. Ranked: little padding (up to LITTLE_WASTE) first, and among those what keeps
@@ -444,7 +478,11 @@ def _main() -> None:
     from studio_core.recipe.spec import read_yaml
 
     request = json.load(sys.stdin)
-    result = forecast(RunSpec.from_dict(read_yaml(request["spec"])), request["backend"])
+    try:
+        result = forecast(RunSpec.from_dict(read_yaml(request["spec"])), request["backend"])
+    except SpecError as error:  # what to change, said without a traceback
+        print(json.dumps({"problems": error.problems}))
+        sys.exit(REFUSED)
     print(json.dumps(dataclasses.asdict(result)))
 
 
