@@ -73,7 +73,7 @@ from studio_core.data.builtin import BUILTIN_MODEL
 from studio_core.data.builtin_images import ensure_shapes_dataset
 from studio_core.machine import leases
 from studio_core.serve.chat import LOAD_TIMEOUT_S, REPLY_TIMEOUT_S, ChatError, ChatProcess
-from studio_core.serve.images import image_part
+from studio_core.serve.images import image_part, user_content
 from studio_core.machine.children import REPO_ROOT
 from studio_core.machine.compile_cache import compile_cache_dir, summary
 from studio_core.machine.cores import format_cores
@@ -444,7 +444,7 @@ class Smoke:
         image = image_part(shapes / row["images"][0], "the built-in shapes image")
         chat = ChatProcess.start(view.id, self.manager.runs_dir, self.hardware)
         try:
-            done = list(chat.generate([{"role": "user", "content": [image, {"type": "text", "text": question}]}],
+            done = list(chat.generate([{"role": "user", "content": user_content(question, image)}],
                                       max_new_tokens=3))[-1]
         finally:
             chat.unload()

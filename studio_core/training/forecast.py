@@ -346,33 +346,32 @@ def _lengths(trainer, dataset, tokenizer) -> list[int]:
     return [len(ids) for ids in whole["input_ids"]]
 
 
-def _vision_lengths(trainer) -> list[int]:
-    """Each vision sample's length as TRL's vision collator makes it, image tokens included (the
-    processor puts them in), before truncation: the collator run on the sample alone, with no
-    max_length."""
+def _uncut_samples(trainer) -> list[dict]:
+    """Each vision sample as TRL's vision collator makes it, image tokens included (the processor
+    puts them in), before truncation: the collator run on the sample alone, with no max_length."""
     collator = trainer.data_collator
     kept = collator.max_length
     collator.max_length = None
     try:
-        return [int(collator([dict(row)])["attention_mask"].sum()) for row in trainer.train_dataset]
+        return [collator([dict(row)]) for row in trainer.train_dataset]
     finally:
         collator.max_length = kept
+
+
+def _vision_lengths(trainer) -> list[int]:
+    """Each vision sample's length before truncation (_uncut_samples), its padding left out."""
+    return [int(sample["attention_mask"].sum()) for sample in _uncut_samples(trainer)]
 
 
 def _images_cut(trainer) -> str | None:
     """What to set when max_length cuts into samples' image tokens (None when it cuts none): the
     processor refuses such a batch (LLaVA's: ValueError "Mismatch in `image` token count between text
     and `input_ids`"; Idefics3's: a TypeError), and the run would stop at its first one. Where each
-    sample's image tokens end, from the collator with no max_length."""
-    collator, token = trainer.data_collator, getattr(trainer.processing_class, "image_token_id", None)
-    limit = collator.max_length
+    sample's image tokens end, from the collator with no max_length (_uncut_samples)."""
+    limit, token = trainer.data_collator.max_length, getattr(trainer.processing_class, "image_token_id", None)
     if limit is None or token is None:
         return None
-    collator.max_length = None
-    try:
-        ids = [collator([dict(row)])["input_ids"][0].tolist() for row in trainer.train_dataset]
-    finally:
-        collator.max_length = limit
+    ids = [sample["input_ids"][0].tolist() for sample in _uncut_samples(trainer)]
     ends = [max((i + 1 for i, t in enumerate(row) if t == token), default=0) for row in ids]
     cut = sum(end > limit for end in ends)
     if not cut:

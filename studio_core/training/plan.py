@@ -287,13 +287,20 @@ def _vision_padding(trainer: trainers.Trainer, args: dict, backend: str, known, 
     return []
 
 
+def _max_length(args: dict, known) -> int | None:
+    """The run's max_length in tokens (the recipe's, else the trainer's default); None when it is not
+    a whole number above 0 (null: no truncation; validate says what else is wrong)."""
+    limit = args.get("max_length", known.get("max_length", {}).get("default"))
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 else None
+
+
 def _vision_max_length(args: dict, known, multiple: int, value) -> list[str]:
     """max_length against the padding multiple of a vision-language run that pads (_vision_padding)."""
-    limit = args.get("max_length", known.get("max_length", {}).get("default"))
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1 or limit % multiple == 0:
+    limit = _max_length(args, known)
+    if limit is None or limit % multiple == 0:
         return []
     below, above = limit // multiple * multiple, (limit // multiple + 1) * multiple
-    padded = f"pad_to_multiple_of {multiple}" + (f" (\"auto\" on this backend)" if value == padding.AUTO else "")
+    padded = f"pad_to_multiple_of {multiple}" + (" (\"auto\" on this backend)" if value == padding.AUTO else "")
     return [f"max_length: {limit} is not a multiple of {padded}: a vision-language model's processor truncates "
             "and pads in one call and refuses that at the first batch; set max_length to "
             + (f"{below} or {above}" if below else str(above))]
@@ -307,8 +314,8 @@ def _image_room(args: dict, known, config: dict) -> list[str]:
     error names max_length then."""
     per_image = next((config.get(key) for key in ("image_seq_length", "mm_tokens_per_image")
                       if isinstance(config.get(key), int)), None)
-    limit = args.get("max_length", known.get("max_length", {}).get("default")) if "max_length" in known else None
-    if per_image is None or not isinstance(limit, int) or isinstance(limit, bool) or limit > per_image:
+    limit = _max_length(args, known) if "max_length" in known else None
+    if per_image is None or limit is None or limit > per_image:
         return []
     return [f"max_length: {limit} tokens cannot hold an image, which this model reads as {per_image} tokens, with "
             "the text around it: the first batch would stop; set max_length above "
