@@ -387,11 +387,13 @@ def test_a_run_holds_its_cores_until_nothing_of_it_is_left(manager):
     assert manager.wait(second.id).live_state == "finished"
     assert any("deleted or replaced while the run was going" in p for p in manager.view(second.id).damage())
     # the two trained side by side: the first went on training before, while and after the second
+    def progress(run_id):
+        return [e["time"] for e in read_events(manager.runs_dir / run_id / "events.jsonl") if e["type"] == "progress"]
+
+    # progress is written a few steps at a time (up to 0.25 s late): wait for the first run's next lines
+    manager.wait(first.id, lambda v: max(progress(first.id)) > max(progress(second.id)) or v.live_state in FINAL_STATES)
     assert manager.view(first.id).live_state == "running"
-    (a_first, a_last), (b_first, b_last) = [
-        (min(times), max(times)) for times in
-        ([e["time"] for e in read_events(manager.runs_dir / run_id / "events.jsonl") if e["type"] == "progress"]
-         for run_id in (first.id, second.id))]
+    (a_first, a_last), (b_first, b_last) = [(min(times), max(times)) for times in map(progress, (first.id, second.id))]
     assert a_first < b_first and b_last < a_last
 
     # the supervisor writes its final status, then ended.json, then exits: until then a new reader of a

@@ -7,6 +7,7 @@ throttled array, each followed, stopped and ended under its own task id `<array 
 from __future__ import annotations
 
 import json
+import time
 import os
 import subprocess
 import sys
@@ -177,6 +178,9 @@ def test_a_sweep_s_runs_go_as_one_throttled_job_array_each_followed_and_stopped_
         said = (script.parent / f"sweep-test-{job}_{task}.out").read_text()  # Slurm's own lines of the task
         assert f"studio: Slurm job {job}_{task} runs run {done.id}" in said
         nothing_left(done.id)
+    deadline = time.monotonic() + 30  # Slurm says COMPLETING while it ends the task's job steps
+    while tools.record(f"{job}_3")["JobState"] == "COMPLETING" and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert tools.record(f"{job}_3")["JobState"] == "COMPLETED"  # an ended task, as scontrol keeps it
     assert [manager.view(view.id).live_state for view in views] == ["finished", "stopped", "stopped", "finished"]
 
