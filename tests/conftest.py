@@ -18,6 +18,12 @@ import pytest
 
 from studio_core.machine.hardware import CPU_CORES_ENV
 
+# Python's default, whatever this machine's environment says (PYTHONDONTWRITEBYTECODE=1 here): the
+# suite's ~1,500 processes (commands, supervisors, workers, children) each load the repository's
+# modules from bytecode compiled once, not from source again, and pytest keeps its rewritten test
+# modules between the two workers and between runs.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("STUDIO_CACHE_DIR", tempfile.mkdtemp(prefix="studio-test-cache-"))
