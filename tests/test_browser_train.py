@@ -154,26 +154,33 @@ def test_start_is_disabled_and_says_so_while_its_checks_run(page, app, tmp_path)
     assert app.new_runs() == []
 
 
-def test_start_sweep_is_disabled_and_says_so_while_its_checks_run(page, app):
+def test_start_sweep_is_disabled_and_says_so_while_its_checks_run(page, app, tmp_path):
     """Issue 47: Start sweep pressed again while the first press was checking the grid was dropped
-    without a word (Start said so; Start sweep did not). The grid box says how to write values."""
+    without a word (Start said so; Start sweep did not). The grid box says how to write values.
+    The checks are made slow (a reward function that sleeps, called on the first rows), so that the
+    disabled button is there to see: a refusal of the values alone can come back within the page's
+    frame, and a CI run under load never showed it."""
+    slow = tmp_path / "slow_reward.py"  # the checks call it on the first rows: 4 s, then it fails
+    slow.write_text("import time\n\n\ndef reward(completions, **kwargs):\n    time.sleep(4)\n"
+                    "    raise ValueError('a slow reward that fails')\n")
+    page.get_by_label("GRPO (online RL with reward functions)").check()
+    page.locator("#grpo-rewards .cm-content").first.fill(f"- {{file: {slow}, function: reward}}")
     page.get_by_text("Sweep: a run for each combination of values").click()
     grid = page.locator("#sweep-grid")
     expect(grid).to_contain_text("lora_target_modules=[[q_proj, v_proj], [q_proj, k_proj, v_proj]]")  # commas
-    grid.locator("textarea").fill("learning_rate=1e-3,-1")  # checked and planned, then refused
-    button = page.locator("#sweep-start")
-    # every state the button shows, however briefly: (disabled, its words)
-    button.evaluate("""b => { window.__states = [[b.disabled, b.innerText]];
-        new MutationObserver(() => window.__states.push([b.disabled, b.innerText]))
-            .observe(b, {attributes: true, subtree: true, childList: true, characterData: true}); }""")
+    grid.locator("textarea").fill("learning_rate=1e-3,2e-3")
+    button, message = page.locator("#sweep-start"), page.locator("#train-message")
     button.click()
-    message = page.locator("#train-message")
+    expect(button).to_be_disabled()
+    expect(button).to_have_text("Starting sweep: checking ...")
     expect(message).to_contain_text("Sweep not started", timeout=60_000)
-    expect(message).to_contain_text("learning_rate: must be above 0, got -1")
+    expect(message).to_contain_text("a slow reward that fails")
     expect(button).to_be_enabled()  # given back, for the corrected grid
     expect(button).to_have_text("Start sweep")
-    states = page.evaluate("() => window.__states")
-    assert [True, "Starting sweep: checking ..."] in states, states
+    grid.locator("textarea").fill("learning_rate=1e-3,-1")  # checked and planned, then refused
+    button.click()
+    expect(message).to_contain_text("learning_rate: must be above 0, got -1", timeout=60_000)
+    expect(button).to_be_enabled()
     assert app.new_runs() == []
 
 
