@@ -17,7 +17,6 @@ import json
 import os
 import re
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -82,12 +81,9 @@ def test_chat_with_a_trained_run_side_by_side_then_unload(page, app, sft_runs):
     page.locator("#chat-shapes").get_by_text("distinct input shapes").wait_for(timeout=60_000)
     expect(base).to_contain_text("What is the name of the studio cat?")
     # the random base's answer, or the placeholder if it wrote only whitespace: never an empty bubble
-    # (the base side may still be drawing it when the tuned side's shapes show)
-    deadline = time.monotonic() + 60
-    while not (answer := base.inner_text().split("What is the name of the studio cat?", 1)[1].strip()) \
-            and time.monotonic() < deadline:
-        page.wait_for_timeout(200)
-    assert answer
+    # (the base side may still be drawing it when the tuned side's shapes show: Playwright waits)
+    expect(base).to_contain_text(re.compile(r"What is the name of the studio cat\?\s*\S"), use_inner_text=True,
+                                 timeout=60_000)
     expect(base).to_contain_text("untrained")  # its label
 
     # Serve: the loaded model behind OpenAI's API, asked by the real openai client

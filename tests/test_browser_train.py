@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -135,13 +136,19 @@ def test_a_number_is_said_as_typed_and_a_plan_or_forecast_of_other_settings_goes
     assert app.new_runs() == []
 
 
-def test_start_is_disabled_and_says_so_while_its_checks_run(page, app, tmp_path):
-    """A second Start pressed while the first was checking was dropped without a word."""
-    slow = tmp_path / "slow_reward.py"  # the checks call it on the first rows: 4 s, then it fails
+def grpo_with_a_slow_failing_reward(page, folder: Path) -> None:
+    """GRPO picked on the page with one reward function, which the checks call on the first rows:
+    it sleeps 4 s, then fails (no run starts), so the checking state lasts long enough to see."""
+    slow = folder / "slow_reward.py"
     slow.write_text("import time\n\n\ndef reward(completions, **kwargs):\n    time.sleep(4)\n"
                     "    raise ValueError('a slow reward that fails')\n")
     page.get_by_label("GRPO (online RL with reward functions)").check()
     page.locator("#grpo-rewards .cm-content").first.fill(f"- {{file: {slow}, function: reward}}")
+
+
+def test_start_is_disabled_and_says_so_while_its_checks_run(page, app, tmp_path):
+    """A second Start pressed while the first was checking was dropped without a word."""
+    grpo_with_a_slow_failing_reward(page, tmp_path)
     start = page.locator("#start")
     start.click()
     expect(start).to_be_disabled()
@@ -160,11 +167,7 @@ def test_start_sweep_is_disabled_and_says_so_while_its_checks_run(page, app, tmp
     The checks are made slow (a reward function that sleeps, called on the first rows), so that the
     disabled button is there to see: a refusal of the values alone can come back within the page's
     frame, and a CI run under load never showed it."""
-    slow = tmp_path / "slow_reward.py"  # the checks call it on the first rows: 4 s, then it fails
-    slow.write_text("import time\n\n\ndef reward(completions, **kwargs):\n    time.sleep(4)\n"
-                    "    raise ValueError('a slow reward that fails')\n")
-    page.get_by_label("GRPO (online RL with reward functions)").check()
-    page.locator("#grpo-rewards .cm-content").first.fill(f"- {{file: {slow}, function: reward}}")
+    grpo_with_a_slow_failing_reward(page, tmp_path)
     page.get_by_text("Sweep: a run for each combination of values").click()
     grid = page.locator("#sweep-grid")
     expect(grid).to_contain_text("lora_target_modules=[[q_proj, v_proj], [q_proj, k_proj, v_proj]]")  # commas
