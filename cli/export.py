@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
-
 from cli.options import CommandLineError, check_new_folder, check_one_core, runs_folder
-from studio_core.export import hub
 from studio_core.export.export import ExportError, check_out, export_run
 from studio_core.machine.hardware import detect_hardware
 from studio_core.runs.manager import RunManager
 
 
 def cmd_export(args) -> int:
+    from studio_core.export import hub  # huggingface_hub's client: only when exporting, not in every command
+
     check_push_options(args)
     if not args.out.strip():
         raise CommandLineError("--out is empty: give a folder (a new or empty one) for the export")
@@ -53,6 +51,9 @@ def check_push_options(args) -> None:
         if given:
             raise CommandLineError(f"{', '.join(given)}: these go with --push REPO_ID: add it, or leave them out")
         return
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     try:
         validate_repo_id(args.push.strip())
     except HFValidationError as error:

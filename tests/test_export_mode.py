@@ -7,7 +7,6 @@ import os
 import stat
 
 import pytest
-from safetensors.torch import save_file
 
 from studio_core.export.export import same_mode
 
@@ -15,7 +14,8 @@ pytestmark = pytest.mark.fast
 
 
 def test_the_weights_get_the_mode_of_the_files_written_beside_them(tmp_path):
-    import torch
+    import torch  # here, not at the top: collecting the tests imports no torch
+    from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     os.chmod(tmp_path / "model.safetensors", 0o600)  # as safetensors leaves it on some systems

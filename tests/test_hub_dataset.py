@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from huggingface_hub import HfApi
 
 from conftest import launch_py, run_folders
@@ -45,6 +43,9 @@ def publish(hub: HubStandIn, repo_id: str, files: dict[str, bytes | list[dict]],
     for path, content in files.items():
         (folder / path).parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, list):
+            import pyarrow as pa  # here, not at the top: collecting the tests imports no pyarrow
+            import pyarrow.parquet as pq
+
             pq.write_table(pa.Table.from_pylist(content), folder / path)
         else:
             (folder / path).write_bytes(content)

@@ -13,7 +13,6 @@ import signal
 import time
 
 import pytest
-from safetensors.torch import load_file
 
 from cli.main import main as cli_main
 from conftest import launch_py
@@ -67,6 +66,8 @@ def test_stop_and_save_then_resume_matches_an_uninterrupted_run(manager):
     assert times(RunManager(manager.runs_dir).view(run.id)) == times(resumed)  # after an app restart
     steps = progress_steps(resumed)
     assert steps[:2] == [1, 2] and steps[-1] == 30  # the step count went on from the checkpoint
+    from safetensors.torch import load_file  # here, not at the top: collecting the tests imports no torch
+
     ours, theirs = (load_file(v.dir / "output" / "model.safetensors") for v in (resumed, straight))
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in theirs)
     optimizers = [torch.load(v.dir / "output" / "checkpoint-30" / "optimizer.pt", weights_only=False)

@@ -324,12 +324,14 @@ def test_cli_plan_for_trainium_without_trainium(tmp_path):
 
 # --- layering -----------------------------------------------------------------------------
 IMPORT_ALL = """
-import importlib, pkgutil, sys
+import importlib, json, pkgutil, sys
+import cli.main  # the command line's start-up: every command's parser
+hub_client = sorted(m for m in ("huggingface_hub.hf_api", "httpx") if m in sys.modules)
 import studio_core
 names = [m.name for m in pkgutil.iter_modules(studio_core.__path__, "studio_core.")]
 for name in names:
     importlib.import_module(name)
-print(len(names), sorted(m for m in ("gradio", "torch", "trl") if m in sys.modules))
+print(json.dumps([len(names), sorted(m for m in ("gradio", "torch", "trl") if m in sys.modules), hub_client]))
 """
 
 
@@ -338,9 +340,10 @@ def test_studio_core_never_imports_gradio_or_the_training_stack():
     done = subprocess.run([sys.executable, "-c", IMPORT_ALL], cwd=REPO, capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    count, loaded = done.stdout.split(" ", 1)
-    assert int(count) >= 11  # every module, the worker included
-    assert loaded.strip() == "[]"  # the web app's process stays light (see trl_schema.py)
+    count, loaded, hub_client = json.loads(done.stdout)
+    assert count >= 11  # every module, the worker included
+    assert loaded == []  # the web app's process stays light (see trl_schema.py)
+    assert hub_client == []  # a command that does not reach the Hub starts without its client
 
 
 @pytest.mark.fast

@@ -15,7 +15,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from test_openai_api import KEY, QA, ROOT, client, free_port, question
 
@@ -23,6 +22,8 @@ from test_openai_api import KEY, QA, ROOT, client, free_port, question
 def blank_copy(runs_dir, lora: str, suffix: str = "-blank") -> str:
     """A copy of the LoRA run `lora` (its id + `suffix`: each test file its own, as a worker's runs
     folder is shared) whose adapter's B matrices are zero: it answers as its base model does."""
+    from safetensors.torch import load_file, save_file  # here, not at the top: collecting imports no torch
+
     blank = f"{lora}{suffix}"
     shutil.copytree(runs_dir / lora, runs_dir / blank)
     weights = runs_dir / blank / "output" / "adapter_model.safetensors"

@@ -6,7 +6,6 @@ end of training, the memory the process used at its peak (`peak_memory`) against
 import itertools
 
 import pytest
-import torch
 
 from studio_core.training.compile_watch import EventBuffer, ShapeWatch, StepCost
 from studio_core.rundir import events
@@ -15,15 +14,16 @@ from studio_core.runs.manager import RunManager
 from studio_core.runs.view import memory_text, studio_cost_text
 
 
-class TakesIds(torch.nn.Module):
-    """A module called as the trainer calls a causal LM: input_ids and attention_mask as keywords."""
-
-    def forward(self, input_ids=None, attention_mask=None):
-        return input_ids
-
-
 @pytest.mark.fast
 def test_the_shape_hook_records_shapes_without_reading_a_value(tmp_path):
+    import torch  # here, not at the top: collecting the tests imports no torch
+
+    class TakesIds(torch.nn.Module):
+        """A module called as the trainer calls a causal LM: input_ids and attention_mask as keywords."""
+
+        def forward(self, input_ids=None, attention_mask=None):
+            return input_ids
+
     log = tmp_path / "events.jsonl"
     cost = StepCost()
     watch = ShapeWatch(log, lambda: 7, cost)

@@ -8,6 +8,7 @@ Read from the source with `ast`, so these checks need no import of the modules t
 
 import ast
 import gc
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -151,8 +152,11 @@ def test_the_app_and_the_command_line_reach_the_engine_through_its_front_doors()
 
 
 def test_the_repository_stands_alone():
-    tracked = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".yaml", ".txt", ".sh", "")
-               and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(ROOT).parts)]
+    tracked = []
+    for folder, subfolders, files in os.walk(ROOT):  # not into hidden folders (.git, the venvs) or caches
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and name != "__pycache__"]
+        tracked += [Path(folder, name) for name in files
+                    if not name.startswith(".") and Path(name).suffix in (".py", ".md", ".yaml", ".txt", ".sh", "")]
     outside = ("../" + "shared", "shared" + "/notes")  # the team's notes beside the repository
     pointing = [str(p.relative_to(ROOT)) for p in tracked
                 if any(place in p.read_text(errors="replace") for place in outside)]
@@ -211,3 +215,25 @@ def test_a_backend_is_named_only_in_its_own_folder():
     named = {name: engines_named(path.read_text()) for name, path in modules().items()
              if not name.startswith("studio_core.backends")}
     assert {name: found for name, found in named.items() if found} == {}
+
+
+# Libraries that cost a second or more of CPU to import: a test module imports them inside the tests
+# that use them, so that collecting the tests (every worker collects every file) stays about a second.
+HEAVY = ("torch", "transformers", "trl", "peft", "datasets", "gradio", "safetensors.torch", "pyarrow", "accelerate",
+         "ray", "vllm")
+
+
+def test_test_modules_import_no_heavy_library_when_collected():
+    """Top-level imports only (a function's own imports run when a test does); conftest and the
+    helpers the test files import at their top count too."""
+    found = {}
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        if path.name == "fake_device.py":  # the fake device is torch itself: imported inside its tests only
+            continue
+        for node in parse(path.read_text()).body:
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            heavy = [name for name in names if any(name == lib or name.startswith(f"{lib}.") for lib in HEAVY)]
+            if heavy:
+                found.setdefault(path.name, []).extend(heavy)
+    assert found == {}

@@ -8,6 +8,7 @@ LoRA run merges into a full model that answers as its adapter on the base does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import re
@@ -21,8 +22,11 @@ from studio_core.data.builtin_images import ensure_shapes_dataset
 from studio_core.data.builtin_vlm import ensure_tiny_vlm
 from studio_core.export.export import card_for_repo, export_run
 
-SHAPES = ensure_shapes_dataset()
-HELD_OUT = [json.loads(line) for line in (SHAPES / "test.jsonl").read_text().splitlines()[:4]]
+
+@functools.cache
+def held_out() -> list[dict]:
+    """Four rows of builtin:shapes' test split (made on first use: not while the tests are collected)."""
+    return [json.loads(line) for line in (ensure_shapes_dataset() / "test.jsonl").read_text().splitlines()[:4]]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def greedy(model, processor, row) -> list[int]:
     from PIL import Image
 
     prompt = processor.apply_chat_template(row["messages"][:1], add_generation_prompt=True)
-    inputs = processor(text=prompt, images=[Image.open(SHAPES / row["images"][0])], return_tensors="pt")
+    inputs = processor(text=prompt, images=[Image.open(ensure_shapes_dataset() / row["images"][0])], return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -59,8 +63,8 @@ def test_a_vlm_export_answers_held_out_images_exactly_as_the_runs_own_model(vlm_
     assert not (folder / "training_args.bin").exists()
     assert json.loads((folder / "studio_output.json").read_text())["kind"] == "full"
     exported, trained = load(folder), load(run_dir / "output")
-    answers = [greedy(*exported, row) for row in HELD_OUT]
-    assert answers == [greedy(*trained, row) for row in HELD_OUT]
+    answers = [greedy(*exported, row) for row in held_out()]
+    assert answers == [greedy(*trained, row) for row in held_out()]
     said = [exported[1].decode(a, skip_special_tokens=True).strip() for a in answers]
     assert all(re.search("red|green|blue", text) for text in said), said  # learnt answers, not noise
 
@@ -68,7 +72,7 @@ def test_a_vlm_export_answers_held_out_images_exactly_as_the_runs_own_model(vlm_
     assert card.data.pipeline_tag == "image-text-to-text" and card.data.library_name == "transformers"
     code = re.search(r"```python\n(.*?)```", card_for_repo(card.content, str(folder)), re.S).group(1)
     assert "AutoModelForCausalLM" not in code and '{"type": "image"}' in code
-    image = SHAPES / HELD_OUT[0]["images"][0]
+    image = ensure_shapes_dataset() / held_out()[0]["images"][0]
     scope, printed = {}, io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(code.replace('"your-image.png"', repr(str(image))), scope)  # the card's example, as a reader runs it
@@ -92,8 +96,8 @@ def test_a_lora_vlm_run_exports_merged_into_a_full_model(vlm_runs, tmp_path):
     merged, processor = load(folder)
     adapted = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(ensure_tiny_vlm()),
                                         run_dir / "output")
-    assert [greedy(merged, processor, row) for row in HELD_OUT[:2]] == \
-        [greedy(adapted, processor, row) for row in HELD_OUT[:2]]
+    assert [greedy(merged, processor, row) for row in held_out()[:2]] == \
+        [greedy(adapted, processor, row) for row in held_out()[:2]]
 
 
 def test_a_pushed_vlm_export_downloads_and_answers_as_the_export(vlm_runs, tmp_path, monkeypatch):
@@ -115,7 +119,7 @@ def test_a_pushed_vlm_export_downloads_and_answers_as_the_export(vlm_runs, tmp_p
         pulled = Path(snapshot_download("alice/tiny-vlm-shapes", token=token))
     assert 'repo_id = "alice/tiny-vlm-shapes"\nmodel = AutoModelForImageTextToText.from_pretrained(repo_id)' in card
     assert (pulled / "processor_config.json").read_bytes() == (folder / "processor_config.json").read_bytes()
-    assert greedy(*load(pulled), HELD_OUT[0]) == greedy(*load(folder), HELD_OUT[0])
+    assert greedy(*load(pulled), held_out()[0]) == greedy(*load(folder), held_out()[0])
 
 
 def test_a_run_trained_at_an_image_size_exports_a_card_whose_example_resizes_the_same_way(vlm_runs, tmp_path):
@@ -135,10 +139,10 @@ def test_a_run_trained_at_an_image_size_exports_a_card_whose_example_resizes_the
     assert "trained on images resized to 32x32 pixels" in card
     code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
     assert '.convert("RGB").resize((32, 32))' in code
-    image = SHAPES / HELD_OUT[0]["images"][0]
+    image = ensure_shapes_dataset() / held_out()[0]["images"][0]
     scope, printed = {}, io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(code.replace('"your-image.png"', repr(str(image))), scope)
     model, processor = load(folder)
     assert printed.getvalue().strip().startswith(
-        processor.decode(greedy(model, processor, HELD_OUT[0]), skip_special_tokens=True).strip())
+        processor.decode(greedy(model, processor, held_out()[0]), skip_special_tokens=True).strip())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from huggingface_hub import constants, try_to_load_from_cache
+from huggingface_hub import constants  # light: the client's own modules are imported where they are used
 
 from studio_core.data import model_check
 from studio_core.data.builtin import BUILTIN_DATASETS, BUILTIN_MODEL, TINY_ARCHITECTURE, TINY_VOCAB
@@ -99,6 +99,8 @@ def _named(name: str, problems: list[str]) -> list[str]:
 
 
 def _cached_config(name: str, cache: str | Path | None = None) -> Path | None:
+    from huggingface_hub import try_to_load_from_cache
+
     cached = try_to_load_from_cache(name, "config.json", cache_dir=cache)
     return Path(cached) if isinstance(cached, str) else None
 
