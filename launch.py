@@ -11,8 +11,10 @@ import os
 import sys
 
 from cli.main import main
+from studio_core.machine.children import skip_final_collection
 
 if __name__ == "__main__":
+    skip_final_collection()  # its exit skips the last garbage collection (the web app's heap: Gradio's)
     try:
         code = main(sys.argv[1:])
         sys.stdout.flush()

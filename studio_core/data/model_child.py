@@ -203,4 +203,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from studio_core.machine.children import skip_final_collection
+
+    skip_final_collection()
     main(sys.argv[1:])

@@ -99,4 +99,7 @@ def step() -> None:
 
 
 if __name__ == "__main__":
+    from studio_core.machine.children import skip_final_collection
+
+    skip_final_collection()
     {"collective": collective, "step": step}[sys.argv[1]]()

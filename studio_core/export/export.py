@@ -525,6 +525,9 @@ print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_to
 
 
 if __name__ == "__main__":
+    from studio_core.machine.children import skip_final_collection
+
+    skip_final_collection()
     flags = sys.argv[3:]
     held = [int(c) for c in flags[flags.index("--cores") + 1].split(",")] if "--cores" in flags else None
     _main(Path(sys.argv[1]), Path(sys.argv[2]), "--merge" in flags, held)

@@ -431,4 +431,7 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
+    from studio_core.machine.children import skip_final_collection
+
+    skip_final_collection()
     _main()

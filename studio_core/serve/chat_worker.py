@@ -347,4 +347,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from studio_core.machine.children import skip_final_collection
+
+    skip_final_collection()
     sys.exit(main())

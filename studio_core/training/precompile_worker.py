@@ -75,4 +75,7 @@ def main(run_dir: Path, job: int, jobs: int) -> None:
 
 
 if __name__ == "__main__":
+    from studio_core.machine.children import skip_final_collection
+
+    skip_final_collection()
     main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
