@@ -375,7 +375,7 @@ def test_a_sweep_from_the_page_is_ranked_its_curves_overlaid_and_its_best_run_op
     set_number(page, "max_steps", 10)
     page.get_by_text("Sweep: a run for each combination of values").click()
     page.locator("#sweep-grid textarea").fill("learning_rate=1e-3,3e-3")
-    page.locator("#sweep-parallel input").fill("1")
+    set_number(page, "sweep-parallel", 1)
     page.locator("#sweep-eval input").check()
     page.locator("#sweep-start").click()
     message = page.locator("#train-message")
