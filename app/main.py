@@ -96,6 +96,7 @@ def launch_settings(runs_dir: Path) -> dict:
 
 def build_app(runs_dir=None, hardware: Hardware | None = None) -> gr.Blocks:
     manager = RunManager(runs_dir)
+    RunManager.fork_runs_from_a_zygote()  # the app starts one run after another: each but the first sooner
     queue.ensure_runner(manager.runs_dir)  # after a reboot: its queued runs start again when their cores are free
     hardware = hardware or detect_hardware()
     with gr.Blocks(title="Trainium fine-tuning studio") as demo:

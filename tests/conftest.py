@@ -18,6 +18,7 @@ import pytest
 
 from studio_core.machine.children import skip_final_collection
 from studio_core.machine.hardware import CPU_CORES_ENV
+from studio_core.runs.manager import RunManager
 
 # Python's default, whatever this machine's environment says (PYTHONDONTWRITEBYTECODE=1 here): the
 # suite's ~1,500 processes (commands, supervisors, workers, children) each load the repository's
@@ -28,6 +29,10 @@ sys.dont_write_bytecode = False
 # Each pytest process ends without the last garbage collection over the heap torch, Transformers and
 # Gradio built in it: about 1 to 2.5 s a worker, at the end of every run (children.py says why it is safe).
 skip_final_collection()
+# A test process starts runs one after another, as the app does: from its second on, each one-process
+# CPU run is forked from a zygote that imported torch and TRL once (RunManager.fork_runs_from_a_zygote).
+# pytest's PYTEST_CURRENT_TEST, which it changes for each test and no library reads, may differ.
+RunManager.fork_runs_from_a_zygote(ignored=("PYTEST_CURRENT_TEST",))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.setdefault("STUDIO_CACHE_DIR", tempfile.mkdtemp(prefix="studio-test-cache-"))

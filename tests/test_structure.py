@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("studio_core", "app", "cli")
 ENTRY_POINTS = {"studio_core.training.worker", "studio_core.training.supervisor", "studio_core.serve.chat_worker", "studio_core.evaluate.eval_worker",
                 "studio_core.doctor.doctor_child", "studio_core.training.precompile_worker",
-                "studio_core.data.model_child"}
+                "studio_core.data.model_child", "studio_core.training.zygote"}
 # The engine's modules the app and the command line may import: its front doors. Run folders'
 # files, leases, processes and a backend's own modules are the run manager's and the backends'.
 FRONT_DOORS = {f"studio_core.{name}" for name in (

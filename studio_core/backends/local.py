@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from studio_core.machine import children, leases
+from studio_core.backends import forking
 from studio_core.backends.base import Ending, RunBackend
 from studio_core.machine.procs import kill_run_processes
 from studio_core.machine.hardware import DEVICES
@@ -50,13 +51,16 @@ class LocalBackend(RunBackend):
                 f"--nproc-per-node={layout.nproc}", "-m", module, str(run_dir)]
 
     def submit(self, run_dir: Path, launch, device: str) -> None:
-        with open(run_dir / LOG, "ab") as log:
-            supervisor = children.start("studio_core.training.supervisor", run_dir, env=launch.env, stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
+        supervisor = forking.fork_supervisor(run_dir, launch.env, launch.argv, device)  # None: start one
+        if supervisor is None:
+            with open(run_dir / LOG, "ab") as log:
+                supervisor = children.start("studio_core.training.supervisor", run_dir, env=launch.env,
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, cwd=run_dir)
+            # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
+            threading.Thread(target=supervisor.wait, name=f"reap-{run_dir.name}", daemon=True).start()
         write_json(run_dir / SUPERVISOR, {"pid": supervisor.pid,
                                           "create_time": psutil.Process(supervisor.pid).create_time()})
-        # The supervisor is our child until we exit: reap it when it ends, or it stays a zombie.
-        threading.Thread(target=supervisor.wait, name=f"reap-{run_dir.name}", daemon=True).start()
         leases.wait_held(run_dir.parent, device, launch.cores, supervisor)
 
     def alive(self, run_dir: Path) -> bool:

@@ -29,6 +29,7 @@ from studio_core.machine.cores import format_cores, parse_cores
 from studio_core.machine.hardware import Hardware
 from studio_core.runs import queue
 from studio_core.training.memory import MEMORY_ERROR
+from studio_core.backends import forking
 from studio_core.training.plan import Plan, plan, prepare_trl_check, trl_problems
 from studio_core.rundir import events, folder
 from studio_core.rundir.events import ACTIVE_STATES, FINAL_STATES
@@ -54,6 +55,14 @@ class RunManager:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self._views: dict[str, RunView] = {}
         self._lock = threading.Lock()  # the web app reads runs from several threads
+
+    @staticmethod
+    def fork_runs_from_a_zygote(ignored: tuple[str, ...] = ()) -> None:
+        """For a process that starts one run after another (the web app): from its first one-process
+        run on this machine's CPU on, the next such runs are forked from a process that has imported
+        torch and TRL once (studio_core/backends/forking.py). `ignored`: variables of this process that
+        change from run to run and that no library reads."""
+        forking.keep_zygote(ignored)
 
     # --- checking and planning ---------------------------------------------------------
     def check(self, spec: RunSpec, run_user_code: bool = False, warnings: list[str] | None = None,

@@ -58,8 +58,10 @@ from studio_core.rundir.checkpoints import (
 )
 from studio_core.machine.device_env import given_cores
 from studio_core.machine.hardware import Hardware, pin_to_cpu_cores, studio_cpus
+from studio_core.backends import forking
 from studio_core.training.precompile import WORKER_MODULE as PRECOMPILE_MODULE
 from studio_core.training.precompile import job_environment
+from studio_core.backends.forking import ONE_RANK_ENV, one_rank
 from studio_core.recipe.spec import RunSpec
 from studio_core.machine.monitor import SAMPLE_EVERY_S, RunMonitor
 from studio_core.machine.procs import die_with_parent, kill_run_processes
@@ -162,12 +164,18 @@ def main(run_dir: Path) -> int:
     env, direct = launch["env"], one_rank(argv) if node is None else None
     if direct is not None:  # one process on this machine: torchrun's start (a second or more) saved
         argv, env = direct, {**env, **ONE_RANK_ENV, "MASTER_PORT": str(_free_ports(1)[0])}
-    torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=run_dir, env=children.environment(env),
-                                pass_fds=lease.descriptors() if lease else (),
-                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    torchrun = None
+    if direct is not None and device == "cpu" and forking.forked:  # a fork of the zygote: the worker is one too
+        torchrun = forking.fork_worker(run_dir, children.environment(env))
+    if torchrun is None:
+        torchrun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=run_dir, env=children.environment(env),
+                                    pass_fds=lease.descriptors() if lease else (),
+                                    preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     where = f" on node {node.name}" if node else ""
     started = ("the worker started (one process: the environment torchrun gives its one rank, without "
                "torchrun)" if direct else "torchrun started")
+    if isinstance(torchrun, forking.Forked):
+        started += "; forked from the studio's zygote, its libraries already imported"
     write(events, ev.log(f"{started}{where} (pid {torchrun.pid})"))
     monitor: RunMonitor | None = RunMonitor(device, cores, torchrun.pid)  # hardware events, every ~2 s
     if node is None or node.first:
@@ -339,24 +347,6 @@ def ended(run_dir: Path, state: str, code: int | None, reason: str | None = None
 
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?"
                         r"exitcode\s*:\s*(-?\d+)", re.S)
-
-
-# torchrun's variables for the one rank of a one-process run (as precompile's jobs get them);
-# MASTER_PORT is chosen free when it starts, for a process group of one (the run's ddp_backend).
-ONE_RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-                "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-
-
-def one_rank(argv: list[str]) -> list[str] | None:
-    """The command of a one-process run of this machine without torchrun: `python -m WORKER
-    RUN_DIR` from the plan's `python -m torch.distributed.run --standalone ... --nproc-per-node=1
-    -m WORKER RUN_DIR`; None for any other command (several processes, a cluster's node). The
-    worker is this supervisor's child then: it dies with it (its own parent-death signal), gets
-    the stop's SIGTERM directly, and holds the lease's copies as torchrun did."""
-    if argv[1:3] != ["-m", "torch.distributed.run"] or "--standalone" not in argv \
-            or "--nproc-per-node=1" not in argv or "-m" not in argv[3:]:
-        return None
-    return [argv[0], *argv[argv.index("-m", 3):]]
 
 
 def one_rank_killed(code: int) -> str:
