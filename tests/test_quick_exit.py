@@ -39,7 +39,8 @@ print("said, unflushed", end="")
 CHILDREN = ("studio_core/data/model_child.py", "studio_core/doctor/doctor_child.py",
             "studio_core/evaluate/eval_worker.py", "studio_core/export/export.py", "studio_core/recipe/rewards.py",
             "studio_core/serve/chat_worker.py", "studio_core/training/forecast.py",
-            "studio_core/training/precompile_worker.py", "studio_core/training/worker.py", "launch.py")
+            "studio_core/training/precompile_worker.py", "studio_core/training/worker.py",
+            "studio_core/training/zygote.py", "launch.py")
 
 
 @pytest.mark.parametrize("mode", ["normal", "skip"])

@@ -12,6 +12,7 @@ stdin (the owner let it go, or ended) it ends; its forks are runs, and go on.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import sys
 import tempfile
 
 from studio_core.backends import forking
+from studio_core.machine.children import skip_final_collection
 
 
 def import_libraries() -> None:
@@ -52,6 +54,7 @@ def main() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     forking.early_output = os.pread(printed.fileno(), os.fstat(printed.fileno()).st_size, 0)
+    gc.freeze()  # what the imports made is never collected: the forks' collections do not walk it (nor copy it)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forks this process does not wait for
     answers.write(forking.READY)
     while line := sys.stdin.buffer.readline():
@@ -68,4 +71,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    skip_final_collection()  # ended: no last collection over the libraries' heap (children.py)
     sys.exit(main())
