@@ -139,3 +139,33 @@ def test_runs_forked_from_the_zygote_are_runs_in_every_way_and_outlive_its_owner
     finally:
         if owner.poll() is None:
             owner.kill()
+
+
+BROKEN_ZYGOTE = r"""
+import json, sys
+from studio_core.backends import forking
+from studio_core.machine.hardware import cpu_hardware
+from studio_core.recipe.spec import RunSpec
+from studio_core.runs.manager import RunManager
+RunManager.fork_runs_from_a_zygote()
+manager = RunManager(sys.argv[1])
+tiny = lambda name: RunSpec.load(sys.argv[2]).with_overrides(["max_steps=1", f"run_name={name}"])
+first = manager.wait(manager.start(tiny("first"), cpu_hardware()).id)
+assert forking.ready(120), "the zygote did not import within 120 s"
+forking._owner.zygote.kill()  # as the OOM killer or a user might
+forking._owner.zygote.wait()
+second = manager.wait(manager.start(tiny("second"), cpu_hardware()).id)
+third = manager.wait(manager.start(tiny("third"), cpu_hardware()).id)
+print(json.dumps({"runs": [first.id, second.id, third.id], "states": [first.state, second.state, third.state],
+                  "zygote": forking.ready()}), flush=True)
+"""
+
+
+def test_a_zygote_that_ended_by_itself_is_not_started_again_and_runs_start_as_new_processes(tmp_path):
+    runs = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-c", BROKEN_ZYGOTE, str(runs), str(REPO / "recipes" / "tiny-sft.yaml")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["states"] == ["finished"] * 3 and said["zygote"] is False
+    assert not any(worker_log_says(runs, run_id, "forked from the studio's zygote") for run_id in said["runs"])

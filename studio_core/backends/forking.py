@@ -132,8 +132,9 @@ def fork_supervisor(run_dir: Path, env: dict[str, str], argv: list[str], device:
     wanted = children.environment(env)
     with _owner.lock:
         zygote, last, _owner.last = _owner.zygote, _owner.last, wanted
-        if zygote is not None and zygote.poll() is not None:
-            zygote = _owner.zygote = None  # it ended (killed?)
+        if zygote is not None and zygote.poll() is not None:  # it ended by itself (killed, or its imports failed):
+            _owner.ignored, _owner.zygote = None, None  # no more zygotes here, each would cost a run's imports
+            return None
         if zygote is None or not (same(_owner.env, wanted, ignored) and fits(_owner.env, wanted)):
             # this run starts as before; a zygote for runs after it is started with its environment when
             # the run before had it too (one run of another environment keeps the zygote there is)
