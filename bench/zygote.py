@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import BenchError, run_bench, wait_quiet  # noqa: E402
+from bench.startup import spread  # noqa: E402
 
 SIDE = r"""
 import json, sys, time
@@ -89,10 +90,6 @@ def measure(work: Path, args, report: dict) -> None:
             f"forked {sum(r['forked'] for r in got[mode]['runs'])}/{args.runs}, machine CPU {got[mode]['busy_cpu_s']:.1f} s"
             for mode in ("zygote", "new")), file=sys.stderr)
     report["rounds"] = rounds
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):6.2f}  ({min(values):.2f}-{max(values):.2f})"
 
 
 def print_report(report: dict) -> None:
