@@ -11,7 +11,7 @@ manager, as the web app does, waiting --pause seconds between them (a person's p
 imports meanwhile), (A) keeping a zygote (RunManager.fork_runs_from_a_zygote, as the app does) and
 (B) not (every run's supervisor and worker new processes). For each run it records the time from
 start() to the end of step 1 (the run's first `progress` event) and whether it was forked; for each
-side the whole machine's busy CPU seconds (/proc/stat) over the side (forked runs are not this
+side the whole machine's busy CPU seconds (bench/common.py's busy_cpu_s) over the side (forked runs are not this
 bench's children to be counted apart), after waiting for a quiet 2 s (bench/common.py's wait_quiet),
 whose load by other processes it records. It prints the medians and spreads and writes bench/results/zygote-<time>.json.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import BenchError, run_bench, wait_quiet  # noqa: E402
+from bench.common import BenchError, busy_cpu_s, run_bench, wait_quiet  # noqa: E402
 from bench.startup import spread  # noqa: E402
 
 SIDE = r"""
@@ -54,12 +54,6 @@ for index in range(count):
                       "forked": any("forked from the studio's zygote" in e.get("message", "") for e in events)}),
           flush=True)
 """
-
-
-def busy_cpu_s() -> float:
-    with open("/proc/stat") as stat:
-        values = [int(v) for v in stat.readline().split()[1:]]
-    return (sum(values) - values[3] - values[4]) / 100  # all but idle and iowait; USER_HZ is 100 on Linux
 
 
 def side(work: Path, mode: str, args) -> dict:

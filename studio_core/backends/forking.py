@@ -112,9 +112,6 @@ class ForkedSupervisor:
     def __init__(self, pid: int) -> None:
         self.pid, self.process = pid, psutil.Process(pid)
 
-    def create_time(self) -> float:
-        return self.process.create_time()
-
     def poll(self) -> int | None:
         """None while it runs; 0 once it has ended (its exit code is the zygote's to collect)."""
         try:
@@ -143,10 +140,8 @@ def fork_supervisor(run_dir: Path, env: dict[str, str], argv: list[str], device:
                     _let_go(zygote)
                 _start_zygote(env)
             return None
-        if not _owner.ready:
-            _owner.ready = _answered(zygote, 0) == READY
-            if not _owner.ready:  # still importing: this run starts as before
-                return None
+        if not _ready(0):  # still importing: this run starts as before
+            return None
         try:
             zygote.stdin.write(json.dumps({"run_dir": str(run_dir), "env": wanted}).encode() + b"\n")
             zygote.stdin.flush()
@@ -160,9 +155,14 @@ def fork_supervisor(run_dir: Path, env: dict[str, str], argv: list[str], device:
 def ready(timeout: float = 0) -> bool:
     """Whether this process keeps a zygote that has imported its libraries (waiting up to `timeout`)."""
     with _owner.lock:
-        if _owner.zygote is not None and not _owner.ready:
-            _owner.ready = _answered(_owner.zygote, timeout) == READY
-        return _owner.zygote is not None and _owner.ready
+        return _ready(timeout)
+
+
+def _ready(timeout: float) -> bool:
+    """ready(), with the owner's lock held."""
+    if _owner.zygote is not None and not _owner.ready:
+        _owner.ready = _answered(_owner.zygote, timeout) == READY
+    return _owner.zygote is not None and _owner.ready
 
 
 def _start_zygote(env: dict[str, str]) -> None:

@@ -7,7 +7,7 @@ a run by the STUDIO_RUN_ID in that file (studio_core.machine.procs), and a proce
 ahead of its run (studio_core.backends.forking: a fork of a zygote) only learns its run later: so the new environment
 is written over the old strings, in place, with a padding variable (ROOM) filling what is left.
 It is what the setproctitle library does for /proc/PID/cmdline. The process is started with a
-ROOM variable so that the new environment fits (room_for says how big).
+ROOM variable so that the new environment fits (with_room; fits says whether one does).
 """
 
 from __future__ import annotations

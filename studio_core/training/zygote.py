@@ -31,7 +31,6 @@ def import_libraries() -> None:
     import transformers
     import trl
 
-    import studio_core.backends  # noqa: F401
     import studio_core.machine.monitor  # noqa: F401
     import studio_core.training.compile_watch  # noqa: F401
     import studio_core.training.peak_memory  # noqa: F401
