@@ -29,7 +29,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, RESULTS_DIR  # noqa: E402
+from bench.common import REPO, RESULTS_DIR, busy_cpu_s  # noqa: E402
 
 SAMPLE_S = 0.5
 KINDS = [  # (kind, pattern in the command line), first match wins
@@ -83,13 +83,12 @@ def main(files: list[str]) -> int:
     started = time.time()
 
     def sampler() -> None:
-        last = psutil.cpu_times()
+        last, last_at = busy_cpu_s(), time.monotonic()
         while not done.wait(SAMPLE_S):
             sample(seen, started)
-            now = psutil.cpu_times()
-            total = sum(now) - sum(last)
-            busy.append((now.user + now.system + now.nice - last.user - last.system - last.nice) / total if total else 0)
-            last = now
+            now, now_at = busy_cpu_s(), time.monotonic()
+            busy.append((now - last) / ((now_at - last_at) * psutil.cpu_count()))
+            last, last_at = now, now_at
 
     thread = threading.Thread(target=sampler, daemon=True)
     thread.start()
