@@ -38,6 +38,10 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's ch
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+# How long a page may take to answer Preview or Start when the answer waits on the TRL config check:
+# the app's first check (and one after the child idled out) imports torch, Transformers and TRL in
+# a child, 10 s on a quiet 2-core machine and over 30 s, Playwright's default wait, on a busy one.
+CHECKED_MS = 120_000
 
 
 def free_port() -> int:

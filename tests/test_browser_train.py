@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from studio_browser import app, app_env, browser, new_page, page, pytestmark  # noqa: F401 (fixtures)
-from studio_browser import code_text, drawn_lines, expect, log_at_end, record_texts, run_state, set_number, stop_runs, texts_shown
+from studio_browser import CHECKED_MS, code_text, drawn_lines, expect, log_at_end, record_texts, run_state, set_number, stop_runs, texts_shown
 
 # This file's app keeps its runs where a user's are by default (~/trn-studio/runs), outside the
 # temp folder: the exported scripts must still be offered for download.
@@ -37,7 +37,7 @@ def test_click_through_sft_on_the_builtin_default(page, app, tmp_path):
     set_number(page, "eval_fraction", 0.25)  # 3 of the 12 facts held out, their loss plotted
 
     page.locator("#preview").click()
-    page.locator("#plan").get_by_text("torch.distributed.run").first.wait_for()
+    page.locator("#plan").get_by_text("torch.distributed.run").first.wait_for(timeout=CHECKED_MS)
     planned = code_text(page, "plan")  # its whole text, whatever lines the page has drawn yet
     assert "use_cpu = True" in planned and "eval_strategy = 'steps'" in planned
     assert app.new_runs() == []  # a preview launches nothing
@@ -114,7 +114,7 @@ def test_a_number_is_said_as_typed_and_a_plan_or_forecast_of_other_settings_goes
     expect(box).to_have_value("1e999")  # kept, to be corrected
     set_number(page, "learning_rate", "2e-3")
     page.locator("#preview").click()
-    expect(plan).to_contain_text("torch.distributed.run", timeout=30_000)
+    expect(plan).to_contain_text("torch.distributed.run", timeout=CHECKED_MS)
     page.locator("#forecast").click()
     report.get_by_text("distinct batch shape").wait_for(timeout=120_000)
     page.get_by_label("DPO (preference pairs)").check()  # another trainer: neither is this form's any more
@@ -124,7 +124,7 @@ def test_a_number_is_said_as_typed_and_a_plan_or_forecast_of_other_settings_goes
 
     page.get_by_text("Layout: processes, parallelism, cores").click()
     page.locator("#preview").click()
-    expect(plan).to_contain_text("reference model", timeout=30_000)  # DPO's
+    expect(plan).to_contain_text("reference model", timeout=CHECKED_MS)  # DPO's
     page.locator("#run_on").get_by_label("Ray").check()  # another place: the plan goes
     expect(plan).to_be_hidden()
     set_number(page, "nodes", 2)
@@ -244,7 +244,7 @@ def test_a_two_process_layout_from_the_page(page, app):
     assert exported == ["sft-builtin-tiny-qwen3-launch.sh", "sft-builtin-tiny-qwen3-slurm.sh"]
     assert "--nproc-per-node=2" in (app.runs_dir / "exports" / exported[0]).read_text()
     page.locator("#preview").click()  # what Start would launch (the session's two_process_runs trained it)
-    expect(page.locator("#plan")).to_contain_text("--nproc-per-node=2")
+    expect(page.locator("#plan")).to_contain_text("--nproc-per-node=2", timeout=CHECKED_MS)
     expect(page.locator("#plan")).to_contain_text("studio.cores = '0-1'")
 
 
@@ -262,11 +262,11 @@ def test_a_ray_run_from_the_page_is_planned_and_refused_when_its_cluster_does_no
     set_number(page, "nodes", 2)
     page.locator("#preview").click()  # the plan reads the form; it does not ask the cluster
     plan = page.locator("#plan")
-    expect(plan).to_contain_text("2 x {CPU: 1}, STRICT_SPREAD", timeout=30_000)
+    expect(plan).to_contain_text("2 x {CPU: 1}, STRICT_SPREAD", timeout=CHECKED_MS)
     expect(plan).to_contain_text(f"Submitted to Ray at {address}")
     page.locator("#start").click()  # Start asks it first
     message = page.locator("#train-message")
-    message.get_by_text("Nothing was launched").wait_for()
+    message.get_by_text("Nothing was launched").wait_for(timeout=CHECKED_MS)
     assert f"no Ray cluster answers at {address}" in message.inner_text()
     assert "Traceback" not in message.inner_text() and app.new_runs() == []
 

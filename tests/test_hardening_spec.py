@@ -210,7 +210,7 @@ def test_a_config_check_child_that_cannot_answer_is_replaced(monkeypatch, tmp_pa
 
 def test_a_config_check_child_that_ends_idle_is_reaped(monkeypatch, tmp_path):
     """The check child ends by itself once idle; it is reaped then, never left defunct under the
-    app for as long as the app lives."""
+    app for as long as the app lives, and leaves nothing in the temp folder (each left a folder)."""
     import time
 
     import psutil
@@ -221,6 +221,8 @@ def test_a_config_check_child_that_ends_idle_is_reaped(monkeypatch, tmp_path):
     monkeypatch.setattr(trl_schema, "_checker", None)
     monkeypatch.setattr(trl_schema, "_passed", set())
     monkeypatch.setattr(trl_schema, "_passed_file", lambda key: tmp_path / "passed" / "check")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the child's temp folder
     assert plan.trl_problems(SFT.with_overrides(["logging_steps=9"]), cpu_hardware()) == []
     child = psutil.Process(trl_schema._checker.pid)
     deadline = time.monotonic() + 60
@@ -228,6 +230,7 @@ def test_a_config_check_child_that_ends_idle_is_reaped(monkeypatch, tmp_path):
         time.sleep(0.2)  # idle for a second: it ends
     time.sleep(1)
     assert not child.is_running(), "the idle check child was left defunct"
+    assert list((tmp_path / "tmp").glob("studio*")) == []  # (torch keeps its compile cache there: one a user)
 
 
 @pytest.mark.fast

@@ -174,7 +174,8 @@ transformers.TrainingArguments._setup_devices = property(lambda self: torch.devi
 transformers.TrainingArguments.world_size = property(lambda self: WORLD[0])
 MODEL = {f.name for f in dataclasses.fields(trl.ModelConfig)}
 SCRIPT = {f.name for f in dataclasses.fields(trl.ScriptArguments)}
-OUTPUT = tempfile.mkdtemp(prefix="studio-config-check-")
+# named, never made: building a config writes nothing (a folder made here was left behind by every child)
+OUTPUT = os.path.join(tempfile.gettempdir(), "studio-config-check")
 
 
 def build(config, run_name, args):
