@@ -35,6 +35,8 @@ SAMPLE_S = 0.5
 KINDS = [  # (kind, pattern in the command line), first match wins
     ("forked run or zygote", r"studio_core\.training\.zygote"),
     ("training worker", r"studio_core\.training\.worker"),
+    ("TRL config check", r"studio-config-check"),  # `python -c CODE`, whose comments name torchrun
+    ("TRL schema read", r"import dataclasses, enum, json, sys, types, typing"),
     ("torchrun", r"torch\.distributed\.run|torchrun"),
     ("studio child", r"-m studio_core\.\w+\.\w+"),
     ("app (launch.py --port)", r"launch\.py --port"),
