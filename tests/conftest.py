@@ -18,6 +18,7 @@ import pytest
 
 from studio_core.machine.children import skip_final_collection
 from studio_core.machine.hardware import CPU_CORES_ENV
+from studio_core.recipe import trl_schema
 from studio_core.runs.manager import RunManager
 
 # Python's default, whatever this machine's environment says (PYTHONDONTWRITEBYTECODE=1 here): the
@@ -33,6 +34,11 @@ skip_final_collection()
 # CPU run is forked from a zygote that imported torch and TRL once (RunManager.fork_runs_from_a_zygote).
 # pytest's PYTEST_CURRENT_TEST, which it changes for each test and no library reads, may differ.
 RunManager.fork_runs_from_a_zygote(ignored=("PYTEST_CURRENT_TEST",))
+# It also checks specs one after another for the whole session: it keeps the TRL config check's child
+# (each start imports TRL, about 5 CPU-s; 43 starts in one whole run) rather than letting it go after the
+# app's two idle minutes. It still ends with this process (its stdin closes); test_hardening_spec
+# checks the idle ending itself.
+trl_schema.CHECK_IDLE_S = 3 * 60 * 60
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 _MADE_HERE: list[str] = []  # the session's folders this process made: removed when the session ends

@@ -256,6 +256,26 @@ def test_the_config_check_child_starts_early_only_when_a_verdict_is_not_kept(mon
         started.wait()
 
 
+@pytest.mark.fast
+def test_a_kept_pass_holds_for_a_run_of_another_name_with_the_same_settings(monkeypatch, tmp_path):
+    """A kept pass was named by the whole request, the run's name too, so each new run name asked
+    TRL again (a child importing it: seconds of CPU); other settings are still asked."""
+    from studio_core.recipe import trl_schema
+
+    first = plan._config_request(SFT.with_overrides(["logging_steps=13"]), cpu_hardware())
+    renamed = plan._config_request(SFT.with_overrides(["logging_steps=13", "run_name=another-name"]), cpu_hardware())
+    other = plan._config_request(SFT.with_overrides(["logging_steps=14"]), cpu_hardware())
+    assert renamed["run_name"] != first["run_name"]
+    monkeypatch.setenv("STUDIO_CACHE_DIR", str(tmp_path))  # nothing kept but what this test keeps
+    monkeypatch.setattr(trl_schema, "_checker", None)
+    monkeypatch.setattr(trl_schema, "_passed", set())
+    passed = trl_schema._passed_file(trl_schema._verdict_key(first))
+    passed.parent.mkdir(parents=True)
+    passed.touch()  # as the first run's check left it
+    assert trl_schema.config_problems([renamed]) == [[]] and trl_schema._checker is None
+    assert not trl_schema._kept(trl_schema._verdict_key(other))
+
+
 def test_a_plan_refused_before_the_config_check_answers_leaves_no_check_child(tmp_path):
     """The check child starts early (it imports TRL while the rest is checked); a plan refused
     for its layout exited and left it running, orphaned, until TRL was imported and it read the

@@ -240,6 +240,13 @@ def _passed_file(key: str) -> Path:
     return cache_dir() / "config-checks" / digest
 
 
+def _verdict_key(request: dict) -> str:
+    """What a pass depends on: the trainer, its arguments and the process count. The run's name
+    (only stored by the config) and the keys the user set (they only name a refusal's culprits) are
+    left out, so that a run under another name with the same settings asks no child (TRL's import)."""
+    return json.dumps({k: request[k] for k in ("trainer", "args", "world_size")}, sort_keys=True, default=repr)
+
+
 def _kept(key: str) -> bool:
     return key in _passed or _passed_file(key).exists()
 
@@ -247,7 +254,7 @@ def _kept(key: str) -> bool:
 def prepare_config_check(requests: list[dict]) -> None:
     """Start the check child now when a request's verdict is not kept, so that it imports TRL while
     the caller checks other things (config_problems then asks it); nothing when all are kept."""
-    if all(_kept(json.dumps(r, sort_keys=True, default=repr)) for r in requests):
+    if all(_kept(_verdict_key(r)) for r in requests):
         return
     with _checker_lock:
         if _checker is None or _checker.poll() is not None:
@@ -258,7 +265,7 @@ def config_problems(requests: list[dict]) -> list[list[str]]:
     """For each request (trainer, args: the TRL arguments as the planner hands them to the
     worker, given: the keys the user set, run_name, world_size), the problems TRL, Transformers
     or PEFT would raise when the run builds its config, each naming the setting to change."""
-    keys = [json.dumps(r, sort_keys=True, default=repr) for r in requests]
+    keys = [_verdict_key(r) for r in requests]
     asked = [i for i, key in enumerate(keys) if not _kept(key)]
     answers = _ask([{**requests[i], "config": trainers.get(requests[i]["trainer"]).config_class}
                     for i in asked]) if asked else []
