@@ -234,7 +234,7 @@ _passed: set[str] = set()  # the requests that built: the same request builds ag
 
 def _passed_file(key: str) -> Path:
     """Where a request that built is remembered, for the next process (`launch.py plan` after a plan):
-    named by the request, the libraries' versions and this check's own code."""
+    named by its _verdict_key, the libraries' versions and this check's own code."""
     versions = [version(name) for name in ("trl", "transformers", "peft")]
     digest = hashlib.sha256(json.dumps([key, versions, _CONFIG_CHECK]).encode()).hexdigest()
     return cache_dir() / "config-checks" / digest
