@@ -168,6 +168,41 @@ def test_a_folder_transformers_saved_passes_and_its_pass_is_remembered(saved, tm
     assert "its weights do not fit its config.json" in only(sources.check_model(str(folder)))
 
 
+def test_the_config_check_child_answers_the_model_check_where_it_is_up_as_the_checks_own_child(saved, tmp_path,
+                                                                                             monkeypatch):
+    """A process that keeps the TRL config check's child (the app, a test worker) has it answer a model
+    check too: it has Transformers and torch imported already, so no child of the model check's own
+    starts (each imports them: seconds of CPU), and its answer is that child's. With none up, the
+    model check's own child runs."""
+    import sys
+
+    from studio_core.data import model_check
+    from studio_core.machine import children
+    from studio_core.recipe import trl_schema
+
+    started, recording = [], [True]  # the command line of each process this one starts meanwhile
+    sys.addaudithook(lambda event, args: started.append(" ".join(map(str, args[1])))
+                     if event == "subprocess.Popen" and recording[0] else None)
+    try:
+        good, bad = copied(tmp_path / "good", saved), copied(tmp_path / "bad", saved, intermediate_size=96)
+        trl_schema.start_config_check()
+        assert sources.check_model(str(good)) == []
+        assert "its weights do not fit its config.json" in only(sources.check_model(str(bad)))
+        assert not [line for line in started if "-m studio_core.data.model_child" in line], started
+        # the same answer as the model check's own child gives
+        own = children.run("studio_core.data.model_child", bad, env={"HF_HUB_OFFLINE": "1"}, capture_output=True,
+                           text=True, timeout=model_check.CHILD_TIMEOUT_S)
+        here = trl_schema._model_check_here([str(bad)], model_check.CHILD_TIMEOUT_S)
+        assert model_check.answer(here) == model_check.answer(own) != []
+        started.clear()
+        monkeypatch.setattr(trl_schema, "_checker", None)  # none up
+        other = copied(tmp_path / "other", saved, intermediate_size=80)
+        assert "its weights do not fit its config.json" in only(sources.check_model(str(other)))
+        assert [line for line in started if "-m studio_core.data.model_child" in line], started
+    finally:
+        recording[0] = False
+
+
 def test_the_built_in_models_folder_passes():
     assert sources.check_model(str(ensure_tiny_model())) == []
     assert sources.check_model(BUILTIN_MODEL) == []

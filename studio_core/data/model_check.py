@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -51,6 +52,11 @@ SAVED_WHOLE = "give the whole folder save_pretrained wrote"
 REDO = "download it again, or save the model again"  # a weight file cut off
 CHECK_VERSION = 2  # bump when the checks change: a folder passed by older checks is checked again
 CHILD_TIMEOUT_S = 180  # importing torch and Transformers on a busy machine, then a meta model
+# Where a process keeps a child that has imported Transformers and torch already (the TRL config
+# check's, recipe/trl_schema.py, which sets this), that child answers the check instead of a new
+# one: check_here(ARGV, timeout) gives what `python -m studio_core.data.model_child ARGV` would
+# (a CompletedProcess), or None, and then the model check's own child runs.
+check_here: Callable[[list[str], float], subprocess.CompletedProcess | None] | None = None
 
 
 def check_folder(folder: Path, trust_remote_code: bool = False, config_only: bool = False,
@@ -267,8 +273,10 @@ def transformers_problems(folder: Path, config_only: bool, hub_weights: dict | N
         weights_file.write_text(json.dumps(hub_weights), encoding="utf-8")
         args += ["--hub-weights", weights_file]
     try:
-        done = children.run("studio_core.data.model_child", folder, *args,
-                            env={"HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        done = check_here([str(folder), *map(str, args)], CHILD_TIMEOUT_S) if check_here else None
+        if done is None:
+            done = children.run("studio_core.data.model_child", folder, *args,
+                                env={"HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return [f"Transformers' check of it did not finish within {CHILD_TIMEOUT_S} s (is the machine very busy?); "
                 "try again"]

@@ -1,5 +1,6 @@
 """The model check's Transformers side, in a child process (model_check.transformers_problems
-starts it), so that Transformers and torch stay out of the web app's process:
+starts it, or has the TRL config check's child, where one is up, run `main` in it), so that
+Transformers and torch stay out of the web app's process:
 
     python -m studio_core.data.model_child FOLDER [--config-only [--hub-weights FILE]]
 

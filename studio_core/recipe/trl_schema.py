@@ -6,7 +6,8 @@ So a child process introspects the dataclasses once per installed TRL version an
 result is cached as JSON; every later call is a file read.
 
 `config_problems` asks TRL, Transformers and PEFT themselves whether a run's config builds, in
-another child, kept up for a while so that asking again costs milliseconds.
+another child, kept up for a while so that asking again costs milliseconds. While it is up, it
+answers the process's model checks too (model_check.check_here): it has Transformers imported.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from functools import lru_cache
 from importlib.metadata import version
 from pathlib import Path
 
+from studio_core.data import model_check
 from studio_core.recipe import trainers
 from studio_core.machine.cache import cache_dir, one_maker
+from studio_core.machine.children import REPO_ROOT
 
 # Dataclasses whose fields a recipe may also hold: the model and dataset choice, as
 # TRL's own CLI reads them (`trl sft --config recipe.yaml`).
@@ -206,6 +209,23 @@ def refusal(config, run_name, args):
     return None
 
 
+def check_model(request):
+    # the model check's Transformers side (studio_core/data/model_child.py), run here rather than in
+    # a child of its own: its output and exit code, as that child's would be
+    import contextlib, io, traceback
+    if request["path"] not in sys.path:
+        sys.path.insert(0, request["path"])
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            from studio_core.data import model_child
+            model_child.main(request["model_check"])
+        except BaseException:  # as the child would end on it: its traceback, exit code 1
+            traceback.print_exc()
+            code = 1
+    return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
 def answer(request):
     WORLD[0] = request["world_size"]
     config, run_name, args = request["config"], request["run_name"], request["args"]
@@ -222,7 +242,8 @@ while select.select([sys.stdin], [], [], IDLE_S)[0]:
     line = sys.stdin.readline()
     if not line:
         break
-    answers.write(json.dumps([answer(r) for r in json.loads(line)]) + "\n")
+    asked = json.loads(line)
+    answers.write(json.dumps(check_model(asked) if isinstance(asked, dict) else [answer(r) for r in asked]) + "\n")
     answers.flush()
 """
 
@@ -254,8 +275,12 @@ def _kept(key: str) -> bool:
 def prepare_config_check(requests: list[dict]) -> None:
     """Start the check child now when a request's verdict is not kept, so that it imports TRL while
     the caller checks other things (config_problems then asks it); nothing when all are kept."""
-    if all(_kept(_verdict_key(r)) for r in requests):
-        return
+    if not all(_kept(_verdict_key(r)) for r in requests):
+        start_config_check()
+
+
+def start_config_check() -> None:
+    """Start the check child now if none is up, asking it nothing yet."""
     with _checker_lock:
         if _checker is None or _checker.poll() is not None:
             _start_checker()
@@ -299,6 +324,37 @@ def _messages(request: dict, answer: dict) -> list[str]:
             "machine, `launch.py plan` lists them)"]
 
 
+def _model_check_here(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess | None:
+    """The model check's child (studio_core/data/model_child.py ARGV) answered by this process's
+    config check child, which has Transformers and torch imported already: its output and exit
+    code, as that child's; None when no check child is up (starting one would import TRL too, more
+    than the model check's own child imports) or it ended without answering (then the model check's
+    own child runs, and says what went wrong its own way). subprocess.TimeoutExpired after
+    `timeout_s` without an answer, as the child's run would raise it (the check child is ended)."""
+    with _checker_lock:
+        if _checker is None or _checker.poll() is not None:
+            return None
+        line = json.dumps({"model_check": argv, "path": str(REPO_ROOT)}) + "\n"
+        asked = time.monotonic()
+        try:
+            _checker.stdin.write(line.encode())
+            _checker.stdin.flush()
+            reply = _read_line(_checker, timeout_s)
+        except BrokenPipeError:
+            reply = b""
+        if not reply:
+            _checker.kill()  # it ended, or was about to (idle), or is silent: the next check starts a new one
+            _checker.wait()
+            if time.monotonic() - asked >= timeout_s:
+                raise subprocess.TimeoutExpired(line, timeout_s)
+            return None
+        done = json.loads(reply)
+        return subprocess.CompletedProcess(["studio_core.data.model_child", *argv], **done)
+
+
+model_check.check_here = _model_check_here
+
+
 def _ask(requests: list[dict]) -> list:
     """The check child's answers, one per request; the child started when none is up."""
     line = json.dumps(requests, default=str) + "\n"  # a YAML date, say: sent as its text
@@ -328,8 +384,10 @@ def _start_checker() -> None:
     refused before it asked leaves no child importing TRL behind it."""
     global _checker, _checker_log
     _checker_log = tempfile.TemporaryFile()
+    # offline: a config never needs the Hub, and the model checks it answers read local folders only
     _checker = subprocess.Popen([sys.executable, "-c", _CONFIG_CHECK, str(CHECK_IDLE_S)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_checker_log)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_checker_log,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     threading.Thread(target=_checker.wait, name="reap-config-check", daemon=True).start()
     atexit.register(_end_checker, _checker)
 
