@@ -336,15 +336,8 @@ def _model_check_here(argv: list[str], timeout_s: float) -> subprocess.Completed
             return None
         line = json.dumps({"model_check": argv, "path": str(REPO_ROOT)}) + "\n"
         asked = time.monotonic()
-        try:
-            _checker.stdin.write(line.encode())
-            _checker.stdin.flush()
-            reply = _read_line(_checker, timeout_s)
-        except BrokenPipeError:
-            reply = b""
-        if not reply:
-            _checker.kill()  # it ended, or was about to (idle), or is silent: the next check starts a new one
-            _checker.wait()
+        reply = _send(line, timeout_s)
+        if not reply:  # it ended, or was about to (idle), or is silent: the next check starts a new one
             if time.monotonic() - asked >= timeout_s:
                 raise subprocess.TimeoutExpired(line, timeout_s)
             return None
@@ -362,20 +355,27 @@ def _ask(requests: list[dict]) -> list:
         for _ in range(2):  # the child may be leaving, idle, as it is asked: then a new one, once
             if _checker is None or _checker.poll() is not None:
                 _start_checker()
-            try:
-                _checker.stdin.write(line.encode())
-                _checker.stdin.flush()
-                reply = _read_line(_checker, CHECK_START_S)
-            except BrokenPipeError:
-                reply = b""
+            reply = _send(line, CHECK_START_S)
             if reply:
                 return json.loads(reply)
-            # a leaving child can still take the line into its pipe and then end without reading it
-            # (poll() said it was up): end it for sure, so the next try starts a new one
-            _checker.kill()
-            _checker.wait()
         _checker_log.seek(0)
         raise RuntimeError(f"could not ask TRL to check the config:\n{_checker_log.read().decode()[-2000:]}")
+
+
+def _send(line: str, timeout_s: float) -> bytes:
+    """The check child's answer to `line` (the caller holds _checker_lock); b"" when it gives none
+    within `timeout_s`, and then it is ended for sure: a leaving child can still take the line into
+    its pipe and end without reading it (poll() said it was up), so the next ask starts a new one."""
+    try:
+        _checker.stdin.write(line.encode())
+        _checker.stdin.flush()
+        reply = _read_line(_checker, timeout_s)
+    except BrokenPipeError:
+        reply = b""
+    if not reply:
+        _checker.kill()
+        _checker.wait()
+    return reply
 
 
 def _start_checker() -> None:
