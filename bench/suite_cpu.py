@@ -10,7 +10,9 @@ may be missed, and the last half second of each is lost (a few percent). Process
 running before the bench are counted from its start. A process's test file is the one in its
 PYTEST_CURRENT_TEST when first seen (runs forked from the zygote take their run's environment a
 moment after, so most are seen with the zygote's, which has none). Needs a quiet machine: every
-process is counted, the bench's own sampling apart. Writes bench/results/suite_cpu-<time>.json.
+process is counted, the bench's own sampling apart. Writes bench/results/suite_cpu-<time>.json,
+with the number of processes of each kind each test file started (which files start the config
+check's children, say).
 """
 
 from __future__ import annotations
@@ -104,12 +106,14 @@ def main(files: list[str]) -> int:
         print("no process was sampled (the sampler failed: see its error above)", file=sys.stderr)
         return 1
     by_kind, by_file, count = collections.Counter(), collections.Counter(), collections.Counter()
+    by_kind_and_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for proc in seen.values():
         used = proc["cpu"] - proc["cpu_at_start"]
         by_kind[proc["kind"]] += used
         count[proc["kind"]] += 1
         if not proc["kind"].startswith("pytest"):
             by_file[proc["test_file"] or "(none in its environment)"] += used
+        by_kind_and_file[proc["kind"]][proc["test_file"] or "(none in its environment)"] += 1
     total = sum(by_kind.values())
     print(f"\npytest exit code {code}; {wall:.0f} s wall; {total:.0f} CPU-s in {len(seen)} processes; "
           f"machine busy {sum(busy) / max(len(busy), 1):.0%} of the time (of {psutil.cpu_count()} CPUs)")
@@ -122,7 +126,9 @@ def main(files: list[str]) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = RESULTS_DIR / f"suite_cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"files": files, "exit_code": code, "wall_s": wall, "busy": busy,
-                               "by_kind": dict(by_kind), "processes": dict(count), "by_file": dict(by_file)}, indent=1))
+                               "by_kind": dict(by_kind), "processes": dict(count), "by_file": dict(by_file),
+                               "processes_by_kind_and_file": {kind: dict(files) for kind, files in
+                                                              by_kind_and_file.items()}}, indent=1))
     print(f"\nwritten: {out}")
     return code
 
