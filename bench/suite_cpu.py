@@ -111,9 +111,10 @@ def main(files: list[str]) -> int:
         used = proc["cpu"] - proc["cpu_at_start"]
         by_kind[proc["kind"]] += used
         count[proc["kind"]] += 1
+        test_file = proc["test_file"] or "(none in its environment)"
         if not proc["kind"].startswith("pytest"):
-            by_file[proc["test_file"] or "(none in its environment)"] += used
-        by_kind_and_file[proc["kind"]][proc["test_file"] or "(none in its environment)"] += 1
+            by_file[test_file] += used
+        by_kind_and_file[proc["kind"]][test_file] += 1
     total = sum(by_kind.values())
     print(f"\npytest exit code {code}; {wall:.0f} s wall; {total:.0f} CPU-s in {len(seen)} processes; "
           f"machine busy {sum(busy) / max(len(busy), 1):.0%} of the time (of {psutil.cpu_count()} CPUs)")
