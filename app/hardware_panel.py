@@ -54,6 +54,11 @@ class HardwarePanel:
     def components(self) -> list[gr.Component]:
         return [self.note, self.process_plots, self.cpu, self.rss, self.neuron_util, self.neuron_mem, self.cuda_mem]
 
+    @property
+    def plots(self) -> list[gr.Component]:
+        """The plots, and the row that shows the process plots: what a going run redraws less often."""
+        return [self.process_plots, self.cpu, self.rss, self.neuron_util, self.neuron_mem, self.cuda_mem]
+
     def empty(self) -> dict:
         """{widget: value} when no run is shown."""
         return {self.note: "", self.process_plots: gr.update(visible=False), self.cpu: None, self.rss: None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import html
 import time
+from dataclasses import dataclass
 
 import gradio as gr
 import pandas as pd
@@ -40,6 +41,12 @@ TRAINER_PLOTS = max(len(t.plots) for t in trainers.TRAINERS.values())  # the mos
 # step's precision); "~f" writes them whole ("100" ... "800"), with a fraction only between a short run's steps
 STEP_AXES = {**AXES, "x_axis_format": "~f"}
 LOOK_EVERY_S = 0.5
+# How often a going run's plots are redrawn at most: each redraw of a plot is Vega's whole drawing
+# in the page. Redrawn at every look, the four plots of a tiny CPU run that logs every step took
+# headless Chromium 38 % of a core while a page followed it; at most every 2 s, 26 % (bench/
+# page_cpu.py, 5 alternated rounds). The status, progress bar, compilations and log still show a new
+# event at the next look; an ended run is drawn whole at once.
+PLOTS_EVERY_S = 2.0
 
 
 QUEUED_LOOK_S = 2.0  # how often a queued resume's message is looked at again
@@ -218,12 +225,16 @@ class RunPanel:
                 self.log, self.applied, *self.hardware.components,
                 *(self.controls.components if self.controls else [])]
 
+    @property
+    def plots(self) -> set[gr.Component]:
+        return {self.loss, self.lr, *self.trainer_plots, *self.hardware.plots}
+
     def follow(self, timer: gr.Timer, manager: RunManager, run_id: gr.Component, pause: bool = False) -> None:
         """Redraw the panel on the ticks of `timer` for the run `run_id` names, but only when what
-        it shows can have changed: a going run when its files changed (all of it) or its clock
-        moved a second (its times), an ended run (or none) once. With `pause`, the timer stops
-        once the run has ended and been drawn (start it again with `gr.Timer(active=True)` when
-        another run is followed): an idle page then sends no request at all."""
+        it shows can have changed: a going run when its files changed (all of it, its plots at most
+        every PLOTS_EVERY_S) or its clock moved a second (its times), an ended run (or none) once.
+        With `pause`, the timer stops once the run has ended and been drawn (start it again with
+        `gr.Timer(active=True)` when another run is followed): an idle page then sends no request."""
         shown = gr.State(None)  # what this page shows now (see changes), or None
 
         def tick(wanted, last):
@@ -235,16 +246,33 @@ class RunPanel:
         timer.tick(tick, [run_id, shown], [*self.components, shown, *([timer] if pause else [])],
                    show_progress="hidden", queue=False)  # see LOOK_EVERY_S
 
-    def changes(self, manager: RunManager, run_id: str | None, last, shown: gr.State) -> dict:
+    def changes(self, manager: RunManager, run_id: str | None, last: Shown | None, shown: gr.State) -> dict:
         """{widget: value} for this run when the page's `shown` state (`last`) is out of date, with
         the new state; {} when nothing changed (Gradio wants at least one output in a dict: a
-        caller that sends nothing returns {shown: last}, which stays on the server)."""
+        caller that sends nothing returns {shown: last}, which stays on the server). A going run's
+        plots are sent at most every PLOTS_EVERY_S: newer ones wait (`Shown.plots_behind`) for
+        the first look after that."""
         current, view = _shown_as(manager, run_id)
-        if current == last:
+        last = last or Shown(None)
+        now = time.monotonic()
+        plots_due = last.plots_behind and now - last.plots_at >= PLOTS_EVERY_S
+        if current == last.view and not plots_due:
             return {}
-        if going(last) and current[:-1] == last[:-1]:  # only the clock moved: the times it shows
-            return {**self.clock(view), shown: current}
-        return {**self.render(manager, run_id), shown: current}
+        if current[:-1] == (last.view or ())[:-1] and going(last):  # the clock moved, or plots are due
+            update = {**self.clock(view), **(self._only(self.plots, self.render(manager, run_id)) if plots_due else {})}
+        else:
+            update = self.render(manager, run_id)
+        if going(last) and current[0] == last.view[0] and _is_going(current) and now - last.plots_at < PLOTS_EVERY_S:
+            held = self._only(self.plots, update)  # the same run, still going, its plots drawn lately
+            update = {widget: value for widget, value in update.items() if widget not in held}
+            return {**update, shown: Shown(current, last.plots_at, plots_behind=last.plots_behind or bool(held))}
+        drawn = any(widget in self.plots for widget in update)
+        return {**update, shown: Shown(current, now if drawn else last.plots_at,
+                                       plots_behind=last.plots_behind and not drawn)}
+
+    @staticmethod
+    def _only(widgets: set, update: dict) -> dict:
+        return {widget: value for widget, value in update.items() if widget in widgets}
 
     def clock(self, view: RunView) -> dict:
         """{widget: value} of the widgets that show the time (elapsed, compiling for ...): what
@@ -302,9 +330,23 @@ def _shown_as(manager: RunManager, run_id: str | None) -> tuple[tuple, RunView |
     return (run_id, *version, int(time.time()) if version[0] in ACTIVE_STATES else None), view
 
 
-def going(shown: tuple | None) -> bool:
+@dataclass(frozen=True)
+class Shown:
+    """What a page's run panel shows: `view` (a value of _shown_as), when its plots were last sent
+    (time.monotonic()), and whether newer plots wait to be sent."""
+    view: tuple | None
+    plots_at: float = 0.0
+    plots_behind: bool = False
+
+
+def going(shown: Shown | None) -> bool:
+    """Whether a page's panel shows a going run."""
+    return shown is not None and _is_going(shown.view)
+
+
+def _is_going(view: tuple | None) -> bool:
     """Whether a value of _shown_as is a going run's (run id, state, ...)."""
-    return shown is not None and len(shown) > 2 and shown[1] in ACTIVE_STATES
+    return view is not None and len(view) > 2 and view[1] in ACTIVE_STATES
 
 
 def status_markdown(view: RunView) -> str:
