@@ -7,6 +7,7 @@ unknown name builds lm-eval's index of its own tasks once (about 20 s on a quiet
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,20 @@ def test_importing_the_module_loads_neither_torch_nor_lm_eval():
             "print(sorted(m for m in ('torch', 'lm_eval', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_checks_leave_no_variable_of_lm_evals_in_the_environment(tasks):
+    # lm-eval's __init__ sets HF_XET_HIGH_PERFORMANCE as it is imported; after a check, in a process
+    # that goes on to start runs, it would be in every run's environment (and no run would be forked
+    # from a zygote started before). A fresh process, as neither name is set here yet.
+    code = ("import os, sys; from studio_core.evaluate import harness as h;"
+            "problems = h.check_tasks(['tiny_echo'], sys.argv[1]);"
+            "import lm_eval; print(problems, sorted(n for n in h.LM_EVAL_SETS if n in os.environ))")
+    env = {k: v for k, v in os.environ.items() if k not in harness.LM_EVAL_SETS}
+    out = subprocess.run([sys.executable, "-c", code, str(tasks)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[] []", out.stdout + out.stderr
+    # the library does set one as it is imported (else this test would prove nothing)
+    bare = subprocess.run([sys.executable, "-c", "import os, lm_eval; print(os.environ.get('HF_XET_HIGH_PERFORMANCE'))"],
+                          env=env, capture_output=True, text=True, check=True)
+    assert bare.stdout.strip() == "1"

@@ -105,18 +105,32 @@ def _number(value) -> float | None:
     return None
 
 
-def _local_manager(include_path: str):
-    """A TaskManager over the include folder alone: milliseconds, against ~20 s with lm-eval's own tasks."""
+# What lm-eval's __init__ sets in os.environ, for its own downloads, when it is first imported (lm-eval
+# 0.4: `os.environ.setdefault`). Left there by check_tasks in a process that goes on (a test session;
+# the CLI, before it starts a run), they would be in the environment of every run and child it starts
+# after; and a run whose environment differs from the zygote's is not forked (backends/forking.py).
+LM_EVAL_SETS = ("HF_XET_HIGH_PERFORMANCE", "HF_HUB_ENABLE_HF_TRANSFER")
+
+
+def _task_manager_class():
+    """lm_eval.tasks.TaskManager, imported without leaving LM_EVAL_SETS in this process's environment."""
+    unset = [name for name in LM_EVAL_SETS if name not in os.environ]
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path, include_defaults=False)
+    for name in unset:
+        os.environ.pop(name, None)
+    return TaskManager
+
+
+def _local_manager(include_path: str):
+    """A TaskManager over the include folder alone: milliseconds, against ~20 s with lm-eval's own tasks."""
+    return _task_manager_class()(include_path=include_path, include_defaults=False)
 
 
 def _manager_for(tasks: list[str], include_path: str | None):
     """The include folder alone when it defines every task (groups may name lm-eval's own tasks,
     so they need the full index), else the include folder over lm-eval's own tasks."""
-    from lm_eval.tasks import TaskManager
-
+    TaskManager = _task_manager_class()
     if include_path:
         local = _local_manager(include_path)
         if set(tasks) <= set(local.all_subtasks):
@@ -131,9 +145,7 @@ def _builtin_task_names() -> list[str]:
     cached = cache_dir() / "lm-eval" / f"tasks-{version('lm_eval')}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
-    from lm_eval.tasks import TaskManager
-
-    names = TaskManager().all_tasks
+    names = _task_manager_class()().all_tasks
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = cached.with_name(f".{cached.name}.{os.getpid()}")
     partial.write_text(json.dumps(names))
