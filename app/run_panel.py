@@ -254,25 +254,24 @@ class RunPanel:
         the first look after that."""
         current, view = _shown_as(manager, run_id)
         last = last or Shown(None)
-        now = time.monotonic()
+        now, plots = time.monotonic(), self.plots
         plots_due = last.plots_behind and now - last.plots_at >= PLOTS_EVERY_S
         if current == last.view and not plots_due:
             return {}
-        if current[:-1] == (last.view or ())[:-1] and going(last):  # the clock moved, or plots are due
-            update = {**self.clock(view), **(self._only(self.plots, self.render(manager, run_id)) if plots_due else {})}
+        if going(last) and current[:-1] == last.view[:-1]:  # the clock moved, or plots are due
+            update = self.clock(view)
+            if plots_due:
+                update |= {widget: value for widget, value in self.render(manager, run_id).items() if widget in plots}
         else:
             update = self.render(manager, run_id)
-        if going(last) and current[0] == last.view[0] and _is_going(current) and now - last.plots_at < PLOTS_EVERY_S:
-            held = self._only(self.plots, update)  # the same run, still going, its plots drawn lately
-            update = {widget: value for widget, value in update.items() if widget not in held}
-            return {**update, shown: Shown(current, last.plots_at, plots_behind=last.plots_behind or bool(held))}
-        drawn = any(widget in self.plots for widget in update)
+        # the same run, still going, its plots drawn lately: they wait
+        held = (going(last) and _is_going(current) and current[0] == last.view[0]
+                and now - last.plots_at < PLOTS_EVERY_S and any(widget in plots for widget in update))
+        if held:
+            update = {widget: value for widget, value in update.items() if widget not in plots}
+        drawn = any(widget in plots for widget in update)
         return {**update, shown: Shown(current, now if drawn else last.plots_at,
-                                       plots_behind=last.plots_behind and not drawn)}
-
-    @staticmethod
-    def _only(widgets: set, update: dict) -> dict:
-        return {widget: value for widget, value in update.items() if widget in widgets}
+                                       plots_behind=(last.plots_behind or held) and not drawn)}
 
     def clock(self, view: RunView) -> dict:
         """{widget: value} of the widgets that show the time (elapsed, compiling for ...): what
