@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from cli.options import CommandLineError, runs_folder
+from studio_core.machine.children import collection_off, set_up
 from studio_core.machine.cores import parse_cores
 
 GRACEFUL_SHUTDOWN_S = 1  # Ctrl-C: how long the web app waits for open pages' connections to end
@@ -37,9 +38,13 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
         return 2
     runs_dir = runs_folder(args, write=True)  # before the app starts: it makes runs there
-    from app.main import build_app, launch_settings, queued
+    collection_off()  # while Gradio is imported and the page is built (studio_core/machine/children.py)
+    try:
+        from app.main import build_app, launch_settings, queued
 
-    demo = build_app(runs_dir)
+        demo = build_app(runs_dir)
+    finally:
+        set_up()
     # launch() returns once the port answers; the line says so only then, for whoever reads it to connect
     queued(demo).launch(server_name=args.host, server_port=args.port, auth=auth, show_error=True, quiet=True,
                         footer_links=["gradio", "settings"], prevent_thread_lock=True, **launch_settings(runs_dir))

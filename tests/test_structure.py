@@ -36,6 +36,7 @@ FRONT_DOORS = {f"studio_core.{name}" for name in (
     "data.sources", "data.builtin", "data.files",  # datasets and models
     "machine.hardware", "machine.cores", "machine.layout", "machine.sizes", "machine.monitor",  # this machine
     "machine.compile_cache", "backends",  # the compile cache; where runs can go (the registry, options)
+    "machine.children",  # how a studio process imports its libraries (the app: Gradio with the collector off)
     "training.scripts", "training.forecast", "training.precompile", "training.memory",  # a launch, before it runs
     "serve.chat", "serve.images", "serve.openai_api", "serve.vllm_server", "serve.vllm_env", "evaluate.evaluation", "export.export", "export.hub",
     "doctor.doctor", "doctor.smoke")}

@@ -204,7 +204,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from studio_core.machine.children import skip_final_collection
+    from studio_core.machine.children import collection_off, skip_final_collection
 
     skip_final_collection()
+    collection_off()  # for its whole life: it gives one short answer and ends (children.py)
     main(sys.argv[1:])

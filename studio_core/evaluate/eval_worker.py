@@ -25,6 +25,7 @@ from pathlib import Path
 
 from studio_core.evaluate import evaluation
 from studio_core.machine import leases
+from studio_core.machine.children import set_up
 from studio_core.serve.chat import MAX_CACHE_LEN, shown, split_reasoning, template_kwargs
 from studio_core.recipe.data_check import apply_column_map
 from studio_core.serve.generation import (BUCKETS, Generator, buckets_for, cache_for, encode_vision, load_processor,
@@ -203,6 +204,7 @@ def main() -> int:
             except Exception as error:
                 emit("error", message=f"cannot load {target['label']}: {type(error).__name__}: {error}")
                 return 1
+            set_up()  # imported and loaded: the collector on again (children.py)
             emit("loaded", rows=len(items), sides=["tuned", "base"] if model.has_base else ["tuned"],
                  skipped=skipped and skipped["count"])
             started = time.time()
@@ -245,7 +247,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from studio_core.machine.children import skip_final_collection
+    from studio_core.machine.children import collection_off, skip_final_collection
 
     skip_final_collection()
+    collection_off()
     sys.exit(main())

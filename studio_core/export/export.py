@@ -293,6 +293,7 @@ def _export(run_dir: Path, out_dir: Path, merge: bool, cores: list[int] | None) 
     else:
         model = auto.from_pretrained(output)
         kind = "full"
+    children.set_up()  # imported and loaded: the collector on again
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)  # with its chat template (and a VLM's image processor)
     generation = getattr(model.get_base_model() if kind == "adapter" else model, "generation_config", None)
@@ -525,9 +526,8 @@ print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_to
 
 
 if __name__ == "__main__":
-    from studio_core.machine.children import skip_final_collection
-
-    skip_final_collection()
+    children.skip_final_collection()
+    children.collection_off()
     flags = sys.argv[3:]
     held = [int(c) for c in flags[flags.index("--cores") + 1].split(",")] if "--cores" in flags else None
     _main(Path(sys.argv[1]), Path(sys.argv[2]), "--merge" in flags, held)

@@ -57,6 +57,26 @@ def skip_final_collection() -> None:
     atexit.register(_freeze_the_heap)
 
 
+def collection_off() -> None:
+    """Called next in a child that imports torch, Transformers or TRL (after skip_final_collection),
+    and in the training worker: the cyclic garbage collector is off while the child imports them and
+    loads what it needs, until set_up(). Its passes over the growing heap of those imports took about
+    a fifth of their CPU (`from trl import SFTTrainer, SFTConfig; import peft, datasets`: 4.3-4.6 CPU-s
+    with them, 3.5-3.7 without, on this 2-core machine), and the imports leave little that only a
+    collection frees (one collection right after them found 9,794 unreachable objects of 460,534; the
+    process's resident memory did not change)."""
+    gc.disable()
+
+
+def set_up() -> None:
+    """The child has imported what it uses (and loaded its model): what is alive now is frozen, so
+    that no later collection walks it again, and collection is on again for the work ahead. Every
+    child that calls collection_off() calls this before its work (a long-lived one before it
+    answers its first request): a process must not run long without the collector."""
+    gc.freeze()
+    gc.enable()
+
+
 def _freeze_the_heap() -> None:
     gc.disable()
     gc.freeze()  # what is alive now goes to the permanent generation: no collection walks it again

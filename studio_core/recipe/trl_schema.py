@@ -166,8 +166,11 @@ import dataclasses, json, os, select, sys, tempfile, warnings
 answers = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)  # what the libraries print goes to stderr; stdout carries only the answers
 warnings.simplefilter("ignore")
+gc.disable()  # no collection while it imports (studio_core.machine.children.collection_off says why)
 import torch, transformers, trl
 from transformers.integrations import get_reporting_integration_callbacks
+gc.freeze()  # then what is alive is frozen and collection is on again, for the checks (children.set_up)
+gc.enable()
 
 IDLE_S = float(sys.argv[1])
 WORLD = [1]

@@ -37,6 +37,7 @@ import time
 import traceback
 
 from studio_core.machine import leases
+from studio_core.machine.children import collection_off, set_up, skip_final_collection
 from studio_core.serve.batching import BATCH_BUCKETS, BatchEngine, EnginePlan, Request, engine_plan
 from studio_core.serve.images import text_of
 from studio_core.serve.row_adapters import install, unsupported
@@ -320,6 +321,7 @@ def main() -> int:
             except Exception as error:
                 emit("error", message=f"cannot load {target['label']}: {type(error).__name__}: {error}")
                 return 1
+            set_up()  # imported and loaded: the collector on again (children.py)
             max_batch = setup.get("max_batch", 1)
             plan = engine_plan(setup["backend"], max_batch, chat.max_cache_len, bool(setup.get("compile")),
                                unsupported(chat.model, chat.peft_adapters) if chat.peft_adapters else None)
@@ -347,7 +349,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from studio_core.machine.children import skip_final_collection
-
     skip_final_collection()
+    collection_off()
     sys.exit(main())

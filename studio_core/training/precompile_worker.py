@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from studio_core.machine.children import collection_off, set_up, skip_final_collection
 from studio_core.training.compile_watch import StepCache
 from studio_core.training.precompile import first_batch_of_each_shape, shape_of
 from studio_core.rundir import events
@@ -40,6 +41,8 @@ def main(run_dir: Path, job: int, jobs: int) -> None:
     log = run_dir / EVENTS
     dataset, _ = load_checked_datasets(spec, None)
     from transformers import TrainerCallback
+
+    set_up()  # the collector on again (children.py), before the model loads and compiles
 
     mine: list[dict] = []
 
@@ -75,7 +78,6 @@ def main(run_dir: Path, job: int, jobs: int) -> None:
 
 
 if __name__ == "__main__":
-    from studio_core.machine.children import skip_final_collection
-
     skip_final_collection()
+    collection_off()
     main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

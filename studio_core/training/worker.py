@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 
 from studio_core.machine.device_env import use_rank_core
+from studio_core.machine.children import collection_off, set_up
 from studio_core.machine.procs import die_with_parent
 
 use_rank_core()  # first, before anything imports torch: one NeuronCore per rank (device_env says why)
@@ -161,6 +162,7 @@ def train(spec: RunSpec, run_dir: Path, log: Path) -> str | None:
             events.append(log, events.peak_memory(*peak.measured(device), device=device,
                                                   allocator=peak.allocator(device)))
 
+    set_up()  # the collector on again (children.py), before the model loads
     peak = PeakMemory()  # before the model loads
     cost = StepCost()  # rank 0 reports it; every other rank makes the same stop check
     stop_and_save = stop_and_save_callback(run_dir, RANK, int(os.environ.get("WORLD_SIZE", "1")), cost)
@@ -221,6 +223,7 @@ def final_save_problem(trainer, output_dir: str, adapter_only: bool) -> str | No
 
 
 if __name__ == "__main__":
+    collection_off()  # until the data is loaded and torch, Transformers and TRL imported (children.py)
     code = main(Path(sys.argv[1]))
     # Everything is written (the model, the events: each one a direct write). Interpreter
     # teardown can still abort a rank of a finished multi-process run in C++ destructors of

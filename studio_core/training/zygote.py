@@ -12,7 +12,6 @@ stdin (the owner let it go, or ended) it ends; its forks are runs, and go on.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ import sys
 import tempfile
 
 from studio_core.backends import forking
-from studio_core.machine.children import skip_final_collection
+from studio_core.machine.children import collection_off, set_up, skip_final_collection
 
 
 def import_libraries() -> None:
@@ -49,11 +48,12 @@ def main() -> int:
     printed = tempfile.TemporaryFile()
     os.dup2(printed.fileno(), 1)  # stdout carries only the answers; what the libraries print is kept
     os.dup2(printed.fileno(), 2)
+    collection_off()  # while it imports (children.py)
     import_libraries()
     sys.stdout.flush()
     sys.stderr.flush()
     forking.early_output = os.pread(printed.fileno(), os.fstat(printed.fileno()).st_size, 0)
-    gc.freeze()  # what the imports made is never collected: the forks' collections do not walk it (nor copy it)
+    set_up()  # what the imports made is frozen: the forks' collections do not walk it (nor copy it)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forks this process does not wait for
     answers.write(forking.READY)
     while line := sys.stdin.buffer.readline():
