@@ -150,7 +150,7 @@ class SlurmCluster:
             except ProcessLookupError:
                 continue
         for _ in range(100):
-            if not [pid for pid in pids if _running(pid)]:
+            if not any(map(psutil.pid_exists, pids)):
                 return
             time.sleep(0.1)
 
@@ -201,14 +201,6 @@ class SlurmCluster:
             except psutil.NoSuchProcess:
                 continue
         psutil.wait_procs(left, timeout=10)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @contextlib.contextmanager
